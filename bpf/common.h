@@ -1,0 +1,90 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/* Copyright ambient-ebpf authors */
+
+/*
+ * Layouts shared by the BPF programs and the Go side (bpf2go turns the types
+ * named with -type into Go structs). Every address is stored as 16 bytes:
+ * IPv4 as IPv4-mapped IPv6 (::ffff:a.b.c.d), so one key type serves both
+ * families and a dual-stack socket's mapped addresses need no translation.
+ */
+#ifndef AMBIENT_COMMON_H
+#define AMBIENT_COMMON_H
+
+/* Pod flags (struct pod_info.flags, struct netns_info.flags). */
+#define AE_F_HAS_V4         (1U << 0) /* the pod has an IPv4 address */
+#define AE_F_HAS_V6         (1U << 1) /* the pod has an IPv6 address */
+#define AE_F_BYPASS_INBOUND (1U << 2) /* R12: ingress mode, no inbound capture */
+#define AE_F_DNS_CAPTURE    (1U << 3) /* R9/R13: capture DNS to ztunnel */
+
+#define AE_MAX_PODS 8192
+
+struct ae_addr {
+	__u8 b[16];
+} __attribute__((aligned(4))); /* compared as four 32-bit words */
+
+/* Value of ae_pods, keyed by pod IP: what the TC programs need. */
+struct pod_info {
+	__u64 netns_cookie; /* owner's netns; a reused IP gets a new owner */
+	__u32 slot;         /* index into ae_pod_meta and ae_stats */
+	__u32 flags;
+};
+
+/* Value of ae_netns, keyed by the pod's netns cookie: what the socket hooks need. */
+struct netns_info {
+	struct ae_addr ip4; /* ::ffff:a.b.c.d, valid with AE_F_HAS_V4 */
+	struct ae_addr ip6; /* valid with AE_F_HAS_V6 */
+	__u32 slot;
+	__u32 flags;
+};
+
+/* Value of ae_pod_meta, indexed by slot. Read by user space only: it lets
+ * the agent, the CLI and bpftool name every enrolled pod after a restart. */
+struct pod_meta {
+	char uid[40];
+	char namespace[64];
+	char name[128];
+	char ifname[16]; /* the pod-side interface the ingress program is on */
+	__u64 netns_cookie;
+	__u32 in_use;
+	__u32 pad;
+};
+
+/* The original destination of a redirected connection. */
+struct orig_dst {
+	struct ae_addr addr;
+	__be16 port;
+	__u16 family; /* AF_INET (also for IPv4-mapped sockets) or AF_INET6 */
+	__u32 pad;
+};
+
+/* Key of ae_orig_dst: the redirected client socket as the proxy's accepted
+ * socket sees its peer, scoped by netns so pods never collide. */
+struct orig_key {
+	__u64 netns_cookie;
+	struct ae_addr addr;
+	__be16 port;
+	__u16 pad[3];
+};
+
+/* Per-pod counters in ae_stats (per CPU, indexed by slot). */
+struct pod_stats {
+	__u64 outbound_redirects; /* R1: connects sent to :15001 */
+	__u64 inbound_redirects;  /* R5: flows assigned to :15006 */
+	__u64 inbound_no_listener; /* R5 with no ztunnel listener: dropped */
+	__u64 orig_dst_errors;    /* original destination could not be kept */
+};
+
+/* Node-wide settings, set from Go before load (const volatile: the
+ * verifier prunes branches on them). Ports are host byte order. */
+struct ae_config {
+	__u32 ztunnel_mark;
+	__u32 mark_mask;
+	__u16 outbound_port;
+	__u16 inbound_port;
+	__u16 hbone_port;
+	__u16 dns_port;
+	struct ae_addr probe_v4;
+	struct ae_addr probe_v6;
+};
+
+#endif /* AMBIENT_COMMON_H */

@@ -1,0 +1,73 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/* Copyright ambient-ebpf authors */
+
+/*
+ * The maps every object shares. They are pinned by name under
+ * <bpffs root>/maps/, so the socket object and the TC object (loaded
+ * separately) use the same instances, and a restarted agent adopts them
+ * with all their entries: redirection never stops while it is away.
+ * Names stay within the kernel's 15 characters.
+ */
+#ifndef AMBIENT_MAPS_H
+#define AMBIENT_MAPS_H
+
+#include "common.h"
+
+/* Enrolled pods by IP (R5 and the host side). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 2 * AE_MAX_PODS);
+	__type(key, struct ae_addr);
+	__type(value, struct pod_info);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_pods SEC(".maps");
+
+/* Enrolled pods by netns cookie (the socket hooks). Scoping by netns,
+ * never by cgroup id: a pod's containers share its netns, not a cgroup. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AE_MAX_PODS);
+	__type(key, __u64);
+	__type(value, struct netns_info);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_netns SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, AE_MAX_PODS);
+	__type(key, __u32);
+	__type(value, struct pod_meta);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_pod_meta SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, AE_MAX_PODS);
+	__type(key, __u32);
+	__type(value, struct pod_stats);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_stats SEC(".maps");
+
+/* Original destination per redirected socket, from connect() until the
+ * connection is established; socket storage frees itself with the socket. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct orig_dst);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_sk_dst SEC(".maps");
+
+/* Original destination by client address, for the proxy's getsockopt.
+ * Entries are deleted when the client socket closes (sockops state
+ * callback); not LRU, so a live entry is never evicted. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 262144);
+	__type(key, struct orig_key);
+	__type(value, struct orig_dst);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_orig_dst SEC(".maps");
+
+#endif /* AMBIENT_MAPS_H */

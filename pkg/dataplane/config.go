@@ -1,0 +1,80 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package dataplane
+
+import (
+	"fmt"
+	"log/slog"
+	"net/netip"
+)
+
+// Defaults of the ambient contract.
+const (
+	DefaultBPFFSDir     = "/sys/fs/bpf/ambient-ebpf"
+	DefaultZtunnelMark  = 0x539
+	DefaultMarkMask     = 0xfff
+	DefaultOutboundPort = 15001
+	DefaultInboundPort  = 15006
+	DefaultHBONEPort    = 15008
+	DefaultDNSPort      = 15053
+	DefaultInterface    = "eth0"
+)
+
+// Default host-probe SNAT addresses (contract section 1).
+var (
+	DefaultProbeV4 = netip.MustParseAddr("169.254.7.127")
+	DefaultProbeV6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
+)
+
+// Config is the node-wide configuration of the data path.
+type Config struct {
+	// BPFFSDir is the directory all pins live under; it must be on a bpffs.
+	BPFFSDir string
+	// CgroupRoot is the cgroup v2 directory the socket hooks attach to. Every
+	// pod and ztunnel must be below it (on a node: the hierarchy's root).
+	CgroupRoot string
+	// ProbeV4 and ProbeV6 are the host-probe SNAT addresses (R7, R8).
+	ProbeV4, ProbeV6 netip.Addr
+	Logger           *slog.Logger
+}
+
+func (c *Config) setDefaults() error {
+	if c.BPFFSDir == "" {
+		c.BPFFSDir = DefaultBPFFSDir
+	}
+	if c.CgroupRoot == "" {
+		return fmt.Errorf("no cgroup root configured")
+	}
+	if !c.ProbeV4.IsValid() {
+		c.ProbeV4 = DefaultProbeV4
+	}
+	if !c.ProbeV6.IsValid() {
+		c.ProbeV6 = DefaultProbeV6
+	}
+	if !c.ProbeV4.Is4() {
+		return fmt.Errorf("probe address %s is not IPv4", c.ProbeV4)
+	}
+	if !c.ProbeV6.Is6() || c.ProbeV6.Is4In6() {
+		return fmt.Errorf("probe address %s is not IPv6", c.ProbeV6)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// bpfConfig is what the programs see in ae_cfg.
+func (c *Config) bpfConfig() sockAeConfig {
+	cfg := sockAeConfig{
+		ZtunnelMark:  DefaultZtunnelMark,
+		MarkMask:     DefaultMarkMask,
+		OutboundPort: DefaultOutboundPort,
+		InboundPort:  DefaultInboundPort,
+		HbonePort:    DefaultHBONEPort,
+		DnsPort:      DefaultDNSPort,
+	}
+	cfg.ProbeV4.B = c.ProbeV4.As16()
+	cfg.ProbeV6.B = c.ProbeV6.As16()
+	return cfg
+}

@@ -1,0 +1,276 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package dataplane
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/rlimit"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
+)
+
+// Dataplane is the loaded data path. All methods are safe for concurrent
+// use; mutations run one at a time.
+type Dataplane struct {
+	cfg Config
+	log *slog.Logger
+
+	mu        sync.Mutex
+	sock      sockObjects
+	tc        tcObjects
+	nodeLinks []link.Link
+	pods      map[string]*podState // by UID
+	slots     slotAllocator
+}
+
+type podState struct {
+	EnrolledPod
+	netnsPath string
+	ingress   link.Link // nil when an adopted pin could not be loaded
+}
+
+// nodeHook is one of the node-wide cgroup attachments.
+type nodeHook struct {
+	name   string
+	attach ebpf.AttachType
+	prog   *ebpf.Program
+}
+
+// New loads the programs, reuses the pinned maps (creating them on first
+// start), attaches or adopts the node-wide hooks and adopts every pod
+// enrolled before. On error nothing it created is left behind.
+func New(cfg Config) (*Dataplane, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK.
+	if err := rlimit.RemoveMemlock(); err != nil {
+		return nil, fmt.Errorf("remove memlock limit: %w", err)
+	}
+	if ok, err := hostfs.IsBPFFS(filepath.Dir(cfg.BPFFSDir)); err != nil {
+		return nil, err
+	} else if !ok {
+		return nil, fmt.Errorf("%s is not on a bpffs", cfg.BPFFSDir)
+	}
+	for _, dir := range []string{mapsDir(cfg), linksDir(cfg), podsDir(cfg)} {
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return nil, fmt.Errorf("create pin directory: %w", err)
+		}
+	}
+
+	d := &Dataplane{cfg: cfg, log: cfg.Logger, pods: map[string]*podState{}}
+	if err := d.load(); err != nil {
+		return nil, err
+	}
+	if err := d.attachNodeHooks(); err != nil {
+		d.closeObjects()
+		return nil, err
+	}
+	if err := d.adoptPods(); err != nil {
+		d.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
+func mapsDir(cfg Config) string  { return filepath.Join(cfg.BPFFSDir, "maps") }
+func linksDir(cfg Config) string { return filepath.Join(cfg.BPFFSDir, "links") }
+func podsDir(cfg Config) string  { return filepath.Join(cfg.BPFFSDir, "pods") }
+func podDir(cfg Config, uid string) string {
+	return filepath.Join(podsDir(cfg), uid)
+}
+
+func (d *Dataplane) load() error {
+	bpfCfg := d.cfg.bpfConfig()
+	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: mapsDir(d.cfg)}}
+
+	sockSpec, err := loadSock()
+	if err != nil {
+		return fmt.Errorf("read socket programs: %w", err)
+	}
+	var ss sockSpecs
+	if err := sockSpec.Assign(&ss); err != nil {
+		return fmt.Errorf("read socket programs: %w", err)
+	}
+	if err := ss.AeCfg.Set(bpfCfg); err != nil {
+		return fmt.Errorf("configure socket programs: %w", err)
+	}
+	if err := sockSpec.LoadAndAssign(&d.sock, opts); err != nil {
+		d.logVerifier(err)
+		return fmt.Errorf("load socket programs: %w", err)
+	}
+
+	tcSpec, err := loadTc()
+	if err != nil {
+		d.sock.Close()
+		return fmt.Errorf("read tc programs: %w", err)
+	}
+	var ts tcSpecs
+	if err := tcSpec.Assign(&ts); err != nil {
+		d.sock.Close()
+		return fmt.Errorf("read tc programs: %w", err)
+	}
+	if err := ts.AeCfg.Set(bpfCfg); err != nil {
+		d.sock.Close()
+		return fmt.Errorf("configure tc programs: %w", err)
+	}
+	if err := tcSpec.LoadAndAssign(&d.tc, opts); err != nil {
+		d.sock.Close()
+		d.logVerifier(err)
+		return fmt.Errorf("load tc programs: %w", err)
+	}
+	return nil
+}
+
+func (d *Dataplane) logVerifier(err error) {
+	var ve *ebpf.VerifierError
+	if errors.As(err, &ve) {
+		d.log.Error("verifier rejected a program", "log", fmt.Sprintf("%+v", ve))
+	}
+}
+
+func (d *Dataplane) closeObjects() {
+	d.sock.Close()
+	d.tc.Close()
+}
+
+func (d *Dataplane) nodeHooks() []nodeHook {
+	return []nodeHook{
+		{"connect4", ebpf.AttachCGroupInet4Connect, d.sock.AeConnect4},
+		{"connect6", ebpf.AttachCGroupInet6Connect, d.sock.AeConnect6},
+		{"sockops", ebpf.AttachCGroupSockOps, d.sock.AeSockops},
+		{"getsockopt", ebpf.AttachCGroupGetsockopt, d.sock.AeGetsockopt},
+	}
+}
+
+// attachNodeHooks attaches the socket programs to the cgroup root, or
+// swaps the new programs into links pinned by an earlier agent: an atomic
+// replace, so no connect() runs without a program.
+func (d *Dataplane) attachNodeHooks() error {
+	var created []link.Link
+	rollback := func() {
+		for _, l := range created {
+			_ = l.Unpin()
+		}
+		for _, l := range d.nodeLinks {
+			l.Close()
+		}
+		d.nodeLinks = nil
+	}
+	for _, h := range d.nodeHooks() {
+		pin := filepath.Join(linksDir(d.cfg), h.name)
+		l, err := link.LoadPinnedLink(pin, nil)
+		switch {
+		case err == nil:
+			if err := l.Update(h.prog); err != nil {
+				l.Close()
+				rollback()
+				return fmt.Errorf("update pinned %s link: %w", h.name, err)
+			}
+		case errors.Is(err, os.ErrNotExist):
+			l, err = link.AttachCgroup(link.CgroupOptions{Path: d.cfg.CgroupRoot, Attach: h.attach, Program: h.prog})
+			if err != nil {
+				rollback()
+				return fmt.Errorf("attach %s to cgroup %s: %w", h.name, d.cfg.CgroupRoot, err)
+			}
+			if err := l.Pin(pin); err != nil {
+				l.Close()
+				rollback()
+				return fmt.Errorf("pin %s link: %w", h.name, err)
+			}
+			created = append(created, l)
+		default:
+			rollback()
+			return fmt.Errorf("load pinned %s link: %w", h.name, err)
+		}
+		d.nodeLinks = append(d.nodeLinks, l)
+	}
+	return nil
+}
+
+// Close releases the agent's handles and leaves every pin in place, so
+// redirection continues while no agent runs.
+func (d *Dataplane) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, p := range d.pods {
+		if p.ingress != nil {
+			p.ingress.Close()
+		}
+	}
+	for _, l := range d.nodeLinks {
+		l.Close()
+	}
+	d.nodeLinks = nil
+	d.pods = map[string]*podState{}
+	d.closeObjects()
+	return nil
+}
+
+// Uninstall removes the data path from the node: every link (which
+// detaches the programs), every pin and the pin directory. Pods' traffic
+// flows directly afterwards.
+func (d *Dataplane) Uninstall() error {
+	d.mu.Lock()
+	var errs []error
+	for uid, p := range d.pods {
+		if err := d.detachPod(p); err != nil {
+			errs = append(errs, err)
+		}
+		delete(d.pods, uid)
+	}
+	for _, l := range d.nodeLinks {
+		if err := l.Unpin(); err != nil {
+			errs = append(errs, err)
+		}
+		l.Close()
+	}
+	d.nodeLinks = nil
+	d.mu.Unlock()
+	if err := d.Close(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := os.RemoveAll(d.cfg.BPFFSDir); err != nil {
+		errs = append(errs, fmt.Errorf("remove %s: %w", d.cfg.BPFFSDir, err))
+	}
+	return errors.Join(errs...)
+}
+
+// attachIngress attaches the inbound program to the pod's interface inside
+// its netns and returns the link and the netns cookie. When keep says the
+// netns already has our link, nothing is attached and the link is nil.
+func (d *Dataplane) attachIngress(p *Pod, keep func(cookie uint64) bool) (link.Link, uint64, error) {
+	var l link.Link
+	var cookie uint64
+	err := inNetns(p.Netns, func() error {
+		ifi, err := net.InterfaceByName(p.Interface)
+		if err != nil {
+			return fmt.Errorf("find interface %s: %w", p.Interface, err)
+		}
+		if cookie, err = currentNetnsCookie(); err != nil {
+			return err
+		}
+		if keep(cookie) {
+			return nil
+		}
+		l, err = link.AttachTCX(link.TCXOptions{Interface: ifi.Index, Program: d.tc.AePodIngress, Attach: ebpf.AttachTCXIngress})
+		if err != nil {
+			return fmt.Errorf("attach tcx ingress to %s: %w", p.Interface, err)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, 0, fmt.Errorf("pod %s/%s: %w", p.Namespace, p.Name, err)
+	}
+	return l, cookie, nil
+}

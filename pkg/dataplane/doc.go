@@ -1,0 +1,36 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package dataplane owns the eBPF data path: it loads the objects compiled
+// from bpf/, attaches them with bpf_link, pins everything under one bpffs
+// directory, and keeps the maps in step with the enrolled pods.
+//
+// What runs where:
+//
+//   - bpf/sock.c, attached once to the node's cgroup v2 root: connect4 and
+//     connect6 send enrolled pods' outbound TCP to ztunnel's :15001 (R1),
+//     sockops and getsockopt let ztunnel read the original destination with
+//     an unmodified getsockopt(SO_ORIGINAL_DST). Pods are recognised by
+//     netns cookie, so the hooks cost one hash lookup for everyone else.
+//   - bpf/tc.c, one TCX ingress link per pod on the pod's interface inside
+//     its netns: inbound TCP goes to ztunnel's :15006 by bpf_sk_assign (R5).
+//
+// Pinned layout under Config.BPFFSDir (default /sys/fs/bpf/ambient-ebpf):
+//
+//	maps/ae_pods        enrolled pods by IP (IPv4 as ::ffff:a.b.c.d)
+//	maps/ae_netns       enrolled pods by netns cookie
+//	maps/ae_pod_meta    uid, namespace, name per slot (user space only)
+//	maps/ae_stats       per-pod counters (per CPU, by slot)
+//	maps/ae_sk_dst      original destination per socket (socket storage)
+//	maps/ae_orig_dst    original destination by client address
+//	links/connect4      node-wide cgroup links
+//	links/connect6
+//	links/sockops
+//	links/getsockopt
+//	pods/<uid>/ingress  the pod's TCX ingress link
+//
+// Pins outlive the agent: while it restarts or upgrades, redirection keeps
+// working, and New adopts what it finds (links are updated in place to the
+// new programs, so there is no moment without redirection). Uninstall
+// removes all of it.
+package dataplane

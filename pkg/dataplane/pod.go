@@ -1,0 +1,150 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package dataplane
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+)
+
+// Pod is what Enroll needs to know about a pod.
+type Pod struct {
+	// UID identifies the pod; it names its pins.
+	UID       string
+	Namespace string
+	Name      string
+	// Netns is a path to the pod's network namespace
+	// (/proc/<pid>/ns/net, /var/run/netns/<name>, ...).
+	Netns string
+	// Interface is the pod-side interface inbound traffic arrives on.
+	Interface string
+	// IPs are the pod's addresses; at most one per family is used for
+	// outbound redirection, all of them for inbound.
+	IPs     []netip.Addr
+	Options Options
+}
+
+// Options are the per-pod switches (rows R12-R14).
+type Options struct {
+	// BypassInbound leaves inbound traffic alone (R12, ingress mode).
+	BypassInbound bool `json:"bypassInbound,omitempty"`
+	// DNSCapture sends DNS to ztunnel's proxy (R9, R13).
+	DNSCapture bool `json:"dnsCapture,omitempty"`
+}
+
+// EnrolledPod is a pod as the pinned maps describe it.
+type EnrolledPod struct {
+	UID         string       `json:"uid"`
+	Namespace   string       `json:"namespace"`
+	Name        string       `json:"name"`
+	Interface   string       `json:"interface"`
+	NetnsCookie uint64       `json:"netnsCookie"`
+	IPs         []netip.Addr `json:"ips"`
+	Options     Options      `json:"options"`
+	Slot        uint32       `json:"slot"`
+}
+
+// Stats are a pod's counters, summed over CPUs.
+type Stats struct {
+	OutboundRedirects uint64 `json:"outboundRedirects"`
+	InboundRedirects  uint64 `json:"inboundRedirects"`
+	InboundNoListener uint64 `json:"inboundNoListener"`
+	OrigDstErrors     uint64 `json:"origDstErrors"`
+}
+
+const (
+	flagHasV4         = 1 << 0
+	flagHasV6         = 1 << 1
+	flagBypassInbound = 1 << 2
+	flagDNSCapture    = 1 << 3
+)
+
+func (p *Pod) validate() error {
+	var meta sockPodMeta
+	switch {
+	case p.UID == "":
+		return fmt.Errorf("pod %s/%s: no uid", p.Namespace, p.Name)
+	case len(p.UID) >= len(meta.Uid):
+		return fmt.Errorf("pod %s/%s: uid %q longer than %d bytes", p.Namespace, p.Name, p.UID, len(meta.Uid)-1)
+	case len(p.Namespace) >= len(meta.Namespace) || len(p.Name) >= len(meta.Name):
+		return fmt.Errorf("pod %s/%s: name too long", p.Namespace, p.Name)
+	case p.Netns == "":
+		return fmt.Errorf("pod %s/%s: no netns path", p.Namespace, p.Name)
+	case len(p.IPs) == 0:
+		return fmt.Errorf("pod %s/%s: no IPs", p.Namespace, p.Name)
+	case len(p.Interface) >= len(meta.Ifname):
+		return fmt.Errorf("pod %s/%s: interface name %q too long", p.Namespace, p.Name, p.Interface)
+	}
+	for _, ip := range p.IPs {
+		if !ip.IsValid() || ip.Zone() != "" {
+			return fmt.Errorf("pod %s/%s: invalid IP %v", p.Namespace, p.Name, ip)
+		}
+	}
+	return nil
+}
+
+func (p *Pod) normalize() {
+	if p.Interface == "" {
+		p.Interface = DefaultInterface
+	}
+	for i, ip := range p.IPs {
+		p.IPs[i] = ip.Unmap()
+	}
+	slices.SortFunc(p.IPs, func(a, b netip.Addr) int { return a.Compare(b) })
+	p.IPs = slices.Compact(p.IPs)
+}
+
+// netnsInfo builds the ae_netns value: the first address of each family.
+func (p *Pod) netnsInfo(slot uint32) sockNetnsInfo {
+	info := sockNetnsInfo{Slot: slot, Flags: p.flags()}
+	for _, ip := range p.IPs {
+		switch {
+		case ip.Is4() && info.Flags&flagHasV4 == 0:
+			info.Ip4.B = ip.As16()
+			info.Flags |= flagHasV4
+		case ip.Is6() && info.Flags&flagHasV6 == 0:
+			info.Ip6.B = ip.As16()
+			info.Flags |= flagHasV6
+		}
+	}
+	return info
+}
+
+func (p *Pod) flags() uint32 {
+	var f uint32
+	if p.Options.BypassInbound {
+		f |= flagBypassInbound
+	}
+	if p.Options.DNSCapture {
+		f |= flagDNSCapture
+	}
+	return f
+}
+
+func optionsFromFlags(f uint32) Options {
+	return Options{BypassInbound: f&flagBypassInbound != 0, DNSCapture: f&flagDNSCapture != 0}
+}
+
+func addrKey(ip netip.Addr) sockAeAddr {
+	return sockAeAddr{B: ip.As16()}
+}
+
+func cString[T ~int8 | ~uint8](dst []T, s string) {
+	clear(dst)
+	for i := 0; i < len(s) && i < len(dst)-1; i++ {
+		dst[i] = T(s[i])
+	}
+}
+
+func goString[T ~int8 | ~uint8](src []T) string {
+	b := make([]byte, 0, len(src))
+	for _, c := range src {
+		if c == 0 {
+			break
+		}
+		b = append(b, byte(c))
+	}
+	return string(b)
+}
