@@ -299,6 +299,7 @@ static __always_inline void answer_orig_dst(struct bpf_sockopt *ctx)
 {
 	struct orig_key key;
 	struct orig_dst *od;
+	int len = 0;
 
 	if (ctx->optname != SO_ORIGINAL_DST || (ctx->level != SOL_IP && ctx->level != SOL_IPV6))
 		return;
@@ -317,8 +318,7 @@ static __always_inline void answer_orig_dst(struct bpf_sockopt *ctx)
 		sa->family = AF_INET;
 		sa->port = od->port;
 		sa->addr = addr_words(&od->addr)[3];
-		ctx->optlen = sizeof(*sa);
-		ctx->retval = 0;
+		len = sizeof(*sa);
 	} else if (ctx->level == SOL_IPV6 && od->family == AF_INET6) {
 		struct sockaddr_in6_ *sa = ctx->optval;
 		__u32 *w = addr_words(&od->addr);
@@ -332,7 +332,12 @@ static __always_inline void answer_orig_dst(struct bpf_sockopt *ctx)
 		sa->addr[1] = w[1];
 		sa->addr[2] = w[2];
 		sa->addr[3] = w[3];
-		ctx->optlen = sizeof(*sa);
+		len = sizeof(*sa);
+	}
+	if (len) {
+		/* One store site for both: the verifier refuses context
+		 * stores through a pointer the compiler offset itself. */
+		ctx->optlen = len;
 		ctx->retval = 0;
 	}
 }

@@ -33,7 +33,7 @@ struct flow {
 	struct ae_addr saddr;
 	struct ae_addr daddr;
 	struct bpf_sock_tuple tuple;
-	__u32 tuple_len;
+	bool v6;
 	__be16 sport;
 	__be16 dport;
 	bool syn;
@@ -68,7 +68,7 @@ static __always_inline int parse_tcp(struct __sk_buff *skb, struct flow *f)
 		f->tuple.ipv4.daddr = ip->daddr;
 		f->tuple.ipv4.sport = tcp->source;
 		f->tuple.ipv4.dport = tcp->dest;
-		f->tuple_len = sizeof(f->tuple.ipv4);
+		f->v6 = false;
 	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6_)) {
 		struct ipv6hdr *ip6 = (void *)(eth + 1);
 
@@ -85,7 +85,7 @@ static __always_inline int parse_tcp(struct __sk_buff *skb, struct flow *f)
 		__builtin_memcpy(f->tuple.ipv6.daddr, &ip6->daddr, 16);
 		f->tuple.ipv6.sport = tcp->source;
 		f->tuple.ipv6.dport = tcp->dest;
-		f->tuple_len = sizeof(f->tuple.ipv6);
+		f->v6 = true;
 	} else {
 		return -1;
 	}
@@ -106,7 +106,11 @@ static __always_inline bool owned_by_socket(struct __sk_buff *skb, struct flow *
 	struct bpf_sock *sk;
 	bool owned;
 
-	sk = bpf_skc_lookup_tcp(skb, &f->tuple, f->tuple_len, BPF_F_CURRENT_NETNS, 0);
+	/* Constant tuple sizes: the verifier needs a bounded length. */
+	if (f->v6)
+		sk = bpf_skc_lookup_tcp(skb, &f->tuple, sizeof(f->tuple.ipv6), BPF_F_CURRENT_NETNS, 0);
+	else
+		sk = bpf_skc_lookup_tcp(skb, &f->tuple, sizeof(f->tuple.ipv4), BPF_F_CURRENT_NETNS, 0);
 	if (!sk)
 		return false;
 	owned = sk->state != BPF_TCP_LISTEN && !(f->syn && sk->state == BPF_TCP_TIME_WAIT);
@@ -121,11 +125,13 @@ static __always_inline int assign_to_listener(struct __sk_buff *skb, struct flow
 	struct bpf_sock *sk;
 	int err;
 
-	if (f->tuple_len == sizeof(t.ipv4))
-		t.ipv4.dport = bpf_htons(port);
-	else
+	if (f->v6) {
 		t.ipv6.dport = bpf_htons(port);
-	sk = bpf_sk_lookup_tcp(skb, &t, f->tuple_len, BPF_F_CURRENT_NETNS, 0);
+		sk = bpf_sk_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+	} else {
+		t.ipv4.dport = bpf_htons(port);
+		sk = bpf_sk_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+	}
 	if (!sk)
 		return -1;
 	if (sk->state != BPF_TCP_LISTEN) {

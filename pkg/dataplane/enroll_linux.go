@@ -66,6 +66,11 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		}
 		st.Slot = slot
 		undo = append(undo, func() { d.slots.release(slot) })
+		// A new slot starts counting from zero.
+		if err := d.sock.AeStats.Put(slot, make([]sockPodStats, ebpf.MustPossibleCPU())); err != nil {
+			rollback()
+			return fmt.Errorf("pod %s/%s: reset ae_stats: %w", pod.Namespace, pod.Name, err)
+		}
 	}
 	st.EnrolledPod = EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Interface: pod.Interface,
@@ -142,10 +147,6 @@ func (d *Dataplane) writePodMaps(pod *Pod, st *podState) error {
 	meta.InUse = 1
 	if err := d.sock.AePodMeta.Put(st.Slot, &meta); err != nil {
 		return fmt.Errorf("write ae_pod_meta: %w", err)
-	}
-	var stats = make([]sockPodStats, ebpf.MustPossibleCPU())
-	if err := d.sock.AeStats.Put(st.Slot, stats); err != nil {
-		return fmt.Errorf("reset ae_stats: %w", err)
 	}
 	info := sockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags()}
 	for _, ip := range p.IPs {

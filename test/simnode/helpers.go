@@ -1,0 +1,301 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package simnode
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"golang.org/x/net/icmp"
+	"golang.org/x/net/ipv4"
+	"golang.org/x/net/ipv6"
+
+	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
+	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
+)
+
+// Helper roles.
+const (
+	RoleApp     = "app"
+	RoleZtunnel = "ztunnel"
+)
+
+// RecordsEnv names the file the ztunnel helper appends its records to.
+const RecordsEnv = "AMBIENT_EBPF_RECORDS"
+
+// RunHelper runs the helper role named in the environment, if any, and
+// exits. Call it first thing in TestMain.
+func RunHelper() {
+	role := os.Getenv(HelperEnv)
+	if role == "" {
+		return
+	}
+	var err error
+	switch role {
+	case RoleApp:
+		err = serveJSON(newApp())
+	case RoleZtunnel:
+		err = runZtunnel()
+	default:
+		err = fmt.Errorf("unknown helper role %q", role)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "helper:", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// AppRequest is a command for the app helper.
+type AppRequest struct {
+	Op     string         `json:"op"` // listen-tcp, listen-udp, dial-tcp, dial-udp
+	Name   string         `json:"name,omitempty"`
+	Addr   netip.AddrPort `json:"addr"`
+	Mark   int            `json:"mark,omitempty"`
+	Mapped bool           `json:"mapped,omitempty"` // dial from AF_INET6 to ::ffff:a.b.c.d
+	Bind   netip.AddrPort `json:"bind,omitempty"`
+}
+
+// AppResponse answers an AppRequest.
+type AppResponse struct {
+	OK    bool           `json:"ok"`
+	Err   string         `json:"err,omitempty"`
+	Reply *standin.Reply `json:"reply,omitempty"`
+	Local netip.AddrPort `json:"local,omitempty"`
+}
+
+type handler interface {
+	handle(line []byte) any
+}
+
+// serveJSON answers one JSON line per request line on stdin.
+func serveJSON(h handler) error {
+	enc := json.NewEncoder(os.Stdout)
+	if err := enc.Encode(map[string]bool{"Ready": true}); err != nil {
+		return err
+	}
+	sc := bufio.NewScanner(os.Stdin)
+	sc.Buffer(make([]byte, 64*1024), 1024*1024)
+	for sc.Scan() {
+		if err := enc.Encode(h.handle(sc.Bytes())); err != nil {
+			return err
+		}
+	}
+	return sc.Err()
+}
+
+type app struct{ ns *sockutil.Netns }
+
+func newApp() *app {
+	ns, err := sockutil.EnterNetns(nil)
+	if err != nil {
+		panic(err)
+	}
+	return &app{ns: ns}
+}
+
+func (a *app) handle(line []byte) any {
+	var req AppRequest
+	if err := json.Unmarshal(line, &req); err != nil {
+		return AppResponse{Err: err.Error()}
+	}
+	resp, err := a.do(req)
+	if err != nil {
+		return AppResponse{Err: err.Error()}
+	}
+	resp.OK = true
+	return resp
+}
+
+func (a *app) do(req AppRequest) (AppResponse, error) {
+	opts := sockutil.Opts{Mark: req.Mark, Bind: req.Bind}
+	switch req.Op {
+	case "listen-tcp":
+		l, err := a.ns.Listen(req.Addr, sockutil.Opts{ReusePort: true})
+		if err != nil {
+			return AppResponse{}, err
+		}
+		go serveTCP(l, req.Name)
+		return AppResponse{Local: sockutil.AddrPort(l.Addr())}, nil
+	case "listen-udp":
+		c, err := a.ns.ListenUDP(req.Addr, sockutil.Opts{ReusePort: true})
+		if err != nil {
+			return AppResponse{}, err
+		}
+		go serveUDP(c, req.Name)
+		return AppResponse{Local: sockutil.AddrPort(c.LocalAddr())}, nil
+	case "ping":
+		return AppResponse{}, ping(req.Addr.Addr())
+	case "dial-tcp", "dial-udp":
+		dst := req.Addr
+		if req.Mapped {
+			opts.Family = 10 // AF_INET6
+			dst = netip.AddrPortFrom(netip.AddrFrom16(dst.Addr().As16()), dst.Port())
+			if req.Bind.IsValid() {
+				opts.Bind = netip.AddrPortFrom(netip.AddrFrom16(req.Bind.Addr().As16()), req.Bind.Port())
+			}
+		}
+		var c net.Conn
+		var err error
+		if req.Op == "dial-tcp" {
+			c, err = a.ns.Dial(dst, opts, 3*time.Second)
+		} else {
+			c, err = a.ns.DialUDP(dst, opts)
+		}
+		if err != nil {
+			return AppResponse{}, err
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+		if _, err := c.Write([]byte("hello\n")); err != nil {
+			return AppResponse{}, err
+		}
+		reply, err := readReply(c)
+		if err != nil {
+			return AppResponse{}, err
+		}
+		return AppResponse{Reply: reply, Local: sockutil.AddrPort(c.LocalAddr())}, nil
+	}
+	return AppResponse{}, fmt.Errorf("unknown op %q", req.Op)
+}
+
+func readReply(c net.Conn) (*standin.Reply, error) {
+	buf := make([]byte, 4096)
+	var got []byte
+	for {
+		n, err := c.Read(buf)
+		got = append(got, buf[:n]...)
+		if i := strings.IndexByte(string(got), '\n'); i >= 0 {
+			var r standin.Reply
+			if err := json.Unmarshal(got[:i], &r); err != nil {
+				return nil, fmt.Errorf("bad reply %q: %w", got[:i], err)
+			}
+			return &r, nil
+		}
+		if err != nil {
+			if len(got) == 0 {
+				return nil, fmt.Errorf("no reply: %w", err)
+			}
+			return nil, fmt.Errorf("short reply %q: %w", got, err)
+		}
+	}
+}
+
+// ping sends one ICMP echo request and waits for the reply.
+func ping(dst netip.Addr) error {
+	network, typ, proto := "ip4:icmp", icmp.Type(ipv4.ICMPTypeEcho), 1
+	if dst.Is6() {
+		network, typ, proto = "ip6:ipv6-icmp", ipv6.ICMPTypeEchoRequest, 58
+	}
+	c, err := icmp.ListenPacket(network, "")
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	msg := icmp.Message{Type: typ, Body: &icmp.Echo{ID: os.Getpid() & 0xffff, Seq: 1, Data: []byte("ambient")}}
+	b, err := msg.Marshal(nil)
+	if err != nil {
+		return err
+	}
+	if _, err := c.WriteTo(b, &net.IPAddr{IP: net.IP(dst.AsSlice())}); err != nil {
+		return err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
+	buf := make([]byte, 1500)
+	for {
+		n, _, err := c.ReadFrom(buf)
+		if err != nil {
+			return fmt.Errorf("no echo reply from %s: %w", dst, err)
+		}
+		m, err := icmp.ParseMessage(proto, buf[:n])
+		if err == nil && (m.Type == ipv4.ICMPTypeEchoReply || m.Type == ipv6.ICMPTypeEchoReply) {
+			return nil
+		}
+	}
+}
+
+// serveTCP answers each connection with who the server saw, then closes.
+func serveTCP(l net.Listener, name string) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+			r := bufio.NewReader(c)
+			if _, err := r.ReadString('\n'); err != nil {
+				return
+			}
+			_ = json.NewEncoder(c).Encode(standin.Reply{Server: name, Local: sockutil.AddrPort(c.LocalAddr()), Peer: sockutil.AddrPort(c.RemoteAddr())})
+		}()
+	}
+}
+
+func serveUDP(c *net.UDPConn, name string) {
+	buf := make([]byte, 2048)
+	for {
+		_, from, err := c.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			return
+		}
+		b, _ := json.Marshal(standin.Reply{Server: name, Local: sockutil.AddrPort(c.LocalAddr()), Peer: netip.AddrPortFrom(from.Addr().Unmap(), from.Port())})
+		_, _ = c.WriteToUDPAddrPort(append(b, '\n'), from)
+	}
+}
+
+// ZtunnelRequest is a command for the ztunnel helper.
+type ZtunnelRequest struct {
+	Op    string `json:"op"` // add, del
+	UID   string `json:"uid"`
+	Netns string `json:"netns,omitempty"`
+}
+
+type ztunnelHelper struct{ proxy *standin.Proxy }
+
+func runZtunnel() error {
+	var cfg standin.Config
+	if path := os.Getenv(RecordsEnv); path != "" {
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		cfg.Records = f
+	}
+	z := &ztunnelHelper{proxy: standin.New(cfg)}
+	defer z.proxy.Close()
+	return serveJSON(z)
+}
+
+func (z *ztunnelHelper) handle(line []byte) any {
+	var req ZtunnelRequest
+	if err := json.Unmarshal(line, &req); err != nil {
+		return AppResponse{Err: err.Error()}
+	}
+	switch req.Op {
+	case "add":
+		f, err := os.Open(req.Netns)
+		if err != nil {
+			return AppResponse{Err: err.Error()}
+		}
+		defer f.Close()
+		if err := z.proxy.AddPod(req.UID, f); err != nil {
+			return AppResponse{Err: err.Error()}
+		}
+	case "del":
+		z.proxy.DelPod(req.UID)
+	default:
+		return AppResponse{Err: errors.New("unknown op " + req.Op).Error()}
+	}
+	return AppResponse{OK: true}
+}

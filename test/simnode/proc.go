@@ -1,0 +1,136 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package simnode
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// HelperEnv selects a helper role when the test binary re-executes itself.
+const HelperEnv = "AMBIENT_EBPF_HELPER"
+
+// Proc is a helper process (the test binary re-executed in a role) running
+// in a netns and cgroup, driven by JSON lines on stdin and stdout.
+type Proc struct {
+	t      testing.TB
+	cmd    *exec.Cmd
+	in     io.WriteCloser
+	out    *bufio.Scanner
+	mu     sync.Mutex
+	Stderr *lockedBuffer
+}
+
+// StartHelper starts the test binary in role inside netns ns (a name under
+// /run/netns) and cgroup dir (empty: the caller's). extraEnv adds
+// environment. The process is killed by PID at cleanup.
+func StartHelper(t testing.TB, role, ns, cgroup string, extraEnv ...string) *Proc {
+	t.Helper()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// nsenter switches only the network namespace, so /sys and bpffs
+	// mounts stay as they are (unlike `ip netns exec`).
+	cmd := exec.Command("nsenter", "--net="+NetnsPath(ns), self)
+	cmd.Env = append(append(os.Environ(), HelperEnv+"="+role), extraEnv...)
+	if cgroup != "" {
+		fd, err := syscall.Open(cgroup, syscall.O_DIRECTORY|syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
+		if err != nil {
+			t.Fatalf("open cgroup %s: %v", cgroup, err)
+		}
+		defer syscall.Close(fd)
+		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd, Pdeathsig: syscall.SIGKILL}
+	} else {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	}
+	p := &Proc{t: t, cmd: cmd, Stderr: &lockedBuffer{}}
+	cmd.Stderr = p.Stderr
+	if p.in, err = cmd.StdinPipe(); err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.out = bufio.NewScanner(stdout)
+	p.out.Buffer(make([]byte, 64*1024), 4*1024*1024)
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start helper %s: %v", role, err)
+	}
+	t.Cleanup(p.Stop)
+	var ready struct{ Ready bool }
+	if err := p.read(&ready); err != nil || !ready.Ready {
+		t.Fatalf("helper %s did not start: %v; stderr:\n%s", role, err, p.Stderr.String())
+	}
+	return p
+}
+
+// Call sends req and decodes the reply into resp.
+func (p *Proc) Call(req, resp any) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	b, err := json.Marshal(req)
+	if err != nil {
+		return err
+	}
+	if _, err := p.in.Write(append(b, '\n')); err != nil {
+		return fmt.Errorf("write to helper: %w; stderr:\n%s", err, p.Stderr.String())
+	}
+	return p.read(resp)
+}
+
+func (p *Proc) read(v any) error {
+	if !p.out.Scan() {
+		return fmt.Errorf("helper exited: %v; stderr:\n%s", p.out.Err(), p.Stderr.String())
+	}
+	return json.Unmarshal(p.out.Bytes(), v)
+}
+
+// PID returns the helper's process id.
+func (p *Proc) PID() int { return p.cmd.Process.Pid }
+
+// Stop kills the helper (by its PID) and waits for it.
+func (p *Proc) Stop() {
+	if p.cmd.ProcessState != nil {
+		return
+	}
+	_ = p.in.Close()
+	done := make(chan struct{})
+	go func() { _ = p.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-done
+	}
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  []byte
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.b = append(l.b, p...)
+	return len(p), nil
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return string(l.b)
+}
+
+func sleepShort() { time.Sleep(10 * time.Millisecond) }

@@ -1,0 +1,349 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package sockutil makes sockets the way ztunnel and the test apps need
+// them: in a chosen network namespace, with SO_MARK, SO_REUSEPORT,
+// IP_TRANSPARENT and explicit source addresses, and never MPTCP. It also
+// reads SO_ORIGINAL_DST the way ztunnel does.
+package sockutil
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Opts are the socket options to set before bind/connect.
+type Opts struct {
+	Mark        int            // SO_MARK; 0 leaves it unset
+	ReusePort   bool           // SO_REUSEPORT (and SO_REUSEADDR)
+	Transparent bool           // IP_TRANSPARENT / IPV6_TRANSPARENT
+	FreeBind    bool           // IP_FREEBIND
+	V6Only      bool           // IPV6_V6ONLY on AF_INET6 sockets
+	Bind        netip.AddrPort // local address; zero value: none
+	Family      int            // AF_INET or AF_INET6; 0: from the address
+}
+
+// Netns is a dedicated OS thread parked in a network namespace that makes
+// sockets there. Sockets keep the namespace they were created in.
+type Netns struct {
+	reqs chan func()
+	done chan struct{}
+}
+
+// EnterNetns starts a socket factory in the netns of f (a netns file).
+// With f nil the factory uses the caller's current namespace.
+func EnterNetns(f *os.File) (*Netns, error) {
+	n := &Netns{reqs: make(chan func()), done: make(chan struct{})}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		// The thread is never unlocked: it exits with this goroutine, so no
+		// other goroutine ever runs in the pod's namespace by accident.
+		if f != nil {
+			if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+				errc <- fmt.Errorf("setns: %w", err)
+				return
+			}
+		}
+		errc <- nil
+		for {
+			select {
+			case fn := <-n.reqs:
+				fn()
+			case <-n.done:
+				return
+			}
+		}
+	}()
+	if err := <-errc; err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+// Close stops the factory thread.
+func (n *Netns) Close() { close(n.done) }
+
+// Do runs fn on the thread inside the namespace.
+func (n *Netns) Do(fn func() error) error {
+	errc := make(chan error, 1)
+	select {
+	case n.reqs <- func() { errc <- fn() }:
+	case <-n.done:
+		return errors.New("netns factory closed")
+	}
+	return <-errc
+}
+
+func familyOf(a netip.Addr) int {
+	if a.Is4() {
+		return unix.AF_INET
+	}
+	return unix.AF_INET6
+}
+
+// Socket creates a socket with opts applied (and bound when opts.Bind is
+// set) inside the namespace.
+func (n *Netns) Socket(family, typ int, opts Opts) (int, error) {
+	var fd int
+	err := n.Do(func() error {
+		var err error
+		fd, err = socket(family, typ, opts)
+		return err
+	})
+	return fd, err
+}
+
+func socket(family, typ int, o Opts) (int, error) {
+	fd, err := unix.Socket(family, typ|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+	if err != nil {
+		return -1, fmt.Errorf("socket: %w", err)
+	}
+	set := func(level, opt, v int, name string) error {
+		if err := unix.SetsockoptInt(fd, level, opt, v); err != nil {
+			return fmt.Errorf("setsockopt %s: %w", name, err)
+		}
+		return nil
+	}
+	var errs []error
+	if o.Mark != 0 {
+		errs = append(errs, set(unix.SOL_SOCKET, unix.SO_MARK, o.Mark, "SO_MARK"))
+	}
+	if o.ReusePort {
+		errs = append(errs, set(unix.SOL_SOCKET, unix.SO_REUSEADDR, 1, "SO_REUSEADDR"), set(unix.SOL_SOCKET, unix.SO_REUSEPORT, 1, "SO_REUSEPORT"))
+	}
+	if family == unix.AF_INET6 {
+		v6only := 0
+		if o.V6Only {
+			v6only = 1
+		}
+		errs = append(errs, set(unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, v6only, "IPV6_V6ONLY"))
+	}
+	if o.Transparent {
+		errs = append(errs, set(unix.SOL_IP, unix.IP_TRANSPARENT, 1, "IP_TRANSPARENT"))
+		if family == unix.AF_INET6 {
+			errs = append(errs, set(unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1, "IPV6_TRANSPARENT"))
+		}
+	}
+	if o.FreeBind {
+		errs = append(errs, set(unix.SOL_IP, unix.IP_FREEBIND, 1, "IP_FREEBIND"))
+		if family == unix.AF_INET6 {
+			errs = append(errs, set(unix.SOL_IPV6, unix.IPV6_FREEBIND, 1, "IPV6_FREEBIND"))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	if o.Bind.IsValid() {
+		if err := unix.Bind(fd, Sockaddr(family, o.Bind)); err != nil {
+			unix.Close(fd)
+			return -1, fmt.Errorf("bind %s: %w", o.Bind, err)
+		}
+	}
+	return fd, nil
+}
+
+// Sockaddr converts ap for a socket of the given family (IPv4 addresses
+// become IPv4-mapped on AF_INET6 sockets).
+func Sockaddr(family int, ap netip.AddrPort) unix.Sockaddr {
+	if family == unix.AF_INET {
+		return &unix.SockaddrInet4{Port: int(ap.Port()), Addr: ap.Addr().Unmap().As4()}
+	}
+	return &unix.SockaddrInet6{Port: int(ap.Port()), Addr: ap.Addr().As16()}
+}
+
+// Listen opens a TCP listener on addr in the namespace. Wildcard "::"
+// listeners are dual-stack unless opts.V6Only.
+func (n *Netns) Listen(addr netip.AddrPort, opts Opts) (net.Listener, error) {
+	family := opts.Family
+	if family == 0 {
+		family = familyOf(addr.Addr())
+	}
+	opts.Bind = addr
+	fd, err := n.Socket(family, unix.SOCK_STREAM, opts)
+	if err != nil {
+		return nil, fmt.Errorf("listen %s: %w", addr, err)
+	}
+	if err := unix.Listen(fd, 1024); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("listen %s: %w", addr, err)
+	}
+	f := os.NewFile(uintptr(fd), "listener")
+	defer f.Close()
+	return net.FileListener(f)
+}
+
+// ListenUDP opens a UDP socket bound to addr in the namespace.
+func (n *Netns) ListenUDP(addr netip.AddrPort, opts Opts) (*net.UDPConn, error) {
+	family := opts.Family
+	if family == 0 {
+		family = familyOf(addr.Addr())
+	}
+	opts.Bind = addr
+	fd, err := n.Socket(family, unix.SOCK_DGRAM, opts)
+	if err != nil {
+		return nil, fmt.Errorf("listen udp %s: %w", addr, err)
+	}
+	f := os.NewFile(uintptr(fd), "udp")
+	defer f.Close()
+	c, err := net.FilePacketConn(f)
+	if err != nil {
+		return nil, err
+	}
+	return c.(*net.UDPConn), nil
+}
+
+// Dial connects a TCP socket made in the namespace to dst. The socket
+// family follows opts.Family, else dst.
+func (n *Netns) Dial(dst netip.AddrPort, opts Opts, timeout time.Duration) (net.Conn, error) {
+	return n.dial(unix.SOCK_STREAM, dst, opts, timeout)
+}
+
+// DialUDP makes a connected UDP socket in the namespace.
+func (n *Netns) DialUDP(dst netip.AddrPort, opts Opts) (net.Conn, error) {
+	return n.dial(unix.SOCK_DGRAM, dst, opts, time.Second)
+}
+
+func (n *Netns) dial(typ int, dst netip.AddrPort, opts Opts, timeout time.Duration) (net.Conn, error) {
+	family := opts.Family
+	if family == 0 {
+		family = familyOf(dst.Addr())
+	}
+	fd, err := n.Socket(family, typ, opts)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), "conn")
+	defer f.Close()
+	if err := connect(f, Sockaddr(family, dst), timeout); err != nil {
+		return nil, fmt.Errorf("connect %s: %w", dst, err)
+	}
+	return net.FileConn(f)
+}
+
+// connect runs a non-blocking connect through Go's poller.
+func connect(f *os.File, sa unix.Sockaddr, timeout time.Duration) error {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cerr error
+	if err := rc.Control(func(fd uintptr) { cerr = unix.Connect(int(fd), sa) }); err != nil {
+		return err
+	}
+	if cerr == nil {
+		return nil
+	}
+	if !errors.Is(cerr, unix.EINPROGRESS) {
+		return cerr
+	}
+	_ = f.SetWriteDeadline(time.Now().Add(timeout))
+	defer f.SetWriteDeadline(time.Time{})
+	first := true
+	werr := rc.Write(func(fd uintptr) bool {
+		soerr, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ERROR)
+		if err != nil {
+			cerr = err
+			return true
+		}
+		if soerr != 0 {
+			cerr = unix.Errno(soerr)
+			return true
+		}
+		if _, err := unix.Getpeername(int(fd)); err != nil {
+			if first {
+				first = false
+				return false // not writable yet: wait for the poller
+			}
+			cerr = err
+			return true
+		}
+		cerr = nil
+		return true
+	})
+	if werr != nil {
+		return werr
+	}
+	return cerr
+}
+
+// AddrPort converts a socket address to netip form (IPv4-mapped addresses
+// are unmapped).
+func AddrPort(a net.Addr) netip.AddrPort {
+	switch v := a.(type) {
+	case *net.TCPAddr:
+		return netip.AddrPortFrom(addrOf(v.IP), uint16(v.Port))
+	case *net.UDPAddr:
+		return netip.AddrPortFrom(addrOf(v.IP), uint16(v.Port))
+	}
+	return netip.AddrPort{}
+}
+
+func addrOf(ip net.IP) netip.Addr {
+	a, _ := netip.AddrFromSlice(ip)
+	return a.Unmap()
+}
+
+// OriginalDst asks the kernel for the connection's original destination
+// the way ztunnel does: SO_ORIGINAL_DST on SOL_IP, then on SOL_IPV6. When
+// both fail it returns the local address and from="local"; ztunnel does
+// the same for transparent sockets.
+func OriginalDst(c net.Conn) (dst netip.AddrPort, from string, err error) {
+	sc, ok := c.(syscallConn)
+	if !ok {
+		return netip.AddrPort{}, "", errors.New("not a syscall conn")
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return netip.AddrPort{}, "", err
+	}
+	var got netip.AddrPort
+	_ = rc.Control(func(fd uintptr) {
+		if a, err := getOrigDst(int(fd), unix.SOL_IP); err == nil {
+			got = a
+			return
+		}
+		if a, err := getOrigDst(int(fd), unix.SOL_IPV6); err == nil {
+			got = a
+		}
+	})
+	if got.IsValid() {
+		return got, "SO_ORIGINAL_DST", nil
+	}
+	return AddrPort(c.LocalAddr()), "local", nil
+}
+
+type syscallConn interface {
+	SyscallConn() (syscall.RawConn, error)
+}
+
+// getOrigDst reads SO_ORIGINAL_DST (80) at level; the kernel answers with a
+// sockaddr_in for SOL_IP and a sockaddr_in6 for SOL_IPV6.
+func getOrigDst(fd, level int) (netip.AddrPort, error) {
+	var buf [unix.SizeofSockaddrInet6]byte
+	l := uint32(len(buf))
+	_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), 80,
+		uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&l)), 0)
+	if errno != 0 {
+		return netip.AddrPort{}, errno
+	}
+	port := uint16(buf[2])<<8 | uint16(buf[3])
+	switch family := *(*uint16)(unsafe.Pointer(&buf[0])); {
+	case family == unix.AF_INET && l >= unix.SizeofSockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4([4]byte(buf[4:8])), port), nil
+	case family == unix.AF_INET6 && l >= unix.SizeofSockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16([16]byte(buf[8:24])).Unmap(), port), nil
+	default:
+		return netip.AddrPort{}, fmt.Errorf("SO_ORIGINAL_DST: unexpected family %d, length %d", family, l)
+	}
+}
