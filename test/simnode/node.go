@@ -60,6 +60,10 @@ func New(t testing.TB) *Node {
 	n.NodeNS = "ae" + n.ID + "-node"
 	n.OutsideNS = "ae" + n.ID + "-out"
 
+	// Registered first, so it runs last: after every other cleanup, nothing
+	// this node made may remain.
+	t.Cleanup(func() { n.checkLeftovers() })
+
 	cgRoot, err := hostfs.Cgroup2Root()
 	if err != nil {
 		t.Fatalf("find cgroup2: %v", err)
@@ -213,6 +217,25 @@ func (n *Node) AddPod(name string) *Pod {
 	n.pods = append(n.pods, p)
 	n.mu.Unlock()
 	return p
+}
+
+func (n *Node) checkLeftovers() {
+	if entries, err := os.ReadDir("/run/netns"); err == nil {
+		for _, e := range entries {
+			if strings.HasPrefix(e.Name(), "ae"+n.ID) {
+				n.t.Errorf("netns %s left behind", e.Name())
+			}
+		}
+	}
+	if _, err := os.Stat(n.CgroupRoot); err == nil {
+		n.t.Errorf("cgroup %s left behind", n.CgroupRoot)
+	}
+	if out, err := exec.Command("ip", "-o", "link", "show").Output(); err == nil && strings.Contains(string(out), "veth"+n.ID[:4]) {
+		n.t.Errorf("veth of node %s left in the root netns", n.ID)
+	}
+	if ok, _ := hostfs.IsBPFFS(filepath.Dir(n.BPFFSDir)); ok {
+		n.t.Errorf("bpffs %s still mounted", filepath.Dir(n.BPFFSDir))
+	}
 }
 
 // removeCgroupTree removes a cgroup subtree this test made, ending the

@@ -1,0 +1,253 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package dataplane
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/netip"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+)
+
+func newDataplane(t *testing.T, n *simnode.Node) *Dataplane {
+	t.Helper()
+	d, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot})
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	return d
+}
+
+func podOf(p *simnode.Pod) Pod {
+	return Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs()}
+}
+
+// ingressPrograms counts the TCX ingress programs on the pod's eth0.
+func ingressPrograms(t *testing.T, p *simnode.Pod) int {
+	t.Helper()
+	var n int
+	err := inNetns(p.NetnsPath(), func() error {
+		ifi, err := net.InterfaceByName("eth0")
+		if err != nil {
+			return err
+		}
+		res, err := link.QueryPrograms(link.QueryOptions{Target: ifi.Index, Attach: ebpf.AttachTCXIngress})
+		if err != nil {
+			return err
+		}
+		n = len(res.Programs)
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("query tcx programs: %v", err)
+	}
+	return n
+}
+
+func countEntries[K, V any](t *testing.T, m *ebpf.Map) int {
+	t.Helper()
+	var (
+		k K
+		v V
+		n int
+	)
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		n++
+	}
+	if err := it.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func TestEnrollIsIdempotent(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	d := newDataplane(t, n)
+	ctx := context.Background()
+	for range 3 {
+		if err := d.Enroll(ctx, podOf(p)); err != nil {
+			t.Fatalf("Enroll: %v", err)
+		}
+	}
+	if got := d.List(); len(got) != 1 || got[0].UID != p.UID || len(got[0].IPs) != 2 {
+		t.Fatalf("List = %+v, want one pod with two IPs", got)
+	}
+	if got := ingressPrograms(t, p); got != 1 {
+		t.Errorf("%d ingress programs on eth0, want 1", got)
+	}
+	if got := countEntries[sockAeAddr, sockPodInfo](t, d.sock.AePods); got != 2 {
+		t.Errorf("ae_pods has %d entries, want 2", got)
+	}
+
+	// Enrolling with fewer IPs drops the stale entry; new options apply.
+	pod := podOf(p)
+	pod.IPs = []netip.Addr{p.V4}
+	pod.Options.BypassInbound = true
+	if err := d.Enroll(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	if got := countEntries[sockAeAddr, sockPodInfo](t, d.sock.AePods); got != 1 {
+		t.Errorf("after re-enroll with one IP, ae_pods has %d entries, want 1", got)
+	}
+	if got := d.List()[0].Options; !got.BypassInbound {
+		t.Errorf("options not updated: %+v", got)
+	}
+}
+
+func TestEnrollRefusesBadInputAndLeavesNothing(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	d := newDataplane(t, n)
+	ctx := context.Background()
+	cases := map[string]struct {
+		mutate func(*Pod)
+		want   string
+	}{
+		"no uid":            {func(q *Pod) { q.UID = "" }, "no uid"},
+		"no IPs":            {func(q *Pod) { q.IPs = nil }, "no IPs"},
+		"missing netns":     {func(q *Pod) { q.Netns = "/nonexistent/netns" }, "open netns"},
+		"missing interface": {func(q *Pod) { q.Interface = "nope0" }, "find interface nope0"},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			pod := podOf(p)
+			tc.mutate(&pod)
+			err := d.Enroll(ctx, pod)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Enroll error = %v, want one mentioning %q", err, tc.want)
+			}
+			if tc.want != "no uid" && !strings.Contains(err.Error(), p.Name) {
+				t.Errorf("error %q does not name the pod", err)
+			}
+			if got := d.List(); len(got) != 0 {
+				t.Errorf("List = %+v after a failed Enroll", got)
+			}
+			if got := ingressPrograms(t, p); got != 0 {
+				t.Errorf("%d ingress programs left on eth0", got)
+			}
+			if _, err := os.Stat(podDir(d.cfg, p.UID)); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("pod pin directory left behind: %v", err)
+			}
+			if got := countEntries[uint64, sockNetnsInfo](t, d.sock.AeNetns); got != 0 {
+				t.Errorf("ae_netns has %d entries after a failed Enroll", got)
+			}
+		})
+	}
+}
+
+func TestRemoveIsIdempotentAndCleans(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	d := newDataplane(t, n)
+	ctx := context.Background()
+	if err := d.Remove(ctx, "never-enrolled"); err != nil {
+		t.Errorf("Remove of an unknown pod: %v", err)
+	}
+	if err := d.Enroll(ctx, podOf(p)); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if err := d.Remove(ctx, p.UID); err != nil {
+			t.Fatalf("Remove: %v", err)
+		}
+	}
+	if got := ingressPrograms(t, p); got != 0 {
+		t.Errorf("%d ingress programs left on eth0", got)
+	}
+	if got := countEntries[sockAeAddr, sockPodInfo](t, d.sock.AePods); got != 0 {
+		t.Errorf("ae_pods has %d entries after Remove", got)
+	}
+	if _, err := os.Stat(podDir(d.cfg, p.UID)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("pod pins left behind: %v", err)
+	}
+}
+
+// H4: a reused IP belongs to its newest pod; removing the old pod keeps it.
+func TestIPReuseNeverRemovesTheNewOwner(t *testing.T) {
+	n := simnode.New(t)
+	old, cur := n.AddPod("old"), n.AddPod("new")
+	d := newDataplane(t, n)
+	ctx := context.Background()
+	shared := old.V4
+	oldPod := podOf(old)
+	oldPod.IPs = []netip.Addr{shared}
+	curPod := podOf(cur)
+	curPod.IPs = []netip.Addr{shared}
+	if err := d.Enroll(ctx, oldPod); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Enroll(ctx, curPod); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Remove(ctx, old.UID); err != nil {
+		t.Fatal(err)
+	}
+	var info sockPodInfo
+	if err := d.sock.AePods.Lookup(addrKey(shared), &info); err != nil {
+		t.Fatalf("entry for %s is gone after removing its previous owner: %v", shared, err)
+	}
+	if want := d.List()[0].NetnsCookie; info.NetnsCookie != want {
+		t.Errorf("entry for %s belongs to netns %d, want the new pod's %d", shared, info.NetnsCookie, want)
+	}
+}
+
+func TestRestartAdoptsPinnedState(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	ctx := context.Background()
+	d1, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := podOf(p)
+	pod.Options.DNSCapture = true
+	if err := d1.Enroll(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	before := d1.List()
+	if err := d1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// With the agent gone, the programs stay attached through their pins.
+	if got := ingressPrograms(t, p); got != 1 {
+		t.Fatalf("%d ingress programs while no agent runs, want 1", got)
+	}
+
+	d2 := newDataplane(t, n)
+	after := d2.List()
+	if len(after) != 1 || after[0].UID != before[0].UID || after[0].NetnsCookie != before[0].NetnsCookie ||
+		after[0].Options != before[0].Options || len(after[0].IPs) != 2 || after[0].Name != "a" {
+		t.Fatalf("adopted %+v, enrolled %+v", after, before)
+	}
+	if got := ingressPrograms(t, p); got != 1 {
+		t.Errorf("%d ingress programs after adoption, want 1 (updated in place)", got)
+	}
+	if err := d2.Enroll(ctx, pod); err != nil {
+		t.Fatalf("re-enroll after adoption: %v", err)
+	}
+	if got := ingressPrograms(t, p); got != 1 {
+		t.Errorf("%d ingress programs after re-enroll, want 1", got)
+	}
+
+	if err := d2.Uninstall(); err != nil {
+		t.Fatalf("Uninstall: %v", err)
+	}
+	if got := ingressPrograms(t, p); got != 0 {
+		t.Errorf("%d ingress programs after Uninstall", got)
+	}
+	if _, err := os.Stat(n.BPFFSDir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("pin directory %s left after Uninstall: %v", n.BPFFSDir, err)
+	}
+}
