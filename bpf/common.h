@@ -68,10 +68,28 @@ struct orig_key {
 
 /* Per-pod counters in ae_stats (per CPU, indexed by slot). */
 struct pod_stats {
-	__u64 outbound_redirects; /* R1: connects sent to :15001 */
-	__u64 inbound_redirects;  /* R5: flows assigned to :15006 */
-	__u64 inbound_no_listener; /* R5 with no ztunnel listener: dropped */
-	__u64 orig_dst_errors;    /* original destination could not be kept */
+	__u64 outbound_redirects;  /* R1: connects sent to :15001 */
+	__u64 inbound_redirects;   /* R5: flows assigned to :15006 */
+	__u64 inbound_no_listener; /* R5/R14 with no ztunnel listener: dropped */
+	__u64 orig_dst_errors;     /* original destination could not be kept */
+	__u64 dns_redirects;       /* R9: DNS queries sent to :15053 */
+	__u64 reroute_redirects;   /* R14: flows from virtual interfaces to :15001 */
+	__u64 probe_snat;          /* H1: host probe connections translated */
+	__u64 probe_nat_full;      /* H1: probes left untranslated, table full */
+};
+
+/* Key of ae_probe_nat: a host-probe connection as the pod sees it. */
+struct probe_key {
+	struct ae_addr pod;  /* the enrolled pod's address */
+	__be16 pod_port;     /* the probed port */
+	__be16 host_port;    /* the prober's (kept) source port */
+	__u32 pad;
+};
+
+/* Value of ae_probe_nat: the prober's real source address. */
+struct probe_nat {
+	struct ae_addr host;
+	__u64 last_seen_ns; /* for the agent's sweep of abandoned entries */
 };
 
 /* Node-wide settings, set from Go before load (const volatile: the
@@ -79,6 +97,8 @@ struct pod_stats {
 struct ae_config {
 	__u32 ztunnel_mark;
 	__u32 mark_mask;
+	__u32 return_mark; /* R10/R14: routed to the pod's local table */
+	__u32 pad;
 	__u16 outbound_port;
 	__u16 inbound_port;
 	__u16 hbone_port;

@@ -20,6 +20,7 @@
 const volatile struct ae_config ae_cfg = {
 	.ztunnel_mark  = 0x539,
 	.mark_mask     = 0xfff,
+	.return_mark   = 0x111,
 	.outbound_port = 15001,
 	.inbound_port  = 15006,
 	.hbone_port    = 15008,
@@ -86,6 +87,16 @@ static __always_inline bool mark_is_ztunnel(__u32 mark)
 static __always_inline struct pod_stats *pod_stats(__u32 slot)
 {
 	return bpf_map_lookup_elem(&ae_stats, &slot);
+}
+
+/* 127.0.0.1 or ::1 as the redirect target of the DNS proxy. */
+static __always_inline bool addr_is_loopback(const struct ae_addr *a)
+{
+	const __u32 *w = (const __u32 *)a->b;
+
+	if (w[0] == 0 && w[1] == 0 && w[2] == bpf_htonl(0x0000ffff))
+		return ip4_is_loopback(w[3]);
+	return ip6_is_loopback(w);
 }
 
 #endif /* AMBIENT_LIB_H */

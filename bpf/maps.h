@@ -70,4 +70,17 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ae_orig_dst SEC(".maps");
 
+/* Host-probe SNAT translations (H1). An entry lives exactly as long as the
+ * prober's socket: it is made by the SYN leaving the node and deleted by
+ * the sockops state callback when that socket closes, so finished probes
+ * leave nothing and the table holds only live connections. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536);
+	__type(key, struct probe_key);
+	__type(value, struct probe_nat);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_probe_nat SEC(".maps");
+
 #endif /* AMBIENT_MAPS_H */

@@ -5,18 +5,22 @@
  * Outbound capture with cgroup socket hooks, attached once to the node's
  * cgroup v2 root and scoped to enrolled pods by netns cookie.
  *
- *   connect4/connect6  R1: rewrite the destination of an enrolled pod's TCP
- *                      connect to the pod's own IP and ztunnel's :15001,
- *                      keeping the original in socket storage.
- *   sockops            when the redirected socket starts connecting, file
- *                      the original destination under its local address
- *                      and port: the peer the proxy's accepted socket sees.
- *   getsockopt         answer SO_ORIGINAL_DST (SOL_IP and SOL_IPV6, 80) for
- *                      that accepted socket, so an unmodified ztunnel learns
- *                      where the app wanted to go.
+ *   connect4/6    R1: an enrolled pod's TCP connect goes to the pod's own
+ *                 IP and ztunnel's :15001; R9: DNS (UDP, and TCP to :53)
+ *                 goes to ztunnel's proxy on 127.0.0.1/::1 :15053. The
+ *                 original destination stays with the socket.
+ *   sendmsg4/6    R9 for unconnected UDP (sendto).
+ *   recvmsg4/6    R9: replies from the proxy carry the queried address.
+ *   getpeername4/6  a redirected socket still names its original peer.
+ *   sockops       when a redirected socket starts connecting, file its
+ *                 original destination under its local address (the peer
+ *                 the proxy sees), and forget it at close; also close out
+ *                 host-probe translations with their socket (H1).
+ *   getsockopt    answer SO_ORIGINAL_DST for ztunnel's accepted sockets.
  *
  * No packet is rewritten and no conntrack entry is made: the connection
- * really is pod -> ztunnel.
+ * really is pod -> ztunnel, which is why ztunnel's own upstream DNS queries
+ * can never be confused with the app's.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -30,11 +34,13 @@ char __license[] SEC("license") = "Dual BSD/GPL";
 #define SYS_PROCEED 1
 #define SYS_REJECT  0
 
-#define SOL_IP            0
-#define SOL_IPV6          41
-#define SO_ORIGINAL_DST   80 /* IPv4 SOL_IP and IP6T_SO_ORIGINAL_DST share the number */
-#define IPPROTO_TCP_      6
-#define PAGE_SIZE_        4096
+#define SOL_IP          0
+#define SOL_IPV6        41
+#define SO_ORIGINAL_DST 80 /* IPv4 SOL_IP and IP6T_SO_ORIGINAL_DST share the number */
+#define IPPROTO_TCP_    6
+#define IPPROTO_UDP_    17
+#define PAGE_SIZE_      4096
+#define DNS_PORT        53
 
 struct sockaddr_in_ {
 	__u16 family;
@@ -51,31 +57,67 @@ struct sockaddr_in6_ {
 	__u32 scope_id;
 };
 
+/* Where a captured socket is sent. */
+enum target {
+	TARGET_NONE,
+	TARGET_OUTBOUND, /* ztunnel :15001 on the pod's own address */
+	TARGET_DNS,      /* ztunnel's DNS proxy on loopback :15053 */
+};
+
 /*
- * Returns the pod the socket's netns belongs to, or NULL when the socket
- * is not one to capture: not in an enrolled netns, not TCP, or opened by
- * ztunnel itself (R2: every ztunnel socket carries mark 0x539).
+ * The pod the socket's netns belongs to, or NULL when the socket is not
+ * ours to capture: not in an enrolled netns, or opened by ztunnel itself
+ * (R2: every ztunnel socket carries mark 0x539).
  */
-static __always_inline struct netns_info *capturable(struct bpf_sock_addr *ctx)
+static __always_inline struct netns_info *enrolled_netns(struct bpf_sock_addr *ctx)
 {
 	struct bpf_sock *sk = ctx->sk;
 	struct netns_info *ns;
 	__u64 cookie;
 
-	if (ctx->protocol != IPPROTO_TCP_)
-		return NULL;
 	cookie = bpf_get_netns_cookie(ctx);
 	ns = bpf_map_lookup_elem(&ae_netns, &cookie);
-	if (!ns)
-		return NULL;
-	if (!sk || mark_is_ztunnel(sk->mark))
+	if (!ns || !sk || mark_is_ztunnel(sk->mark))
 		return NULL;
 	return ns;
 }
 
 /*
+ * Decides what to do with a destination (dst is IPv4-mapped for IPv4).
+ * Local destinations (loopback, the pod's own address: traffic that leaves
+ * over lo) and the probe address are never captured (R3, R4, R8).
+ */
+static __always_inline enum target classify(struct bpf_sock_addr *ctx, struct netns_info *ns,
+					    const struct ae_addr *dst, bool v4)
+{
+	const struct ae_addr *probe = v4 ? (struct ae_addr *)&ae_cfg.probe_v4 : (struct ae_addr *)&ae_cfg.probe_v6;
+	const struct ae_addr *self = v4 ? &ns->ip4 : &ns->ip6;
+	bool dns = ctx->user_port == bpf_htons(DNS_PORT) && (ns->flags & AE_F_DNS_CAPTURE);
+
+	if (addr_is_loopback(dst) || addr_eq(dst, self))
+		return TARGET_NONE;
+	if (ctx->protocol == IPPROTO_UDP_)
+		return dns ? TARGET_DNS : TARGET_NONE; /* R11: other UDP untouched */
+	if (ctx->protocol != IPPROTO_TCP_ || addr_eq(dst, probe))
+		return TARGET_NONE;
+	return dns ? TARGET_DNS : TARGET_OUTBOUND;
+}
+
+static __always_inline void count(struct netns_info *ns, enum target t)
+{
+	struct pod_stats *st = pod_stats(ns->slot);
+
+	if (!st)
+		return;
+	if (t == TARGET_DNS)
+		st->dns_redirects++;
+	else
+		st->outbound_redirects++;
+}
+
+/*
  * Keeps the original destination with the socket. Failing to keep it
- * fails the connect: a redirected connection whose destination ztunnel
+ * fails the call: a redirected connection whose destination ztunnel
  * cannot learn would be misrouted, and an error is better than that.
  */
 static __always_inline int remember_orig_dst(struct bpf_sock_addr *ctx, struct netns_info *ns,
@@ -97,49 +139,56 @@ static __always_inline int remember_orig_dst(struct bpf_sock_addr *ctx, struct n
 	return 0;
 }
 
-static __always_inline void count_outbound(struct netns_info *ns)
+/* R1/R9 for an IPv4 destination (connect4 and sendmsg4). */
+static __always_inline int redirect4(struct bpf_sock_addr *ctx)
 {
-	struct pod_stats *st = pod_stats(ns->slot);
-
-	if (st)
-		st->outbound_redirects++;
-}
-
-/* R1 for an IPv4 destination; R3, R4 and R8 leave it alone. */
-static __always_inline int connect4_redirect(struct bpf_sock_addr *ctx)
-{
-	struct netns_info *ns = capturable(ctx);
+	struct netns_info *ns = enrolled_netns(ctx);
 	struct ae_addr dst;
-	__be32 ip;
+	enum target t;
 
 	if (!ns)
 		return SYS_PROCEED;
-	ip = ctx->user_ip4;
-	addr_set_v4(&dst, ip);
-	if (ip4_is_loopback(ip) || addr_eq(&dst, &ns->ip4) || addr_eq(&dst, (struct ae_addr *)&ae_cfg.probe_v4))
+	addr_set_v4(&dst, ctx->user_ip4);
+	t = classify(ctx, ns, &dst, true);
+	if (t == TARGET_NONE)
 		return SYS_PROCEED;
 	if (remember_orig_dst(ctx, ns, &dst, AF_INET))
 		return SYS_REJECT;
-	/* The pod's own address (not 127.0.0.1) as the new destination makes
-	 * the kernel pick the pod IP as source, so ztunnel sees the same peer
-	 * as with iptables' REDIRECT. A pod without IPv4 falls back to loopback. */
-	ctx->user_ip4 = (ns->flags & AE_F_HAS_V4) ? addr_words(&ns->ip4)[3] : bpf_htonl(0x7f000001);
-	ctx->user_port = bpf_htons(ae_cfg.outbound_port);
-	count_outbound(ns);
+	if (t == TARGET_DNS) {
+		ctx->user_ip4 = bpf_htonl(0x7f000001);
+		ctx->user_port = bpf_htons(ae_cfg.dns_port);
+	} else {
+		/* The pod's own address (not 127.0.0.1) makes the kernel pick
+		 * it as source, so ztunnel sees the same peer as with iptables'
+		 * REDIRECT. A pod without IPv4 falls back to loopback. */
+		ctx->user_ip4 = (ns->flags & AE_F_HAS_V4) ? addr_words(&ns->ip4)[3] : bpf_htonl(0x7f000001);
+		ctx->user_port = bpf_htons(ae_cfg.outbound_port);
+	}
+	count(ns, t);
 	return SYS_PROCEED;
 }
 
-/*
- * R1/R15 for IPv6 sockets. Dual-stack clients (Java, for one) reach IPv4
- * peers through IPv4-mapped addresses; the kernel then connects over IPv4
- * without running connect4, so the mapped case is handled here as IPv4.
- */
-static __always_inline int connect6_redirect(struct bpf_sock_addr *ctx)
+static __always_inline void set_user_ip6(struct bpf_sock_addr *ctx, __u32 w0, __u32 w1, __u32 w2, __u32 w3)
 {
-	struct netns_info *ns = capturable(ctx);
-	struct ae_addr dst, *self, *probe;
+	ctx->user_ip6[0] = w0;
+	ctx->user_ip6[1] = w1;
+	ctx->user_ip6[2] = w2;
+	ctx->user_ip6[3] = w3;
+}
+
+/*
+ * R1/R9/R15 for IPv6 sockets (connect6 and sendmsg6). Dual-stack clients
+ * (Java, for one) reach IPv4 peers through IPv4-mapped addresses; the
+ * kernel then talks IPv4 without running connect4, so the mapped case is
+ * handled here as IPv4.
+ */
+static __always_inline int redirect6(struct bpf_sock_addr *ctx)
+{
+	struct netns_info *ns = enrolled_netns(ctx);
 	__u32 ip6[4];
-	__u16 family;
+	struct ae_addr dst;
+	enum target t;
+	bool v4;
 
 	if (!ns)
 		return SYS_PROCEED;
@@ -148,109 +197,200 @@ static __always_inline int connect6_redirect(struct bpf_sock_addr *ctx)
 	ip6[2] = ctx->user_ip6[2];
 	ip6[3] = ctx->user_ip6[3];
 	addr_set_v6(&dst, ip6);
-	if (ip6_is_v4_mapped(ip6)) {
-		if (ip4_is_loopback(ip6[3]))
-			return SYS_PROCEED;
-		family = AF_INET;
-		self = &ns->ip4;
-		probe = (struct ae_addr *)&ae_cfg.probe_v4;
-	} else {
-		if (ip6_is_loopback(ip6))
-			return SYS_PROCEED;
-		family = AF_INET6;
-		self = &ns->ip6;
-		probe = (struct ae_addr *)&ae_cfg.probe_v6;
-	}
-	if (addr_eq(&dst, self) || addr_eq(&dst, probe))
+	v4 = ip6_is_v4_mapped(ip6);
+	t = classify(ctx, ns, &dst, v4);
+	if (t == TARGET_NONE)
 		return SYS_PROCEED;
-	if (remember_orig_dst(ctx, ns, &dst, family))
+	if (remember_orig_dst(ctx, ns, &dst, v4 ? AF_INET : AF_INET6))
 		return SYS_REJECT;
 
-	if (family == AF_INET && !(ns->flags & AE_F_HAS_V4)) {
-		ctx->user_ip6[0] = 0;
-		ctx->user_ip6[1] = 0;
-		ctx->user_ip6[2] = bpf_htonl(0x0000ffff);
-		ctx->user_ip6[3] = bpf_htonl(0x7f000001);
-	} else if (family == AF_INET6 && !(ns->flags & AE_F_HAS_V6)) {
-		ctx->user_ip6[0] = 0;
-		ctx->user_ip6[1] = 0;
-		ctx->user_ip6[2] = 0;
-		ctx->user_ip6[3] = bpf_htonl(1);
+	if (v4 && (t == TARGET_DNS || !(ns->flags & AE_F_HAS_V4))) {
+		set_user_ip6(ctx, 0, 0, bpf_htonl(0x0000ffff), bpf_htonl(0x7f000001));
+	} else if (!v4 && (t == TARGET_DNS || !(ns->flags & AE_F_HAS_V6))) {
+		set_user_ip6(ctx, 0, 0, 0, bpf_htonl(1));
 	} else {
-		__u32 *w = addr_words(self);
+		__u32 *w = addr_words(v4 ? &ns->ip4 : &ns->ip6);
 
-		ctx->user_ip6[0] = w[0];
-		ctx->user_ip6[1] = w[1];
-		ctx->user_ip6[2] = w[2];
-		ctx->user_ip6[3] = w[3];
+		set_user_ip6(ctx, w[0], w[1], w[2], w[3]);
 	}
-	ctx->user_port = bpf_htons(ae_cfg.outbound_port);
-	count_outbound(ns);
+	ctx->user_port = bpf_htons(t == TARGET_DNS ? ae_cfg.dns_port : ae_cfg.outbound_port);
+	count(ns, t);
 	return SYS_PROCEED;
+}
+
+/* The original destination of a redirected socket, for reverse paths. */
+static __always_inline struct orig_dst *redirected(struct bpf_sock_addr *ctx)
+{
+	if (!ctx->sk)
+		return NULL;
+	return bpf_sk_storage_get(&ae_sk_dst, ctx->sk, 0, 0);
+}
+
+/*
+ * Gives back the address the app asked for, where the kernel would show
+ * ztunnel's: the source of DNS replies (recvmsg), the peer of a connected
+ * socket (getpeername). Only sockets we redirected carry storage.
+ */
+static __always_inline void restore4(struct bpf_sock_addr *ctx, bool only_dns_proxy)
+{
+	struct orig_dst *od = redirected(ctx);
+
+	if (!od || od->family != AF_INET)
+		return;
+	if (only_dns_proxy && (ctx->user_ip4 != bpf_htonl(0x7f000001) || ctx->user_port != bpf_htons(ae_cfg.dns_port)))
+		return;
+	ctx->user_ip4 = addr_words(&od->addr)[3];
+	ctx->user_port = od->port;
+}
+
+static __always_inline void restore6(struct bpf_sock_addr *ctx, bool only_dns_proxy)
+{
+	struct orig_dst *od = redirected(ctx);
+	__u32 *w;
+
+	if (!od)
+		return;
+	if (only_dns_proxy && ctx->user_port != bpf_htons(ae_cfg.dns_port))
+		return;
+	w = addr_words(&od->addr);
+	set_user_ip6(ctx, w[0], w[1], w[2], w[3]);
+	ctx->user_port = od->port;
 }
 
 /* cgroup/connect4: every IPv4 connect() below the node's cgroup root. */
 SEC("cgroup/connect4")
 int ae_connect4(struct bpf_sock_addr *ctx)
 {
-	return connect4_redirect(ctx);
+	return redirect4(ctx);
 }
 
 /* cgroup/connect6: every IPv6 connect(), IPv4-mapped included. */
 SEC("cgroup/connect6")
 int ae_connect6(struct bpf_sock_addr *ctx)
 {
-	return connect6_redirect(ctx);
+	return redirect6(ctx);
 }
 
-static __always_inline int orig_key_of_local(struct bpf_sock_ops *skops, struct orig_key *key)
+/* cgroup/sendmsg4: UDP sendto() with a destination. */
+SEC("cgroup/sendmsg4")
+int ae_sendmsg4(struct bpf_sock_addr *ctx)
 {
-	__builtin_memset(key, 0, sizeof(*key));
-	key->netns_cookie = bpf_get_netns_cookie(skops);
+	return redirect4(ctx);
+}
+
+/* cgroup/sendmsg6: UDP sendto() on IPv6 sockets. */
+SEC("cgroup/sendmsg6")
+int ae_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return redirect6(ctx);
+}
+
+/* cgroup/recvmsg4: UDP recvfrom() source addresses. */
+SEC("cgroup/recvmsg4")
+int ae_recvmsg4(struct bpf_sock_addr *ctx)
+{
+	restore4(ctx, true);
+	return SYS_PROCEED;
+}
+
+/* cgroup/recvmsg6: UDP recvfrom() source addresses on IPv6 sockets. */
+SEC("cgroup/recvmsg6")
+int ae_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	restore6(ctx, true);
+	return SYS_PROCEED;
+}
+
+/* cgroup/getpeername4: the peer a connected socket reports. */
+SEC("cgroup/getpeername4")
+int ae_getpeername4(struct bpf_sock_addr *ctx)
+{
+	restore4(ctx, false);
+	return SYS_PROCEED;
+}
+
+/* cgroup/getpeername6: the peer a connected IPv6 socket reports. */
+SEC("cgroup/getpeername6")
+int ae_getpeername6(struct bpf_sock_addr *ctx)
+{
+	restore6(ctx, false);
+	return SYS_PROCEED;
+}
+
+static __always_inline void addr_of_sockops(struct bpf_sock_ops *skops, struct ae_addr *a, bool remote)
+{
 	if (skops->family == AF_INET) {
-		addr_set_v4(&key->addr, skops->local_ip4);
-	} else if (skops->family == AF_INET6) {
+		addr_set_v4(a, remote ? skops->remote_ip4 : skops->local_ip4);
+	} else if (remote) {
+		__u32 ip6[4] = {skops->remote_ip6[0], skops->remote_ip6[1], skops->remote_ip6[2],
+				skops->remote_ip6[3]};
+
+		addr_set_v6(a, ip6);
+	} else {
 		__u32 ip6[4] = {skops->local_ip6[0], skops->local_ip6[1], skops->local_ip6[2],
 				skops->local_ip6[3]};
 
-		addr_set_v6(&key->addr, ip6);
-	} else {
-		return -1;
+		addr_set_v6(a, ip6);
 	}
+}
+
+static __always_inline void orig_key_of_local(struct bpf_sock_ops *skops, struct orig_key *key)
+{
+	__builtin_memset(key, 0, sizeof(*key));
+	key->netns_cookie = bpf_get_netns_cookie(skops);
+	addr_of_sockops(skops, &key->addr, false);
 	/* sockops gives the local port in host byte order. */
 	key->port = bpf_htons((__u16)skops->local_port);
-	return 0;
+}
+
+/* The host-probe translation a node socket connected to a pod may own. */
+static __always_inline void probe_key_of(struct bpf_sock_ops *skops, struct probe_key *key)
+{
+	__builtin_memset(key, 0, sizeof(*key));
+	addr_of_sockops(skops, &key->pod, true);
+	/* remote_port holds the network-order port in its low 16 bits. */
+	key->pod_port = (__be16)skops->remote_port;
+	key->host_port = bpf_htons((__u16)skops->local_port);
 }
 
 /*
- * The redirected socket has its local port now (TCP_CONNECT_CB runs just
- * before the SYN is sent), so its original destination can be filed under
- * the address the proxy will see as its peer. A state callback is asked
- * for so the entry goes away when the socket closes.
+ * A socket starts connecting (TCP_CONNECT_CB runs just before the SYN).
+ * A redirected one files its original destination under the address the
+ * proxy will see as its peer. A socket connecting to an enrolled pod may
+ * become a probe translation. Either way a state callback is asked for,
+ * so the entry goes away exactly when the socket closes.
  */
-static __always_inline void file_orig_dst(struct bpf_sock_ops *skops)
+static __always_inline void on_connect(struct bpf_sock_ops *skops)
 {
-	struct orig_dst *od;
-	struct orig_key key;
 	struct bpf_sock *sk = skops->sk;
+	struct orig_key key;
+	struct ae_addr remote;
+	struct orig_dst *od;
+	bool track = false;
 
 	if (!sk)
 		return;
 	od = bpf_sk_storage_get(&ae_sk_dst, sk, 0, 0);
-	if (!od)
-		return;
-	if (orig_key_of_local(skops, &key))
-		return;
-	if (bpf_map_update_elem(&ae_orig_dst, &key, od, BPF_ANY) == 0)
+	if (od) {
+		orig_key_of_local(skops, &key);
+		track = bpf_map_update_elem(&ae_orig_dst, &key, od, BPF_ANY) == 0;
+	} else {
+		addr_of_sockops(skops, &remote, true);
+		track = bpf_map_lookup_elem(&ae_pods, &remote) != NULL;
+	}
+	if (track)
 		bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 }
 
-static __always_inline void forget_orig_dst(struct bpf_sock_ops *skops)
+static __always_inline void on_close(struct bpf_sock_ops *skops)
 {
 	struct orig_key key;
+	struct probe_key pk;
 
-	if (orig_key_of_local(skops, &key) == 0)
-		bpf_map_delete_elem(&ae_orig_dst, &key);
+	orig_key_of_local(skops, &key);
+	bpf_map_delete_elem(&ae_orig_dst, &key);
+	probe_key_of(skops, &pk);
+	bpf_map_delete_elem(&ae_probe_nat, &pk);
 }
 
 /* sockops: TCP socket events below the node's cgroup root. */
@@ -259,35 +399,66 @@ int ae_sockops(struct bpf_sock_ops *skops)
 {
 	switch (skops->op) {
 	case BPF_SOCK_OPS_TCP_CONNECT_CB:
-		file_orig_dst(skops);
+		on_connect(skops);
 		break;
 	case BPF_SOCK_OPS_STATE_CB:
 		if (skops->args[1] == BPF_TCP_CLOSE)
-			forget_orig_dst(skops);
+			on_close(skops);
 		break;
 	}
 	return 1;
 }
 
-static __always_inline int orig_key_of_peer(struct bpf_sockopt *ctx, struct orig_key *key)
+static __always_inline void sock_addr_of(struct bpf_sock *sk, struct ae_addr *a, bool remote)
 {
-	struct bpf_sock *sk = ctx->sk;
-
-	__builtin_memset(key, 0, sizeof(*key));
-	if (!sk)
-		return -1;
-	key->netns_cookie = bpf_get_netns_cookie(ctx);
 	if (sk->family == AF_INET) {
-		addr_set_v4(&key->addr, sk->dst_ip4);
-	} else if (sk->family == AF_INET6) {
+		addr_set_v4(a, remote ? sk->dst_ip4 : sk->src_ip4);
+	} else if (remote) {
 		__u32 ip6[4] = {sk->dst_ip6[0], sk->dst_ip6[1], sk->dst_ip6[2], sk->dst_ip6[3]};
 
-		addr_set_v6(&key->addr, ip6);
+		addr_set_v6(a, ip6);
 	} else {
-		return -1;
+		__u32 ip6[4] = {sk->src_ip6[0], sk->src_ip6[1], sk->src_ip6[2], sk->src_ip6[3]};
+
+		addr_set_v6(a, ip6);
 	}
-	key->port = (__be16)sk->dst_port;
-	return 0;
+}
+
+/*
+ * The original destination of ztunnel's accepted socket: filed by the
+ * client's sockops for outbound captures (R1); for flows handed over by
+ * bpf_sk_assign (R5, R14) it is the socket's own local address, since no
+ * address was rewritten. Only ztunnel's sockets (mark 0x539) in enrolled
+ * netns get the second answer; anyone else keeps the kernel's.
+ */
+static __always_inline bool lookup_orig_dst(struct bpf_sockopt *ctx, struct orig_dst *out)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct orig_key key = {};
+	struct orig_dst *od;
+	__u64 cookie;
+
+	if (!sk || (sk->family != AF_INET && sk->family != AF_INET6))
+		return false;
+	cookie = bpf_get_netns_cookie(ctx);
+	key.netns_cookie = cookie;
+	sock_addr_of(sk, &key.addr, true);
+	key.port = (__be16)sk->dst_port;
+	od = bpf_map_lookup_elem(&ae_orig_dst, &key);
+	if (od) {
+		*out = *od;
+		return true;
+	}
+	if (!mark_is_ztunnel(sk->mark) || !bpf_map_lookup_elem(&ae_netns, &cookie))
+		return false;
+	/* bpf_sock.src_port is in host byte order. */
+	if (sk->src_port == ae_cfg.outbound_port || sk->src_port == ae_cfg.inbound_port ||
+	    sk->src_port == ae_cfg.hbone_port || sk->src_port == ae_cfg.dns_port)
+		return false;
+	sock_addr_of(sk, &out->addr, false);
+	out->port = bpf_htons((__u16)sk->src_port);
+	out->family = ip6_is_v4_mapped((__u32 *)out->addr.b) ? AF_INET : AF_INET6;
+	return true;
 }
 
 /*
@@ -297,37 +468,33 @@ static __always_inline int orig_key_of_peer(struct bpf_sockopt *ctx, struct orig
  */
 static __always_inline void answer_orig_dst(struct bpf_sockopt *ctx)
 {
-	struct orig_key key;
-	struct orig_dst *od;
+	struct orig_dst od = {};
 	int len = 0;
 
 	if (ctx->optname != SO_ORIGINAL_DST || (ctx->level != SOL_IP && ctx->level != SOL_IPV6))
 		return;
-	if (orig_key_of_peer(ctx, &key))
-		return;
-	od = bpf_map_lookup_elem(&ae_orig_dst, &key);
-	if (!od)
+	if (!lookup_orig_dst(ctx, &od))
 		return;
 
-	if (ctx->level == SOL_IP && od->family == AF_INET) {
+	if (ctx->level == SOL_IP && od.family == AF_INET) {
 		struct sockaddr_in_ *sa = ctx->optval;
 
 		if ((void *)(sa + 1) > ctx->optval_end)
 			return;
 		__builtin_memset(sa, 0, sizeof(*sa));
 		sa->family = AF_INET;
-		sa->port = od->port;
-		sa->addr = addr_words(&od->addr)[3];
+		sa->port = od.port;
+		sa->addr = addr_words(&od.addr)[3];
 		len = sizeof(*sa);
-	} else if (ctx->level == SOL_IPV6 && od->family == AF_INET6) {
+	} else if (ctx->level == SOL_IPV6 && od.family == AF_INET6) {
 		struct sockaddr_in6_ *sa = ctx->optval;
-		__u32 *w = addr_words(&od->addr);
+		__u32 *w = addr_words(&od.addr);
 
 		if ((void *)(sa + 1) > ctx->optval_end)
 			return;
 		__builtin_memset(sa, 0, sizeof(*sa));
 		sa->family = AF_INET6;
-		sa->port = od->port;
+		sa->port = od.port;
 		sa->addr[0] = w[0];
 		sa->addr[1] = w[1];
 		sa->addr[2] = w[2];

@@ -22,6 +22,8 @@ type sockAeConfig struct {
 	_            structs.HostLayout
 	ZtunnelMark  uint32
 	MarkMask     uint32
+	ReturnMark   uint32
+	Pad          uint32
 	OutboundPort uint16
 	InboundPort  uint16
 	HbonePort    uint16
@@ -84,23 +86,48 @@ type sockPodStats struct {
 	InboundRedirects  uint64
 	InboundNoListener uint64
 	OrigDstErrors     uint64
+	DnsRedirects      uint64
+	RerouteRedirects  uint64
+	ProbeSnat         uint64
+	ProbeNatFull      uint64
+}
+
+type sockProbeKey struct {
+	_        structs.HostLayout
+	Pod      sockAeAddr
+	PodPort  uint16
+	HostPort uint16
+	Pad      uint32
+}
+
+type sockProbeNat struct {
+	_          structs.HostLayout
+	Host       sockAeAddr
+	LastSeenNs uint64
 }
 
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	sockMapAeNetns       = "ae_netns"
-	sockMapAeOrigDst     = "ae_orig_dst"
-	sockMapAePodMeta     = "ae_pod_meta"
-	sockMapAePods        = "ae_pods"
-	sockMapAeSkDst       = "ae_sk_dst"
-	sockMapAeStats       = "ae_stats"
-	sockProgAeConnect4   = "ae_connect4"
-	sockProgAeConnect6   = "ae_connect6"
-	sockProgAeGetsockopt = "ae_getsockopt"
-	sockProgAeSockops    = "ae_sockops"
-	sockVarAeCfg         = "ae_cfg"
+	sockMapAeNetns         = "ae_netns"
+	sockMapAeOrigDst       = "ae_orig_dst"
+	sockMapAePodMeta       = "ae_pod_meta"
+	sockMapAePods          = "ae_pods"
+	sockMapAeProbeNat      = "ae_probe_nat"
+	sockMapAeSkDst         = "ae_sk_dst"
+	sockMapAeStats         = "ae_stats"
+	sockProgAeConnect4     = "ae_connect4"
+	sockProgAeConnect6     = "ae_connect6"
+	sockProgAeGetpeername4 = "ae_getpeername4"
+	sockProgAeGetpeername6 = "ae_getpeername6"
+	sockProgAeGetsockopt   = "ae_getsockopt"
+	sockProgAeRecvmsg4     = "ae_recvmsg4"
+	sockProgAeRecvmsg6     = "ae_recvmsg6"
+	sockProgAeSendmsg4     = "ae_sendmsg4"
+	sockProgAeSendmsg6     = "ae_sendmsg6"
+	sockProgAeSockops      = "ae_sockops"
+	sockVarAeCfg           = "ae_cfg"
 )
 
 // loadSock returns the embedded CollectionSpec for sock.
@@ -145,22 +172,29 @@ type sockSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type sockProgramSpecs struct {
-	AeConnect4   *ebpf.ProgramSpec `ebpf:"ae_connect4"`
-	AeConnect6   *ebpf.ProgramSpec `ebpf:"ae_connect6"`
-	AeGetsockopt *ebpf.ProgramSpec `ebpf:"ae_getsockopt"`
-	AeSockops    *ebpf.ProgramSpec `ebpf:"ae_sockops"`
+	AeConnect4     *ebpf.ProgramSpec `ebpf:"ae_connect4"`
+	AeConnect6     *ebpf.ProgramSpec `ebpf:"ae_connect6"`
+	AeGetpeername4 *ebpf.ProgramSpec `ebpf:"ae_getpeername4"`
+	AeGetpeername6 *ebpf.ProgramSpec `ebpf:"ae_getpeername6"`
+	AeGetsockopt   *ebpf.ProgramSpec `ebpf:"ae_getsockopt"`
+	AeRecvmsg4     *ebpf.ProgramSpec `ebpf:"ae_recvmsg4"`
+	AeRecvmsg6     *ebpf.ProgramSpec `ebpf:"ae_recvmsg6"`
+	AeSendmsg4     *ebpf.ProgramSpec `ebpf:"ae_sendmsg4"`
+	AeSendmsg6     *ebpf.ProgramSpec `ebpf:"ae_sendmsg6"`
+	AeSockops      *ebpf.ProgramSpec `ebpf:"ae_sockops"`
 }
 
 // sockMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type sockMapSpecs struct {
-	AeNetns   *ebpf.MapSpec `ebpf:"ae_netns"`
-	AeOrigDst *ebpf.MapSpec `ebpf:"ae_orig_dst"`
-	AePodMeta *ebpf.MapSpec `ebpf:"ae_pod_meta"`
-	AePods    *ebpf.MapSpec `ebpf:"ae_pods"`
-	AeSkDst   *ebpf.MapSpec `ebpf:"ae_sk_dst"`
-	AeStats   *ebpf.MapSpec `ebpf:"ae_stats"`
+	AeNetns    *ebpf.MapSpec `ebpf:"ae_netns"`
+	AeOrigDst  *ebpf.MapSpec `ebpf:"ae_orig_dst"`
+	AePodMeta  *ebpf.MapSpec `ebpf:"ae_pod_meta"`
+	AePods     *ebpf.MapSpec `ebpf:"ae_pods"`
+	AeProbeNat *ebpf.MapSpec `ebpf:"ae_probe_nat"`
+	AeSkDst    *ebpf.MapSpec `ebpf:"ae_sk_dst"`
+	AeStats    *ebpf.MapSpec `ebpf:"ae_stats"`
 }
 
 // sockVariableSpecs contains global variables before they are loaded into the kernel.
@@ -190,12 +224,13 @@ func (o *sockObjects) Close() error {
 //
 // It can be passed to loadSockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type sockMaps struct {
-	AeNetns   *ebpf.Map `ebpf:"ae_netns"`
-	AeOrigDst *ebpf.Map `ebpf:"ae_orig_dst"`
-	AePodMeta *ebpf.Map `ebpf:"ae_pod_meta"`
-	AePods    *ebpf.Map `ebpf:"ae_pods"`
-	AeSkDst   *ebpf.Map `ebpf:"ae_sk_dst"`
-	AeStats   *ebpf.Map `ebpf:"ae_stats"`
+	AeNetns    *ebpf.Map `ebpf:"ae_netns"`
+	AeOrigDst  *ebpf.Map `ebpf:"ae_orig_dst"`
+	AePodMeta  *ebpf.Map `ebpf:"ae_pod_meta"`
+	AePods     *ebpf.Map `ebpf:"ae_pods"`
+	AeProbeNat *ebpf.Map `ebpf:"ae_probe_nat"`
+	AeSkDst    *ebpf.Map `ebpf:"ae_sk_dst"`
+	AeStats    *ebpf.Map `ebpf:"ae_stats"`
 }
 
 func (m *sockMaps) Close() error {
@@ -204,6 +239,7 @@ func (m *sockMaps) Close() error {
 		m.AeOrigDst,
 		m.AePodMeta,
 		m.AePods,
+		m.AeProbeNat,
 		m.AeSkDst,
 		m.AeStats,
 	)
@@ -220,17 +256,29 @@ type sockVariables struct {
 //
 // It can be passed to loadSockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type sockPrograms struct {
-	AeConnect4   *ebpf.Program `ebpf:"ae_connect4"`
-	AeConnect6   *ebpf.Program `ebpf:"ae_connect6"`
-	AeGetsockopt *ebpf.Program `ebpf:"ae_getsockopt"`
-	AeSockops    *ebpf.Program `ebpf:"ae_sockops"`
+	AeConnect4     *ebpf.Program `ebpf:"ae_connect4"`
+	AeConnect6     *ebpf.Program `ebpf:"ae_connect6"`
+	AeGetpeername4 *ebpf.Program `ebpf:"ae_getpeername4"`
+	AeGetpeername6 *ebpf.Program `ebpf:"ae_getpeername6"`
+	AeGetsockopt   *ebpf.Program `ebpf:"ae_getsockopt"`
+	AeRecvmsg4     *ebpf.Program `ebpf:"ae_recvmsg4"`
+	AeRecvmsg6     *ebpf.Program `ebpf:"ae_recvmsg6"`
+	AeSendmsg4     *ebpf.Program `ebpf:"ae_sendmsg4"`
+	AeSendmsg6     *ebpf.Program `ebpf:"ae_sendmsg6"`
+	AeSockops      *ebpf.Program `ebpf:"ae_sockops"`
 }
 
 func (p *sockPrograms) Close() error {
 	return _SockClose(
 		p.AeConnect4,
 		p.AeConnect6,
+		p.AeGetpeername4,
+		p.AeGetpeername6,
 		p.AeGetsockopt,
+		p.AeRecvmsg4,
+		p.AeRecvmsg6,
+		p.AeSendmsg4,
+		p.AeSendmsg6,
 		p.AeSockops,
 	)
 }

@@ -22,6 +22,8 @@ type tcAeConfig struct {
 	_            structs.HostLayout
 	ZtunnelMark  uint32
 	MarkMask     uint32
+	ReturnMark   uint32
+	Pad          uint32
 	OutboundPort uint16
 	InboundPort  uint16
 	HbonePort    uint16
@@ -84,6 +86,24 @@ type tcPodStats struct {
 	InboundRedirects  uint64
 	InboundNoListener uint64
 	OrigDstErrors     uint64
+	DnsRedirects      uint64
+	RerouteRedirects  uint64
+	ProbeSnat         uint64
+	ProbeNatFull      uint64
+}
+
+type tcProbeKey struct {
+	_        structs.HostLayout
+	Pod      tcAeAddr
+	PodPort  uint16
+	HostPort uint16
+	Pad      uint32
+}
+
+type tcProbeNat struct {
+	_          structs.HostLayout
+	Host       tcAeAddr
+	LastSeenNs uint64
 }
 
 // Names of all BPF objects in the ELF.
@@ -94,6 +114,7 @@ const (
 	tcMapAeOrigDst     = "ae_orig_dst"
 	tcMapAePodMeta     = "ae_pod_meta"
 	tcMapAePods        = "ae_pods"
+	tcMapAeProbeNat    = "ae_probe_nat"
 	tcMapAeSkDst       = "ae_sk_dst"
 	tcMapAeStats       = "ae_stats"
 	tcProgAePodIngress = "ae_pod_ingress"
@@ -149,12 +170,13 @@ type tcProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcMapSpecs struct {
-	AeNetns   *ebpf.MapSpec `ebpf:"ae_netns"`
-	AeOrigDst *ebpf.MapSpec `ebpf:"ae_orig_dst"`
-	AePodMeta *ebpf.MapSpec `ebpf:"ae_pod_meta"`
-	AePods    *ebpf.MapSpec `ebpf:"ae_pods"`
-	AeSkDst   *ebpf.MapSpec `ebpf:"ae_sk_dst"`
-	AeStats   *ebpf.MapSpec `ebpf:"ae_stats"`
+	AeNetns    *ebpf.MapSpec `ebpf:"ae_netns"`
+	AeOrigDst  *ebpf.MapSpec `ebpf:"ae_orig_dst"`
+	AePodMeta  *ebpf.MapSpec `ebpf:"ae_pod_meta"`
+	AePods     *ebpf.MapSpec `ebpf:"ae_pods"`
+	AeProbeNat *ebpf.MapSpec `ebpf:"ae_probe_nat"`
+	AeSkDst    *ebpf.MapSpec `ebpf:"ae_sk_dst"`
+	AeStats    *ebpf.MapSpec `ebpf:"ae_stats"`
 }
 
 // tcVariableSpecs contains global variables before they are loaded into the kernel.
@@ -184,12 +206,13 @@ func (o *tcObjects) Close() error {
 //
 // It can be passed to loadTcObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcMaps struct {
-	AeNetns   *ebpf.Map `ebpf:"ae_netns"`
-	AeOrigDst *ebpf.Map `ebpf:"ae_orig_dst"`
-	AePodMeta *ebpf.Map `ebpf:"ae_pod_meta"`
-	AePods    *ebpf.Map `ebpf:"ae_pods"`
-	AeSkDst   *ebpf.Map `ebpf:"ae_sk_dst"`
-	AeStats   *ebpf.Map `ebpf:"ae_stats"`
+	AeNetns    *ebpf.Map `ebpf:"ae_netns"`
+	AeOrigDst  *ebpf.Map `ebpf:"ae_orig_dst"`
+	AePodMeta  *ebpf.Map `ebpf:"ae_pod_meta"`
+	AePods     *ebpf.Map `ebpf:"ae_pods"`
+	AeProbeNat *ebpf.Map `ebpf:"ae_probe_nat"`
+	AeSkDst    *ebpf.Map `ebpf:"ae_sk_dst"`
+	AeStats    *ebpf.Map `ebpf:"ae_stats"`
 }
 
 func (m *tcMaps) Close() error {
@@ -198,6 +221,7 @@ func (m *tcMaps) Close() error {
 		m.AeOrigDst,
 		m.AePodMeta,
 		m.AePods,
+		m.AeProbeNat,
 		m.AeSkDst,
 		m.AeStats,
 	)
