@@ -152,7 +152,7 @@ func (s *Server) serveConn(ctx context.Context, c *conn) {
 	_ = c.uc.Close()
 	reader.Wait()
 	switch {
-	case ctx.Err() != nil:
+	case ctx.Err() != nil && errors.Is(err, ctx.Err()):
 		c.log.Info("connection closed: server stopping")
 	case errors.Is(err, io.EOF) && c.snapshotSent:
 		c.log.Info("connection ended: ztunnel disconnected", "reason", err.Error())

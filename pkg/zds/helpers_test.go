@@ -158,8 +158,9 @@ func startServer(tb testing.TB, cfg Config) *harness {
 // rawPeer is a hand-driven ztunnel: it writes bytes encoded with Istio's
 // published types and reads every datagram raw.
 type rawPeer struct {
-	tb testing.TB
-	uc *net.UnixConn
+	tb  testing.TB
+	uc  *net.UnixConn
+	fds []int // every descriptor received, closed by releaseFDs
 }
 
 func dialRaw(tb testing.TB, path string) *rawPeer {
@@ -168,8 +169,18 @@ func dialRaw(tb testing.TB, path string) *rawPeer {
 	if err != nil {
 		tb.Fatalf("dial %s: %v", path, err)
 	}
-	tb.Cleanup(func() { _ = uc.Close() })
-	return &rawPeer{tb: tb, uc: uc}
+	p := &rawPeer{tb: tb, uc: uc}
+	tb.Cleanup(func() {
+		_ = uc.Close()
+		p.releaseFDs()
+	})
+	return p
+}
+
+// releaseFDs closes every descriptor received so far.
+func (p *rawPeer) releaseFDs() {
+	zdswire.CloseAll(p.fds)
+	p.fds = nil
 }
 
 func (p *rawPeer) sendBytes(b []byte, fds ...int) {
@@ -204,14 +215,14 @@ type datagram struct {
 	fds  []int
 }
 
-// recvRaw reads one datagram within d; fds are closed when the test ends.
+// recvRaw reads one datagram within d; its fds are closed by releaseFDs.
 func (p *rawPeer) recvRaw(d time.Duration) (datagram, error) {
 	_ = p.uc.SetReadDeadline(time.Now().Add(d))
 	buf := make([]byte, 4096)
 	oob := make([]byte, unix.CmsgSpace(16*4))
 	n, oobn, flags, _, err := p.uc.ReadMsgUnix(buf, oob)
 	fds, perr := zdswire.ParseRights(oob[:oobn])
-	p.tb.Cleanup(func() { zdswire.CloseAll(fds) })
+	p.fds = append(p.fds, fds...)
 	if err = errors.Join(err, perr); err != nil {
 		return datagram{}, err
 	}
