@@ -30,6 +30,11 @@
 // its snapshot queue behind it; the connection is registered before the
 // snapshot is read, so no live change can fall between the two.
 //
+// Callers keep the pod state that Config.Snapshot reads and update it before
+// calling AddWorkload or DelWorkload. Then a connection that registers at
+// any moment either finds the change in its snapshot or receives it live
+// (or both: a repeated Add for the same netns is harmless to ztunnel, Z9).
+//
 // Liveness (Z8): every connection has a reader that is always blocked in
 // recvmsg, so a peer that closes is noticed at once, idle or not. A datagram
 // ztunnel sends when no request is in flight is a protocol error.
@@ -107,10 +112,9 @@ type Server struct {
 	log   *slog.Logger
 	ready chan struct{}
 
-	mu     sync.Mutex
-	conns  []*conn // registered (hello received), oldest first
-	nextID uint64
-	ran    bool
+	mu    sync.Mutex
+	conns []*conn // registered (hello received), oldest first
+	ran   bool
 }
 
 // NewServer validates cfg and fills in defaults. It does no I/O.
@@ -155,9 +159,10 @@ func (s *Server) Connections() int {
 	return len(s.conns)
 }
 
-// Run removes a stale socket file, listens, and serves connections until ctx
-// is done. It then closes every connection, removes the socket file (unless
-// another server has replaced it) and returns nil. Run may be called once.
+// Run listens (replacing a stale socket file; the socket is 0600, so only
+// root can connect) and serves connections until ctx is done. It then
+// closes every connection, removes the socket file (unless another server
+// has replaced it) and returns nil. Run may be called once.
 func (s *Server) Run(ctx context.Context) error {
 	s.mu.Lock()
 	if s.ran {
@@ -171,30 +176,40 @@ func (s *Server) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	defer removeIfSame(s.cfg.SocketPath, ino)
+	defer l.Close()
 	s.log.Info("listening")
 	close(s.ready)
 
+	// Connections live in a context of their own so that an accept failure
+	// ends them too.
+	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
 	stop := context.AfterFunc(ctx, func() { _ = l.Close() })
 	defer stop()
-	for {
+	backoff := time.Duration(0)
+	for id := uint64(1); ; id++ {
 		uc, err := l.AcceptUnix()
 		if err != nil {
-			if ctx.Err() == nil {
-				s.log.Error("accept failed; server stops", "err", err)
-			}
-			_ = l.Close()
-			wg.Wait()
-			removeIfSame(s.cfg.SocketPath, ino)
 			if ctx.Err() != nil {
 				return nil
 			}
-			return fmt.Errorf("accept on %s: %w", s.cfg.SocketPath, err)
+			if errors.Is(err, net.ErrClosed) {
+				return fmt.Errorf("accept on %s: %w", s.cfg.SocketPath, err)
+			}
+			// EMFILE and the like pass; retry like net/http does.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			s.log.Error("accept failed; retrying", "err", err.Error(), "backoff", backoff)
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(backoff):
+			}
+			continue
 		}
-		s.mu.Lock()
-		s.nextID++
-		id := s.nextID
-		s.mu.Unlock()
+		backoff = 0
 		c := newConn(uc, id, s.log)
 		wg.Go(func() { s.serveConn(ctx, c) })
 	}
@@ -270,42 +285,46 @@ func (s *Server) unregister(c *conn) {
 	}
 }
 
-// listen removes a stale socket at path and listens there, root-only. It
-// returns the socket's inode so Run removes only its own file.
+// listen binds the socket root-only and moves it into place at path,
+// replacing a stale socket file. The socket is bound in a private 0700
+// directory next to path and made 0600 before it appears at path, so no
+// other user can connect in between. It returns the socket's inode so the
+// server removes only its own file.
 func listen(path string) (*net.UnixListener, uint64, error) {
 	dir := filepath.Dir(path)
-	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
-		if err := os.MkdirAll(dir, 0o700); err != nil {
-			return nil, 0, fmt.Errorf("create socket directory: %w", err)
-		}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, 0, fmt.Errorf("create socket directory: %w", err)
 	}
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode().Type() != os.ModeSocket {
-			return nil, 0, fmt.Errorf("%s exists and is not a socket", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, 0, fmt.Errorf("remove stale socket: %w", err)
-		}
+	if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() != os.ModeSocket {
+		return nil, 0, fmt.Errorf("%s exists and is not a socket", path)
 	}
-	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	private, err := os.MkdirTemp(dir, ".zds-")
+	if err != nil {
+		return nil, 0, fmt.Errorf("create private bind directory: %w", err)
+	}
+	defer os.RemoveAll(private)
+	tmp := filepath.Join(private, "s")
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: tmp, Net: "unixpacket"})
 	if err != nil {
 		return nil, 0, fmt.Errorf("listen on %s: %w", path, err)
 	}
-	// A newer server may have replaced the file by the time this one stops;
-	// removeIfSame takes care of our own file only.
+	// The file moves and a newer server may replace it before this one
+	// stops; removeIfSame takes care of our own file only.
 	l.SetUnlinkOnClose(false)
 	var st unix.Stat_t
-	if err := unix.Chmod(path, 0o600); err != nil {
+	if err := errors.Join(unix.Chmod(tmp, 0o600), unix.Stat(tmp, &st)); err != nil {
 		_ = l.Close()
-		return nil, 0, fmt.Errorf("chmod socket: %w", err)
+		return nil, 0, fmt.Errorf("prepare socket: %w", err)
 	}
-	if err := unix.Stat(path, &st); err != nil {
+	// rename replaces a stale socket atomically.
+	if err := os.Rename(tmp, path); err != nil {
 		_ = l.Close()
-		return nil, 0, fmt.Errorf("stat socket: %w", err)
+		return nil, 0, fmt.Errorf("move socket into place: %w", err)
 	}
 	return l, st.Ino, nil
 }
 
+// removeIfSame removes path if it is still the socket with inode ino.
 func removeIfSame(path string, ino uint64) {
 	var st unix.Stat_t
 	if unix.Stat(path, &st) == nil && st.Ino == ino {

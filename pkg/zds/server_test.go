@@ -103,6 +103,16 @@ func TestRunRemovesStaleSocketAndListensRootOnly(t *testing.T) {
 	p.expectClosed(2 * time.Second)
 }
 
+// TestStoppingAReplacedServerKeepsTheNewSocket: during an agent upgrade the
+// new agent takes over the path; the old one stopping must not unlink it.
+func TestStoppingAReplacedServerKeepsTheNewSocket(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "zds.sock")
+	old := startServer(t, Config{SocketPath: path})
+	startServer(t, Config{SocketPath: path})
+	old.stop()
+	dialRaw(t, path).handshake(0)
+}
+
 func TestRunRefusesToRemoveANonSocket(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "zds.sock")
 	if err := os.WriteFile(path, []byte("x"), 0o600); err != nil {
