@@ -118,14 +118,7 @@ func TestBadInputEndsOnlyThatConnection(t *testing.T) {
 			eventually(t, 2*time.Second, func() bool { return h.srv.Connections() == 1 }, "only the good peer left")
 
 			// The good peer is unaffected.
-			done := doAsync(func() error { return h.srv.DelWorkload(context.Background(), "s1") })
-			if req, _ := good.recv(); req.GetDel().GetUid() != "s1" {
-				t.Fatalf("good peer got %v", req)
-			}
-			good.ack("")
-			if err := waitErr(t, done); err != nil {
-				t.Fatalf("DelWorkload after bad peer: %v", err)
-			}
+			h.delThrough(t, "s1", good)
 			// A new peer still gets the full snapshot.
 			if got := uids(dialRaw(t, h.path).handshake(1)); len(got) != 1 || got[0] != "keep:s1" {
 				t.Fatalf("new peer snapshot %v", got)

@@ -311,3 +311,19 @@ func waitErr(tb testing.TB, ch <-chan error) error {
 		return nil
 	}
 }
+
+// delThrough calls DelWorkload and checks that each peer receives it,
+// acks it, and that the call succeeds.
+func (h *harness) delThrough(tb testing.TB, uid string, peers ...*rawPeer) {
+	tb.Helper()
+	done := doAsync(func() error { return h.srv.DelWorkload(context.Background(), uid) })
+	for _, p := range peers {
+		if req, _ := p.recv(); req.GetDel().GetUid() != uid {
+			tb.Fatalf("got %v, want del %s", req, uid)
+		}
+		p.ack("")
+	}
+	if err := waitErr(tb, done); err != nil {
+		tb.Fatalf("DelWorkload %s: %v", uid, err)
+	}
+}

@@ -288,30 +288,12 @@ func TestZ7ZtunnelRestartOverlappingConnections(t *testing.T) {
 	}
 	oldZ.expectNothing(200 * time.Millisecond)
 
-	done = doAsync(func() error { return h.srv.DelWorkload(ctx, "existing") })
-	for _, z := range []*rawPeer{oldZ, newZ} {
-		req, _ := z.recv()
-		if req.GetDel().GetUid() != "existing" {
-			t.Fatalf("got %v, want del existing", req)
-		}
-		z.ack("")
-	}
-	if err := waitErr(t, done); err != nil {
-		t.Fatalf("DelWorkload: %v", err)
-	}
+	h.delThrough(t, "existing", oldZ, newZ)
 
 	// The old ztunnel exits; the new one keeps receiving.
 	_ = oldZ.uc.Close()
 	eventually(t, 5*time.Second, func() bool { return h.srv.Connections() == 1 }, "old connection dropped")
-	done = doAsync(func() error { return h.srv.DelWorkload(ctx, "fresh") })
-	req, _ = newZ.recv()
-	if req.GetDel().GetUid() != "fresh" {
-		t.Fatalf("got %v", req)
-	}
-	newZ.ack("")
-	if err := waitErr(t, done); err != nil {
-		t.Fatalf("DelWorkload: %v", err)
-	}
+	h.delThrough(t, "fresh", newZ)
 }
 
 // TestZ7LiveAddDuringSnapshotIsQueuedBehindIt: a connection registered

@@ -296,13 +296,7 @@ func TestZ3KeepAfterSnapshotSentIsAProtocolError(t *testing.T) {
 // workload_info; other requests must carry none. Every received descriptor
 // is closed.
 func TestZ5DescriptorRulesAreEnforced(t *testing.T) {
-	ns := nstest.NewNetns(t)
-	f, err := os.Open(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	fd := int(f.Fd())
+	fd := netnsFD(t)
 	add := func(info *zdsapi.WorkloadInfo) *zdsapi.WorkloadRequest {
 		return &zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_Add{Add: &zdsapi.AddWorkload{Uid: "x", WorkloadInfo: info}}}
 	}
@@ -339,15 +333,21 @@ func TestZ5DescriptorRulesAreEnforced(t *testing.T) {
 }
 
 func TestNackTextIsTrimmedToOneDatagram(t *testing.T) {
-	ns := nstest.NewNetns(t)
-	f, err := os.Open(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	fd := netnsFD(t)
 	rec := newRecorder(t)
 	rec.fail["x"] = errors.New(strings.Repeat("é", 2000))
 	a, _ := serveFake(t, rec)
-	a.send(&zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_Add{Add: &zdsapi.AddWorkload{Uid: "x", WorkloadInfo: &zdsapi.WorkloadInfo{}}}}, int(f.Fd()))
+	a.send(&zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_Add{Add: &zdsapi.AddWorkload{Uid: "x", WorkloadInfo: &zdsapi.WorkloadInfo{}}}}, fd)
 	a.expectAck("é")
+}
+
+// netnsFD opens a throwaway netns; the descriptor is closed when the test ends.
+func netnsFD(t *testing.T) int {
+	t.Helper()
+	f, err := os.Open(nstest.NewNetns(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Close() })
+	return int(f.Fd())
 }
