@@ -243,8 +243,9 @@ func (s *Server) AddWorkload(ctx context.Context, w Workload) error {
 }
 
 // DelWorkload sends DelWorkload to every connection and waits for every Ack
-// (Z7). With no connection it returns nil: the pod will be absent from the
-// next snapshot, which makes ztunnel drop it (Z3).
+// (Z7); the error joins the failures of each connection. With no connection
+// it returns nil: the pod will be absent from the next snapshot, which makes
+// ztunnel drop it (Z3).
 func (s *Server) DelWorkload(ctx context.Context, uid string) error {
 	if uid == "" {
 		return errors.New("del workload: empty uid")
@@ -256,7 +257,9 @@ func (s *Server) DelWorkload(ctx context.Context, uid string) error {
 	var wg sync.WaitGroup
 	for i, c := range conns {
 		wg.Go(func() {
-			if err := c.do(ctx, delRequest(uid)); err != nil {
+			// A connection that ended before taking the request needs no
+			// Del: its ztunnel gets a fresh snapshot when it reconnects.
+			if err := c.do(ctx, delRequest(uid)); err != nil && !errors.Is(err, ErrConnectionClosed) {
 				errs[i] = fmt.Errorf("connection %d: %w", c.id, err)
 			}
 		})

@@ -210,6 +210,46 @@ func TestZ4AckTimeoutFailsRequestAndEndsConnection(t *testing.T) {
 	h.logs.waitLine(t, "connection ended", "no ack for del p1 within deadline")
 }
 
+// TestZ4PeerLeavingMidRequestFailsTheCall: a ztunnel that disconnects
+// while an Add is in flight fails that Add; the server notices at once.
+func TestZ4PeerLeavingMidRequestFailsTheCall(t *testing.T) {
+	ns := nstest.NewNetns(t)
+	h := startServer(t, Config{})
+	p := dialRaw(t, h.path)
+	p.handshake(0)
+	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "registered")
+	done := doAsync(func() error { return h.srv.AddWorkload(context.Background(), Workload{UID: "p1", Netns: ns}) })
+	p.recv()
+	_ = p.uc.Close()
+	err := waitErr(t, done)
+	if err == nil || !strings.Contains(err.Error(), "peer closed the connection") {
+		t.Fatalf("AddWorkload to a departed peer: %v", err)
+	}
+	eventually(t, time.Second, func() bool { return h.srv.Connections() == 0 }, "connection dropped")
+	if err := h.srv.AddWorkload(context.Background(), Workload{UID: "p1", Netns: ns}); !errors.Is(err, ErrNoZtunnel) {
+		t.Fatalf("AddWorkload with nobody left: %v", err)
+	}
+}
+
+// TestZ6Z7NackFromOneConnectionFailsDelButReachesTheOther.
+func TestZ6Z7NackFromOneConnectionFailsDelButReachesTheOther(t *testing.T) {
+	h := startServer(t, Config{})
+	a, b := dialRaw(t, h.path), dialRaw(t, h.path)
+	a.handshake(0)
+	b.handshake(0)
+	eventually(t, time.Second, func() bool { return h.srv.Connections() == 2 }, "two connections")
+	done := doAsync(func() error { return h.srv.DelWorkload(context.Background(), "p1") })
+	a.recv()
+	b.recv()
+	a.ack("no such workload")
+	b.ack("")
+	err := waitErr(t, done)
+	if !errors.Is(err, ErrNack) || !strings.Contains(err.Error(), "no such workload") {
+		t.Fatalf("DelWorkload with one NACK: %v", err)
+	}
+	h.delThrough(t, "p2", a, b) // both connections stay
+}
+
 // TestZ6NackReturnsErrorAndKeepsConnection.
 func TestZ6NackReturnsErrorAndKeepsConnection(t *testing.T) {
 	ns := nstest.NewNetns(t)
