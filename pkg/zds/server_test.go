@@ -250,6 +250,37 @@ func TestZ6Z7NackFromOneConnectionFailsDelButReachesTheOther(t *testing.T) {
 	h.delThrough(t, "p2", a, b) // both connections stay
 }
 
+// TestZ9RepeatedAddCarriesTheSameNetnsIdentity: each Add opens the netns
+// afresh, but the descriptor always names the same (dev, inode), which is
+// what lets ztunnel treat a repeated Add as harmless.
+func TestZ9RepeatedAddCarriesTheSameNetnsIdentity(t *testing.T) {
+	ns := nstest.NewNetns(t)
+	h := startServer(t, Config{Snapshot: func() []Workload { return []Workload{{UID: "p1", Netns: ns}} }})
+	p := dialRaw(t, h.path)
+	p.hello()
+	want := nstest.IdentOfPath(t, ns)
+	check := func(d datagram) {
+		t.Helper()
+		if len(d.fds) != 1 || nstest.IdentOfFD(t, d.fds[0]) != want {
+			t.Fatalf("add carried %d fds, want one naming %+v", len(d.fds), want)
+		}
+	}
+	_, d := p.recv()
+	check(d)
+	p.ack("")
+	p.recv() // snapshot_sent
+	p.ack("")
+	for range 2 {
+		done := doAsync(func() error { return h.srv.AddWorkload(context.Background(), Workload{UID: "p1", Netns: ns}) })
+		_, d := p.recv()
+		check(d)
+		p.ack("")
+		if err := waitErr(t, done); err != nil {
+			t.Fatalf("repeated AddWorkload: %v", err)
+		}
+	}
+}
+
 // TestZ6NackReturnsErrorAndKeepsConnection.
 func TestZ6NackReturnsErrorAndKeepsConnection(t *testing.T) {
 	ns := nstest.NewNetns(t)
