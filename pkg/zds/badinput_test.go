@@ -78,6 +78,7 @@ func TestBadInputEndsOnlyThatConnection(t *testing.T) {
 		{name: "empty datagram instead of hello", phase: atHello, data: []byte{}, reason: "waiting for hello: peer closed"},
 		{name: "ack carrying a file descriptor", phase: atSnapshot, data: ack, fds: []int{nullFD}, reason: "ack for keep s1 carried 1 file descriptors"},
 		{name: "ack carrying two file descriptors", phase: atSnapshot, data: ack, fds: []int{nullFD, nullFD}, reason: "carried 2 file descriptors"},
+		{name: "ack carrying more descriptors than fit", phase: atSnapshot, data: ack, fds: repeatFD(nullFD, 9), reason: "ancillary data truncated"},
 		{name: "hello carrying a file descriptor", phase: atHello, data: hello, fds: []int{nullFD}, reason: "hello carried 1 file descriptors"},
 		{name: "unsolicited ack while idle", phase: atIdle, data: ack, reason: "unsolicited datagram while idle"},
 		{name: "unsolicited descriptor while idle", phase: atIdle, data: ack, fds: []int{nullFD}, reason: "unsolicited datagram while idle (2 bytes, 1 file descriptors)"},
@@ -166,4 +167,14 @@ func TestNoDescriptorLeakAcrossAddNackAndTimeout(t *testing.T) {
 	if after := nstest.CountFDs(t); after != before {
 		t.Fatalf("descriptors: %d before, %d after", before, after)
 	}
+}
+
+// repeatFD returns fd n times; nine is one more than the server's control
+// buffer holds.
+func repeatFD(fd, n int) []int {
+	fds := make([]int, n)
+	for i := range fds {
+		fds[i] = fd
+	}
+	return fds
 }
