@@ -351,3 +351,28 @@ func netnsFD(t *testing.T) int {
 	t.Cleanup(func() { _ = f.Close() })
 	return int(f.Fd())
 }
+
+// TestZ7TwoClientsDuringRollout: with an old and a new stand-in connected,
+// the new one gets the full snapshot, Add reaches only the new one and Del
+// reaches both.
+func TestZ7TwoClientsDuringRollout(t *testing.T) {
+	ns := nstest.NewNetns(t)
+	path := filepath.Join(t.TempDir(), "zds.sock")
+	srv, _ := runServer(t, path, func() []zds.Workload { return []zds.Workload{{UID: "a"}} })
+	oldZ, newZ := newRecorder(t), newRecorder(t)
+	runClient(t, Config{SocketPath: path, Handler: oldZ})
+	oldZ.expect("keep a", "snapshot_sent a")
+	runClient(t, Config{SocketPath: path, Handler: newZ})
+	newZ.expect("keep a", "snapshot_sent a")
+
+	ctx := context.Background()
+	if err := srv.AddWorkload(ctx, zds.Workload{UID: "b", Name: "pb", Namespace: "ns", ServiceAccount: "sa", Netns: ns}); err != nil {
+		t.Fatalf("AddWorkload: %v", err)
+	}
+	newZ.expect("add b ns/pb sa=sa")
+	if err := srv.DelWorkload(ctx, "a"); err != nil {
+		t.Fatalf("DelWorkload: %v", err)
+	}
+	newZ.expect("del a")
+	oldZ.expect("del a") // the old one got no add in between
+}
