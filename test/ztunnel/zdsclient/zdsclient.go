@@ -15,6 +15,7 @@
 //	func New(cfg Config) (*Client, error)
 //	func (c *Client) Run(ctx context.Context) error
 //	func ServeConn(ctx context.Context, uc *net.UnixConn, h Handler, log *slog.Logger) error
+//	func HandlerFor(p PodSet) Handler // adapts a proxy with AddPod/DelPod/Pods
 package zdsclient
 
 import (
