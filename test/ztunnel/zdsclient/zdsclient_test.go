@@ -265,30 +265,33 @@ func expectProtocolError(t *testing.T, res <-chan error, want string) {
 	}
 }
 
-var (
-	snapshotSent = &zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_SnapshotSent{SnapshotSent: &zdsapi.SnapshotSent{}}}
-	keepX        = &zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_Keep{Keep: &zdsapi.KeepWorkload{Uid: "x"}}}
-)
+func snapshotSent() *zdsapi.WorkloadRequest {
+	return &zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_SnapshotSent{SnapshotSent: &zdsapi.SnapshotSent{}}}
+}
+
+func keepX() *zdsapi.WorkloadRequest {
+	return &zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_Keep{Keep: &zdsapi.KeepWorkload{Uid: "x"}}}
+}
 
 func TestZ3SecondSnapshotSentIsAProtocolError(t *testing.T) {
 	rec := newRecorder(t)
 	a, res := serveFake(t, rec)
-	a.send(snapshotSent)
+	a.send(snapshotSent())
 	a.expectAck("")
 	rec.expect("snapshot_sent ")
-	a.send(snapshotSent)
+	a.send(snapshotSent())
 	expectProtocolError(t, res, "second snapshot_sent")
 }
 
 func TestZ3KeepAfterSnapshotSentIsAProtocolError(t *testing.T) {
 	rec := newRecorder(t)
 	a, res := serveFake(t, rec)
-	a.send(keepX)
+	a.send(keepX())
 	a.expectAck("")
-	a.send(snapshotSent)
+	a.send(snapshotSent())
 	a.expectAck("")
 	rec.expect("keep x", "snapshot_sent x")
-	a.send(keepX)
+	a.send(keepX())
 	expectProtocolError(t, res, "keep x after snapshot_sent")
 }
 
@@ -310,7 +313,7 @@ func TestZ5DescriptorRulesAreEnforced(t *testing.T) {
 		{"add without descriptor", add(info), nil, "add x with 0 descriptors"},
 		{"add with two descriptors", add(info), []int{fd, fd}, "add x with 2 descriptors"},
 		{"add without workload_info", add(nil), []int{fd}, "workload_info set: false"},
-		{"keep with a descriptor", keepX, []int{fd}, "keep carried 1 descriptors"},
+		{"keep with a descriptor", keepX(), []int{fd}, "keep carried 1 descriptors"},
 		{"unknown request (field 9)", nil, []int{fd}, "unknown message"},
 	}
 	before := nstest.CountFDs(t)
