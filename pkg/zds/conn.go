@@ -1,0 +1,325 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package zds
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"istio.io/istio/pkg/zdsapi"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/zdswire"
+)
+
+// request is one live AddWorkload or DelWorkload handed to a connection.
+type request struct {
+	msg    *zdsapi.WorkloadRequest
+	netns  string     // AddWorkload only: path whose descriptor travels along
+	result chan error // buffered: the connection never blocks on it
+}
+
+func addRequest(w Workload) *request {
+	return &request{msg: addMessage(w), netns: w.Netns, result: make(chan error, 1)}
+}
+
+func delRequest(uid string) *request {
+	return &request{
+		msg:    &zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_Del{Del: &zdsapi.DelWorkload{Uid: uid}}},
+		result: make(chan error, 1),
+	}
+}
+
+// addMessage always sets workload_info (Z5): current ztunnel treats a
+// missing one as fatal.
+func addMessage(w Workload) *zdsapi.WorkloadRequest {
+	return &zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_Add{Add: &zdsapi.AddWorkload{
+		Uid: w.UID,
+		WorkloadInfo: &zdsapi.WorkloadInfo{
+			Name:           w.Name,
+			Namespace:      w.Namespace,
+			ServiceAccount: w.ServiceAccount,
+		},
+	}}}
+}
+
+func keepMessage(uid string) *zdsapi.WorkloadRequest {
+	return &zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_Keep{Keep: &zdsapi.KeepWorkload{Uid: uid}}}
+}
+
+func snapshotSentMessage() *zdsapi.WorkloadRequest {
+	return &zdsapi.WorkloadRequest{Payload: &zdsapi.WorkloadRequest_SnapshotSent{SnapshotSent: &zdsapi.SnapshotSent{}}}
+}
+
+// describe names a request for errors and logs.
+func describe(m *zdsapi.WorkloadRequest) string {
+	switch p := m.GetPayload().(type) {
+	case *zdsapi.WorkloadRequest_Add:
+		return "add " + p.Add.GetUid()
+	case *zdsapi.WorkloadRequest_Keep:
+		return "keep " + p.Keep.GetUid()
+	case *zdsapi.WorkloadRequest_Del:
+		return "del " + p.Del.GetUid()
+	case *zdsapi.WorkloadRequest_SnapshotSent:
+		return "snapshot_sent"
+	default:
+		return "unknown request"
+	}
+}
+
+// inbound is one datagram (or read error) from ztunnel. Descriptors that
+// came with it are already closed; nfds counts them.
+type inbound struct {
+	data []byte
+	nfds int
+	err  error
+}
+
+// conn is one ztunnel connection. Its serve goroutine owns the socket's
+// write side and handles one request at a time; its reader owns the read
+// side and is always waiting in recvmsg, which is what notices a closed
+// peer while the connection is idle (Z8).
+type conn struct {
+	uc   *net.UnixConn
+	id   uint64
+	log  *slog.Logger
+	reqs chan *request // unbuffered: a request is either taken or not
+	in   chan inbound
+	done chan struct{} // closed when the connection has ended
+
+	// snapshotSent is set by the serve goroutine only.
+	snapshotSent bool
+}
+
+func newConn(uc *net.UnixConn, id uint64, log *slog.Logger) *conn {
+	return &conn{
+		uc:   uc,
+		id:   id,
+		log:  log.With("conn", id),
+		reqs: make(chan *request),
+		in:   make(chan inbound),
+		done: make(chan struct{}),
+	}
+}
+
+// do hands r to the connection and waits for its outcome.
+func (c *conn) do(ctx context.Context, r *request) error {
+	select {
+	case c.reqs <- r:
+	case <-c.done:
+		return ErrConnectionClosed
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-r.result:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (c *conn) readLoop() {
+	for {
+		data, fds, err := zdswire.Recv(c.uc)
+		// ztunnel never sends descriptors; close them before anything else.
+		zdswire.CloseAll(fds)
+		select {
+		case c.in <- inbound{data: data, nfds: len(fds), err: err}:
+		case <-c.done:
+			return
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// serveConn runs one connection from hello to its end and logs why it ended.
+func (s *Server) serveConn(ctx context.Context, c *conn) {
+	var reader sync.WaitGroup
+	reader.Go(c.readLoop)
+	err := s.session(ctx, c)
+	s.unregister(c)
+	close(c.done)
+	_ = c.uc.Close()
+	reader.Wait()
+	switch {
+	case ctx.Err() != nil && errors.Is(err, ctx.Err()):
+		c.log.Info("connection closed: server stopping")
+	case errors.Is(err, io.EOF) && c.snapshotSent:
+		c.log.Info("connection ended: ztunnel disconnected", "reason", err.Error())
+	default:
+		c.log.Warn("connection ended", "reason", err.Error())
+	}
+}
+
+// session speaks the protocol on c until it fails or ctx ends; it always
+// returns the reason the connection ends.
+func (s *Server) session(ctx context.Context, c *conn) error {
+	// Z1: hello first, within HelloTimeout.
+	in, err := c.next(ctx, time.Now().Add(s.cfg.HelloTimeout), "hello")
+	if err != nil {
+		return err
+	}
+	if in.nfds > 0 {
+		return fmt.Errorf("hello carried %d file descriptors", in.nfds)
+	}
+	hello, err := zdswire.DecodeHello(in.data)
+	if err != nil {
+		return err
+	}
+	// Register before reading the snapshot: a live change made from here
+	// on queues on this connection, so none falls between the two (Z7).
+	s.register(c)
+	c.log.Info("ztunnel connected", "version", hello.GetVersion().String())
+
+	// Z2: the snapshot, one acked message at a time.
+	for _, w := range s.cfg.Snapshot() {
+		if err := s.sendSnapshotEntry(ctx, c, w); err != nil {
+			return fmt.Errorf("during snapshot: %w", err)
+		}
+	}
+	// Z3.
+	if reqErr, connErr := c.exchange(ctx, snapshotSentMessage(), "", s.cfg.AckTimeout); connErr != nil {
+		return fmt.Errorf("during snapshot: %w", connErr)
+	} else if reqErr != nil {
+		c.log.Warn("snapshot_sent rejected", "err", reqErr.Error())
+	}
+	c.snapshotSent = true
+	c.log.Info("snapshot sent")
+
+	// Z4: live requests, one in flight.
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case r := <-c.reqs:
+			reqErr, connErr := c.exchange(ctx, r.msg, r.netns, s.cfg.AckTimeout)
+			if connErr != nil {
+				r.result <- connErr
+				return connErr
+			}
+			r.result <- reqErr
+		case in := <-c.in:
+			if in.err != nil {
+				return in.err
+			}
+			return fmt.Errorf("unsolicited datagram while idle (%d bytes, %d file descriptors)", len(in.data), in.nfds)
+		}
+	}
+}
+
+// sendSnapshotEntry sends AddWorkload for w, or KeepWorkload when w's netns
+// is unknown or cannot be opened any more. A NACK is logged and the
+// snapshot goes on, as upstream does.
+func (s *Server) sendSnapshotEntry(ctx context.Context, c *conn, w Workload) error {
+	msg, netns := addMessage(w), w.Netns
+	if netns == "" {
+		msg = keepMessage(w.UID)
+	}
+	reqErr, connErr := c.exchange(ctx, msg, netns, s.cfg.AckTimeout)
+	if connErr != nil {
+		return connErr
+	}
+	var nsErr *netnsError
+	if errors.As(reqErr, &nsErr) {
+		c.log.Warn("netns unavailable; sending keep", "uid", w.UID, "err", reqErr.Error())
+		reqErr, connErr = c.exchange(ctx, keepMessage(w.UID), "", s.cfg.AckTimeout)
+		if connErr != nil {
+			return connErr
+		}
+	}
+	if reqErr != nil {
+		c.log.Warn("snapshot entry rejected", "uid", w.UID, "err", reqErr.Error())
+	}
+	return nil
+}
+
+// netnsError: the netns of an AddWorkload could not be opened; nothing was
+// sent, the connection is fine.
+type netnsError struct{ err error }
+
+func (e *netnsError) Error() string { return e.err.Error() }
+func (e *netnsError) Unwrap() error { return e.err }
+
+// exchange writes msg (with netns's descriptor when netns is set) and waits
+// for its Ack, both before timeout (Z4). reqErr fails only this request (a
+// NACK, an unopenable netns); connErr ends the connection.
+func (c *conn) exchange(ctx context.Context, msg *zdsapi.WorkloadRequest, netns string, timeout time.Duration) (reqErr, connErr error) {
+	what := describe(msg)
+	var fds []int
+	if netns != "" {
+		fd, err := openNetns(netns)
+		if err != nil {
+			return &netnsError{fmt.Errorf("%s: %w", what, err)}, nil
+		}
+		defer unix.Close(fd)
+		fds = []int{fd}
+	}
+	deadline := time.Now().Add(timeout)
+	if err := c.uc.SetWriteDeadline(deadline); err != nil {
+		return nil, fmt.Errorf("%s: set write deadline: %w", what, err)
+	}
+	if err := zdswire.Send(c.uc, msg, fds...); err != nil {
+		return nil, fmt.Errorf("%s: %w", what, err)
+	}
+	in, err := c.next(ctx, deadline, "ack for "+what)
+	if err != nil {
+		return nil, err
+	}
+	if in.nfds > 0 {
+		return nil, fmt.Errorf("ack for %s carried %d file descriptors", what, in.nfds)
+	}
+	ack, err := zdswire.DecodeResponse(in.data)
+	if err != nil {
+		return nil, fmt.Errorf("ack for %s: %w", what, err)
+	}
+	if e := ack.GetError(); e != "" {
+		return fmt.Errorf("%s: %w: %s", what, ErrNack, e), nil
+	}
+	return nil, nil
+}
+
+// next waits for the next datagram until deadline.
+func (c *conn) next(ctx context.Context, deadline time.Time, what string) (inbound, error) {
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	select {
+	case in := <-c.in:
+		if in.err != nil {
+			return in, fmt.Errorf("waiting for %s: %w", what, in.err)
+		}
+		return in, nil
+	case <-t.C:
+		return inbound{}, fmt.Errorf("no %s within deadline: %w", what, errTimeout)
+	case <-ctx.Done():
+		return inbound{}, ctx.Err()
+	}
+}
+
+var errTimeout = errors.New("timeout")
+
+// openNetns opens path and checks that it is a network namespace, so a
+// wrong path fails here and not inside ztunnel.
+func openNetns(path string) (int, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open netns %s: %w", path, err)
+	}
+	typ, err := unix.IoctlRetInt(fd, unix.NS_GET_NSTYPE)
+	if err != nil || typ != unix.CLONE_NEWNET {
+		_ = unix.Close(fd)
+		return -1, fmt.Errorf("%s is not a network namespace (type %#x): %w", path, typ, errors.Join(err, errNotNetns))
+	}
+	return fd, nil
+}
+
+var errNotNetns = errors.New("not a network namespace")
