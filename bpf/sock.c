@@ -317,28 +317,47 @@ int ae_getpeername6(struct bpf_sock_addr *ctx)
 	return SYS_PROCEED;
 }
 
-static __always_inline void addr_of_sockops(struct bpf_sock_ops *skops, struct ae_addr *a, bool remote)
-{
-	if (skops->family == AF_INET) {
-		addr_set_v4(a, remote ? skops->remote_ip4 : skops->local_ip4);
-	} else if (remote) {
-		__u32 ip6[4] = {skops->remote_ip6[0], skops->remote_ip6[1], skops->remote_ip6[2],
-				skops->remote_ip6[3]};
+/*
+ * Socket addresses are read unconditionally and pinned in registers before
+ * the family is looked at. Otherwise clang merges the IPv4 and IPv6 loads
+ * into one load at a computed offset, which the verifier refuses for
+ * context and socket pointers.
+ */
 
-		addr_set_v6(a, ip6);
+static __always_inline void pick_addr(struct ae_addr *a, __u32 family, __u32 v4, __u32 w0, __u32 w1,
+				      __u32 w2, __u32 w3)
+{
+	barrier_var(v4);
+	barrier_var(w0);
+	barrier_var(w1);
+	barrier_var(w2);
+	barrier_var(w3);
+	if (family == AF_INET) {
+		addr_set_v4(a, v4);
 	} else {
-		__u32 ip6[4] = {skops->local_ip6[0], skops->local_ip6[1], skops->local_ip6[2],
-				skops->local_ip6[3]};
+		__u32 ip6[4] = {w0, w1, w2, w3};
 
 		addr_set_v6(a, ip6);
 	}
+}
+
+static __always_inline void sockops_local(struct bpf_sock_ops *skops, struct ae_addr *a)
+{
+	pick_addr(a, skops->family, skops->local_ip4, skops->local_ip6[0], skops->local_ip6[1],
+		  skops->local_ip6[2], skops->local_ip6[3]);
+}
+
+static __always_inline void sockops_remote(struct bpf_sock_ops *skops, struct ae_addr *a)
+{
+	pick_addr(a, skops->family, skops->remote_ip4, skops->remote_ip6[0], skops->remote_ip6[1],
+		  skops->remote_ip6[2], skops->remote_ip6[3]);
 }
 
 static __always_inline void orig_key_of_local(struct bpf_sock_ops *skops, struct orig_key *key)
 {
 	__builtin_memset(key, 0, sizeof(*key));
 	key->netns_cookie = bpf_get_netns_cookie(skops);
-	addr_of_sockops(skops, &key->addr, false);
+	sockops_local(skops, &key->addr);
 	/* sockops gives the local port in host byte order. */
 	key->port = bpf_htons((__u16)skops->local_port);
 }
@@ -347,7 +366,7 @@ static __always_inline void orig_key_of_local(struct bpf_sock_ops *skops, struct
 static __always_inline void probe_key_of(struct bpf_sock_ops *skops, struct probe_key *key)
 {
 	__builtin_memset(key, 0, sizeof(*key));
-	addr_of_sockops(skops, &key->pod, true);
+	sockops_remote(skops, &key->pod);
 	/* remote_port holds the network-order port in its low 16 bits. */
 	key->pod_port = (__be16)skops->remote_port;
 	key->host_port = bpf_htons((__u16)skops->local_port);
@@ -375,7 +394,7 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 		orig_key_of_local(skops, &key);
 		track = bpf_map_update_elem(&ae_orig_dst, &key, od, BPF_ANY) == 0;
 	} else {
-		addr_of_sockops(skops, &remote, true);
+		sockops_remote(skops, &remote);
 		track = bpf_map_lookup_elem(&ae_pods, &remote) != NULL;
 	}
 	if (track)
@@ -409,19 +428,14 @@ int ae_sockops(struct bpf_sock_ops *skops)
 	return 1;
 }
 
-static __always_inline void sock_addr_of(struct bpf_sock *sk, struct ae_addr *a, bool remote)
+static __always_inline void sock_remote(struct bpf_sock *sk, struct ae_addr *a)
 {
-	if (sk->family == AF_INET) {
-		addr_set_v4(a, remote ? sk->dst_ip4 : sk->src_ip4);
-	} else if (remote) {
-		__u32 ip6[4] = {sk->dst_ip6[0], sk->dst_ip6[1], sk->dst_ip6[2], sk->dst_ip6[3]};
+	pick_addr(a, sk->family, sk->dst_ip4, sk->dst_ip6[0], sk->dst_ip6[1], sk->dst_ip6[2], sk->dst_ip6[3]);
+}
 
-		addr_set_v6(a, ip6);
-	} else {
-		__u32 ip6[4] = {sk->src_ip6[0], sk->src_ip6[1], sk->src_ip6[2], sk->src_ip6[3]};
-
-		addr_set_v6(a, ip6);
-	}
+static __always_inline void sock_local(struct bpf_sock *sk, struct ae_addr *a)
+{
+	pick_addr(a, sk->family, sk->src_ip4, sk->src_ip6[0], sk->src_ip6[1], sk->src_ip6[2], sk->src_ip6[3]);
 }
 
 /*
@@ -442,7 +456,7 @@ static __always_inline bool lookup_orig_dst(struct bpf_sockopt *ctx, struct orig
 		return false;
 	cookie = bpf_get_netns_cookie(ctx);
 	key.netns_cookie = cookie;
-	sock_addr_of(sk, &key.addr, true);
+	sock_remote(sk, &key.addr);
 	key.port = (__be16)sk->dst_port;
 	od = bpf_map_lookup_elem(&ae_orig_dst, &key);
 	if (od) {
@@ -455,7 +469,7 @@ static __always_inline bool lookup_orig_dst(struct bpf_sockopt *ctx, struct orig
 	if (sk->src_port == ae_cfg.outbound_port || sk->src_port == ae_cfg.inbound_port ||
 	    sk->src_port == ae_cfg.hbone_port || sk->src_port == ae_cfg.dns_port)
 		return false;
-	sock_addr_of(sk, &out->addr, false);
+	sock_local(sk, &out->addr);
 	out->port = bpf_htons((__u16)sk->src_port);
 	out->family = ip6_is_v4_mapped((__u32 *)out->addr.b) ? AF_INET : AF_INET6;
 	return true;
