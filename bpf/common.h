@@ -43,10 +43,11 @@ struct pod_meta {
 	char uid[40];
 	char namespace[64];
 	char name[128];
-	char ifname[16]; /* the pod-side interface the ingress program is on */
+	char ifname[16];      /* the pod-side interface the ingress program is on */
+	char host_ifname[16]; /* the node side of the pod's veth */
 	__u64 netns_cookie;
 	__u32 in_use;
-	__u32 pad;
+	__u32 saved_fwmark_accept; /* the pod's tcp_fwmark_accept before enrollment */
 };
 
 /* The original destination of a redirected connection. */

@@ -2,8 +2,16 @@
 /* Copyright ambient-ebpf authors */
 
 /*
- * Inbound capture on the pod's own interface, inside the pod netns (TCX
- * ingress, chained: traffic that is not ours goes on to the next program).
+ * TC programs (TCX, chained: traffic that is not ours goes on to the next
+ * program).
+ *
+ * Inside the pod netns:
+ *   ae_pod_ingress    on the pod's interface: inbound capture (R5-R7).
+ *   ae_pod_lo_ingress on lo: marks ztunnel's connections to the app so the
+ *                     app's replies route back to ztunnel (R10).
+ *   ae_pod_reroute    on virtual interfaces: their TCP goes to :15001 (R14).
+ * On the node side of the pod's veth:
+ *   ae_host_egress / ae_host_ingress: host-probe SNAT (H1-H3).
  *
  * R5: a TCP flow to an enrolled pod's IP that no socket owns yet is handed
  * to ztunnel's :15006 listener with bpf_sk_assign. No packet is rewritten:
@@ -29,14 +37,24 @@ char __license[] SEC("license") = "Dual BSD/GPL";
 #define IPPROTO_TCP_ 6
 #define IP_MF_OFFSET 0x3fff /* more-fragments flag and fragment offset */
 
+#define ETH_HLEN_      14
+#define IP_CSUM_OFF    (ETH_HLEN_ + 10)
+#define IP_SRC_OFF     (ETH_HLEN_ + 12)
+#define IP_DST_OFF     (ETH_HLEN_ + 16)
+#define IP6_SRC_OFF    (ETH_HLEN_ + 8)
+#define IP6_DST_OFF    (ETH_HLEN_ + 24)
+#define TCP_CSUM_OFF   16
+
 struct flow {
 	struct ae_addr saddr;
 	struct ae_addr daddr;
 	struct bpf_sock_tuple tuple;
+	__u32 l4_off; /* offset of the TCP header from the start of the frame */
 	bool v6;
 	__be16 sport;
 	__be16 dport;
 	bool syn;
+	bool fin_or_rst;
 };
 
 /* Parses Ethernet + IPv4/IPv6 + TCP. Returns 0 for a TCP segment whose
@@ -62,6 +80,7 @@ static __always_inline int parse_tcp(struct __sk_buff *skb, struct flow *f)
 		tcp = (void *)ip + ip->ihl * 4;
 		if ((void *)(tcp + 1) > data_end)
 			return -1;
+		f->l4_off = ETH_HLEN_ + ip->ihl * 4;
 		addr_set_v4(&f->saddr, ip->saddr);
 		addr_set_v4(&f->daddr, ip->daddr);
 		f->tuple.ipv4.saddr = ip->saddr;
@@ -79,6 +98,7 @@ static __always_inline int parse_tcp(struct __sk_buff *skb, struct flow *f)
 		tcp = (void *)(ip6 + 1);
 		if ((void *)(tcp + 1) > data_end)
 			return -1;
+		f->l4_off = ETH_HLEN_ + sizeof(*ip6);
 		__builtin_memcpy(f->saddr.b, &ip6->saddr, 16);
 		__builtin_memcpy(f->daddr.b, &ip6->daddr, 16);
 		__builtin_memcpy(f->tuple.ipv6.saddr, &ip6->saddr, 16);
@@ -92,6 +112,7 @@ static __always_inline int parse_tcp(struct __sk_buff *skb, struct flow *f)
 	f->sport = tcp->source;
 	f->dport = tcp->dest;
 	f->syn = tcp->syn && !tcp->ack;
+	f->fin_or_rst = tcp->fin || tcp->rst;
 	return 0;
 }
 
@@ -180,4 +201,183 @@ SEC("tcx/ingress")
 int ae_pod_ingress(struct __sk_buff *skb)
 {
 	return capture_inbound(skb);
+}
+
+/*
+ * R10: ztunnel delivers inbound traffic from the client's own address
+ * (a transparent socket bound to a non-local IP). The app's replies to
+ * that address must come back to ztunnel, not leave the pod. ztunnel's
+ * SYN arrives here with its socket mark 0x539; turning it into the return
+ * mark 0x111 makes the app's accepted socket carry 0x111 (the pod netns
+ * has tcp_fwmark_accept set while enrolled), and the pod's policy rule
+ * "fwmark 0x111 lookup 100" with "local default dev lo table 100" routes
+ * every reply back over lo to ztunnel.
+ */
+static __always_inline int mark_ztunnel_delivery(struct __sk_buff *skb)
+{
+	struct flow f = {};
+
+	if (parse_tcp(skb, &f) == 0 && f.syn && mark_is_ztunnel(skb->mark))
+		skb->mark = (skb->mark & ~ae_cfg.mark_mask) | ae_cfg.return_mark;
+	return TCX_NEXT;
+}
+
+/* tcx/ingress on lo, inside the pod netns. */
+SEC("tcx/ingress")
+int ae_pod_lo_ingress(struct __sk_buff *skb)
+{
+	return mark_ztunnel_delivery(skb);
+}
+
+/*
+ * R14: TCP arriving on a virtual interface (a VM's tap, a tunnel) is the
+ * pod's own outbound traffic and goes to :15001. Its destination is not a
+ * local address, so every segment gets the return mark: the pod's policy
+ * rule then delivers it locally, to the socket bpf_sk_assign picked.
+ */
+static __always_inline int capture_rerouted(struct __sk_buff *skb)
+{
+	struct pod_stats *st = NULL;
+	struct pod_info *pod;
+	struct flow f = {};
+
+	if (parse_tcp(skb, &f))
+		return TCX_NEXT;
+	skb->mark = (skb->mark & ~ae_cfg.mark_mask) | ae_cfg.return_mark;
+	if (owned_by_socket(skb, &f))
+		return TCX_NEXT;
+	/* Per-pod counters: the interface belongs to the pod whose
+	 * address the flow's reply will come from; look it up by source
+	 * when the VM uses the pod's address, else count nothing. */
+	pod = bpf_map_lookup_elem(&ae_pods, &f.saddr);
+	if (pod)
+		st = pod_stats(pod->slot);
+	if (assign_to_listener(skb, &f, ae_cfg.outbound_port)) {
+		if (st)
+			st->inbound_no_listener++;
+		return TCX_DROP;
+	}
+	if (st && f.syn)
+		st->reroute_redirects++;
+	return TCX_NEXT;
+}
+
+/* tcx/ingress on each of the pod's virtual interfaces (R14). */
+SEC("tcx/ingress")
+int ae_pod_reroute(struct __sk_buff *skb)
+{
+	return capture_rerouted(skb);
+}
+
+/* Rewrites the IPv4 or IPv6 address at off, fixing the IP (v4) and TCP
+ * (pseudo-header) checksums. */
+static __always_inline int rewrite_addr(struct __sk_buff *skb, struct flow *f, __u32 off,
+					const struct ae_addr *from, const struct ae_addr *to)
+{
+	__u32 csum_off = f->l4_off + TCP_CSUM_OFF;
+
+	if (!f->v6) {
+		__be32 old = addr_words((struct ae_addr *)from)[3], new = addr_words((struct ae_addr *)to)[3];
+
+		if (bpf_l4_csum_replace(skb, csum_off, old, new, BPF_F_PSEUDO_HDR | sizeof(new)) ||
+		    bpf_l3_csum_replace(skb, IP_CSUM_OFF, old, new, sizeof(new)))
+			return -1;
+		return bpf_skb_store_bytes(skb, off, &new, sizeof(new), 0);
+	}
+	__s64 diff = bpf_csum_diff((__be32 *)from->b, 16, (__be32 *)to->b, 16, 0);
+
+	if (diff < 0 || bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR))
+		return -1;
+	return bpf_skb_store_bytes(skb, off, to->b, 16, 0);
+}
+
+static __always_inline const struct ae_addr *probe_addr(bool v6)
+{
+	return v6 ? (const struct ae_addr *)&ae_cfg.probe_v6 : (const struct ae_addr *)&ae_cfg.probe_v4;
+}
+
+/*
+ * H1: TCP from a local socket of the node (kubelet's probes) to an
+ * enrolled pod leaves with the probe SNAT source, so R7 lets it reach the
+ * app. Only packets that carry a local socket are translated: forwarded
+ * traffic (NodePort, load balancers) has none and is captured by R5 (H2).
+ * The source port is kept; the translation is keyed by the pod's address,
+ * port and that source port, made by the SYN and removed when the socket
+ * closes (sockops). A port already taken by another host address, or a
+ * full table, leaves the connection untranslated rather than mixing two.
+ */
+static __always_inline int snat_probe(struct __sk_buff *skb)
+{
+	struct probe_key key = {};
+	struct probe_nat *nat, fresh = {};
+	struct pod_info *pod;
+	struct pod_stats *st;
+	struct flow f = {};
+
+	if (!skb->sk || parse_tcp(skb, &f))
+		return TCX_NEXT;
+	pod = bpf_map_lookup_elem(&ae_pods, &f.daddr);
+	if (!pod)
+		return TCX_NEXT; /* H3: pods outside the mesh are untouched */
+	key.pod = f.daddr;
+	key.pod_port = f.dport;
+	key.host_port = f.sport;
+	nat = bpf_map_lookup_elem(&ae_probe_nat, &key);
+	if (!nat) {
+		if (!f.syn)
+			return TCX_NEXT; /* began before the pod was enrolled */
+		fresh.host = f.saddr;
+		fresh.last_seen_ns = bpf_ktime_get_ns();
+		st = pod_stats(pod->slot);
+		if (bpf_map_update_elem(&ae_probe_nat, &key, &fresh, BPF_NOEXIST)) {
+			if (st)
+				st->probe_nat_full++;
+			return TCX_NEXT;
+		}
+		if (st)
+			st->probe_snat++;
+		nat = &fresh;
+	} else if (!addr_eq(&nat->host, &f.saddr)) {
+		return TCX_NEXT;
+	} else {
+		nat->last_seen_ns = bpf_ktime_get_ns();
+	}
+	if (rewrite_addr(skb, &f, f.v6 ? IP6_SRC_OFF : IP_SRC_OFF, &f.saddr, probe_addr(f.v6)))
+		return TCX_DROP;
+	return TCX_NEXT;
+}
+
+/* H1, reply direction: the pod answers the probe address; give the
+ * prober its own address back. */
+static __always_inline int unsnat_probe(struct __sk_buff *skb)
+{
+	struct probe_key key = {};
+	struct probe_nat *nat;
+	struct flow f = {};
+
+	if (parse_tcp(skb, &f) || !addr_eq(&f.daddr, probe_addr(f.v6)))
+		return TCX_NEXT;
+	key.pod = f.saddr;
+	key.pod_port = f.sport;
+	key.host_port = f.dport;
+	nat = bpf_map_lookup_elem(&ae_probe_nat, &key);
+	if (!nat)
+		return TCX_NEXT;
+	if (rewrite_addr(skb, &f, f.v6 ? IP6_DST_OFF : IP_DST_OFF, &f.daddr, &nat->host))
+		return TCX_DROP;
+	return TCX_NEXT;
+}
+
+/* tcx/egress on the node side of an enrolled pod's veth (toward the pod). */
+SEC("tcx/egress")
+int ae_host_egress(struct __sk_buff *skb)
+{
+	return snat_probe(skb);
+}
+
+/* tcx/ingress on the node side of an enrolled pod's veth (from the pod). */
+SEC("tcx/ingress")
+int ae_host_ingress(struct __sk_buff *skb)
+{
+	return unsnat_probe(skb);
 }

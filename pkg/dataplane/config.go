@@ -34,6 +34,9 @@ type Config struct {
 	// CgroupRoot is the cgroup v2 directory the socket hooks attach to. Every
 	// pod and ztunnel must be below it (on a node: the hierarchy's root).
 	CgroupRoot string
+	// NodeNetns is the node's network namespace, where the node side of
+	// each pod's veth is (default: the agent's own, /proc/self/ns/net).
+	NodeNetns string
 	// ProbeV4 and ProbeV6 are the host-probe SNAT addresses (R7, R8).
 	ProbeV4, ProbeV6 netip.Addr
 	Logger           *slog.Logger
@@ -45,6 +48,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.CgroupRoot == "" {
 		return fmt.Errorf("no cgroup root configured")
+	}
+	if c.NodeNetns == "" {
+		c.NodeNetns = "/proc/self/ns/net"
 	}
 	if !c.ProbeV4.IsValid() {
 		c.ProbeV4 = DefaultProbeV4
@@ -69,6 +75,7 @@ func (c *Config) bpfConfig() sockAeConfig {
 	cfg := sockAeConfig{
 		ZtunnelMark:  DefaultZtunnelMark,
 		MarkMask:     DefaultMarkMask,
+		ReturnMark:   returnMark,
 		OutboundPort: DefaultOutboundPort,
 		InboundPort:  DefaultInboundPort,
 		HbonePort:    DefaultHBONEPort,

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"sync"
@@ -35,8 +34,9 @@ type Dataplane struct {
 
 type podState struct {
 	EnrolledPod
-	netnsPath string
-	ingress   link.Link // nil when an adopted pin could not be loaded
+	netnsPath   string
+	savedFwmark uint32
+	links       map[string]link.Link // by pin name; adopted pins that could not be loaded are missing
 }
 
 // nodeHook is one of the node-wide cgroup attachments.
@@ -204,8 +204,8 @@ func (d *Dataplane) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, p := range d.pods {
-		if p.ingress != nil {
-			p.ingress.Close()
+		for _, l := range p.links {
+			l.Close()
 		}
 	}
 	for _, l := range d.nodeLinks {
@@ -244,33 +244,4 @@ func (d *Dataplane) Uninstall() error {
 		errs = append(errs, fmt.Errorf("remove %s: %w", d.cfg.BPFFSDir, err))
 	}
 	return errors.Join(errs...)
-}
-
-// attachIngress attaches the inbound program to the pod's interface inside
-// its netns and returns the link and the netns cookie. When keep says the
-// netns already has our link, nothing is attached and the link is nil.
-func (d *Dataplane) attachIngress(p *Pod, keep func(cookie uint64) bool) (link.Link, uint64, error) {
-	var l link.Link
-	var cookie uint64
-	err := inNetns(p.Netns, func() error {
-		ifi, err := net.InterfaceByName(p.Interface)
-		if err != nil {
-			return fmt.Errorf("find interface %s: %w", p.Interface, err)
-		}
-		if cookie, err = currentNetnsCookie(); err != nil {
-			return err
-		}
-		if keep(cookie) {
-			return nil
-		}
-		l, err = link.AttachTCX(link.TCXOptions{Interface: ifi.Index, Program: d.tc.AePodIngress, Attach: ebpf.AttachTCXIngress})
-		if err != nil {
-			return fmt.Errorf("attach tcx ingress to %s: %w", p.Interface, err)
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, 0, fmt.Errorf("pod %s/%s: %w", p.Namespace, p.Name, err)
-	}
-	return l, cookie, nil
 }

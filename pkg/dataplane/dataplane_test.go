@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -20,7 +21,7 @@ import (
 
 func newDataplane(t *testing.T, n *simnode.Node) *Dataplane {
 	t.Helper()
-	d, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot})
+	d, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
@@ -207,7 +208,7 @@ func TestRestartAdoptsPinnedState(t *testing.T) {
 	n := simnode.New(t)
 	p := n.AddPod("a")
 	ctx := context.Background()
-	d1, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot})
+	d1, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -228,7 +229,7 @@ func TestRestartAdoptsPinnedState(t *testing.T) {
 	d2 := newDataplane(t, n)
 	after := d2.List()
 	if len(after) != 1 || after[0].UID != before[0].UID || after[0].NetnsCookie != before[0].NetnsCookie ||
-		after[0].Options != before[0].Options || len(after[0].IPs) != 2 || after[0].Name != "a" {
+		!reflect.DeepEqual(after[0].Options, before[0].Options) || len(after[0].IPs) != 2 || after[0].Name != "a" {
 		t.Fatalf("adopted %+v, enrolled %+v", after, before)
 	}
 	if got := ingressPrograms(t, p); got != 1 {

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -38,75 +39,89 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 			undo[i]()
 		}
 	}
+	fail := func(err error) error {
+		rollback()
+		return err
+	}
 
-	// The ingress link is attached before any map entry exists, so the
-	// pod is never half redirected: outbound capture starts with the
-	// ae_netns entry, which is written last. A pod enrolled again in the
-	// same netns keeps its link.
-	keep := func(cookie uint64) bool { return old != nil && old.NetnsCookie == cookie && old.ingress != nil }
-	ingress, cookie, err := d.attachIngress(&pod, keep)
+	ns, err := setupPodNetns(&pod, pod.hasV6())
 	if err != nil {
 		return err
 	}
-	reused := ingress == nil
-	if reused {
-		ingress = old.ingress
+	samePod := old != nil && old.NetnsCookie == ns.cookie
+	saved := ns.savedFwmarkAcpt
+	if samePod {
+		saved = old.savedFwmark // our own 1 must not become "the pod's value"
 	} else {
-		undo = append(undo, func() { ingress.Close() })
+		undo = append(undo, func() { _ = teardownPodNetns(pod.Netns, ns.savedFwmarkAcpt) })
+	}
+	hostIf, err := d.hostInterface(&pod, ns.podIndex, ns.peerIndex)
+	if err != nil {
+		return fail(err)
 	}
 
-	st := &podState{netnsPath: pod.Netns, ingress: ingress}
-	if old != nil && old.NetnsCookie == cookie {
+	st := &podState{netnsPath: pod.Netns, savedFwmark: saved, links: map[string]link.Link{}}
+	// Links first, map entries last: the pod is never half redirected,
+	// because outbound capture starts with the ae_netns entry.
+	for _, a := range d.plan(&pod, hostIf) {
+		if samePod && old.links[a.pin] != nil && (a.pin != "host_egress" && a.pin != "host_ingress" || old.HostInterface == hostIf) {
+			st.links[a.pin] = old.links[a.pin]
+			continue
+		}
+		l, err := d.attach(pod.UID, a)
+		if err != nil {
+			return fail(fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err))
+		}
+		undo = append(undo, func() { dropLink(l) })
+		st.links[a.pin] = l
+	}
+
+	if samePod {
 		st.Slot = old.Slot
 	} else {
 		slot, ok := d.slots.alloc()
 		if !ok {
-			rollback()
-			return fmt.Errorf("pod %s/%s: %d pods enrolled already, the maximum", pod.Namespace, pod.Name, maxPods)
+			return fail(fmt.Errorf("pod %s/%s: %d pods enrolled already, the maximum", pod.Namespace, pod.Name, maxPods))
 		}
 		st.Slot = slot
 		undo = append(undo, func() { d.slots.release(slot) })
 		// A new slot starts counting from zero.
 		if err := d.sock.AeStats.Put(slot, make([]sockPodStats, ebpf.MustPossibleCPU())); err != nil {
-			rollback()
-			return fmt.Errorf("pod %s/%s: reset ae_stats: %w", pod.Namespace, pod.Name, err)
+			return fail(fmt.Errorf("pod %s/%s: reset ae_stats: %w", pod.Namespace, pod.Name, err))
 		}
 	}
 	st.EnrolledPod = EnrolledPod{
-		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Interface: pod.Interface,
-		NetnsCookie: cookie, IPs: pod.IPs, Options: pod.Options, Slot: st.Slot,
+		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Interface: pod.Interface, HostInterface: hostIf,
+		NetnsCookie: ns.cookie, IPs: pod.IPs, Options: pod.Options, Slot: st.Slot,
 	}
-
-	if !reused {
-		if err := d.pinIngress(pod.UID, ingress); err != nil {
-			rollback()
-			return fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err)
-		}
-	}
-	if err := d.writePodMaps(&pod, st); err != nil {
+	if err := d.writePodMaps(st); err != nil {
 		rollback()
 		if old != nil {
-			// Put the previous state back where it was.
-			if !reused && old.ingress != nil {
-				_ = d.pinIngress(pod.UID, old.ingress)
-			}
-			_ = d.writePodMaps(nil, old)
+			_ = d.writePodMaps(old) // put the previous state back
 		} else {
-			_ = os.RemoveAll(podDir(d.cfg, pod.UID))
 			d.deletePodEntries(st)
 		}
 		return fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err)
 	}
 
 	if old != nil {
-		// The old link was replaced by the new one (same pin path). Its
-		// entries that the new state does not cover are removed.
-		if old.ingress != nil && !reused {
-			old.ingress.Close()
+		// Links of the old state that the new one does not use go; so do
+		// its entries the new state does not cover.
+		for pin, l := range old.links {
+			if st.links[pin] != l {
+				if cur := st.links[pin]; cur == nil {
+					dropLink(l) // unpins what is no longer planned
+				} else {
+					l.Close() // its pin now holds the new link
+				}
+			}
 		}
 		d.deleteStaleEntries(old, st)
 		if old.Slot != st.Slot {
 			d.slots.release(old.Slot)
+		}
+		if !samePod {
+			_ = teardownPodNetns(old.netnsPath, old.savedFwmark)
 		}
 	}
 	d.pods[pod.UID] = st
@@ -114,36 +129,18 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 	return nil
 }
 
-// pinIngress pins l as the pod's ingress link, replacing an older pin.
-func (d *Dataplane) pinIngress(uid string, l link.Link) error {
-	dir := podDir(d.cfg, uid)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("create pod pin directory: %w", err)
-	}
-	pin := filepath.Join(dir, "ingress")
-	if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("replace ingress pin: %w", err)
-	}
-	if err := l.Pin(pin); err != nil {
-		return fmt.Errorf("pin ingress link: %w", err)
-	}
-	return nil
-}
-
 // writePodMaps writes the metadata, the per-IP entries and, last, the
-// netns entry that switches outbound capture on. pod is nil when st is
-// written back during a rollback.
-func (d *Dataplane) writePodMaps(pod *Pod, st *podState) error {
-	p := pod
-	if p == nil {
-		p = &Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Interface: st.Interface, IPs: st.IPs, Options: st.Options}
-	}
+// netns entry that switches outbound capture on.
+func (d *Dataplane) writePodMaps(st *podState) error {
+	p := &Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Interface: st.Interface, IPs: st.IPs, Options: st.Options}
 	var meta sockPodMeta
 	cString(meta.Uid[:], p.UID)
 	cString(meta.Namespace[:], p.Namespace)
 	cString(meta.Name[:], p.Name)
 	cString(meta.Ifname[:], p.Interface)
+	cString(meta.HostIfname[:], st.HostInterface)
 	meta.NetnsCookie = st.NetnsCookie
+	meta.SavedFwmarkAccept = st.savedFwmark
 	meta.InUse = 1
 	if err := d.sock.AePodMeta.Put(st.Slot, &meta); err != nil {
 		return fmt.Errorf("write ae_pod_meta: %w", err)
@@ -228,19 +225,21 @@ func (d *Dataplane) Remove(ctx context.Context, uid string) error {
 }
 
 // detachPod deletes the pod's entries (outbound capture first), then its
-// ingress link and pins.
+// links, pins and the return path in its netns.
 func (d *Dataplane) detachPod(st *podState) error {
 	d.deletePodEntries(st)
-	var errs []error
-	if st.ingress != nil {
-		if err := st.ingress.Unpin(); err != nil {
-			errs = append(errs, fmt.Errorf("unpin ingress link of pod %s/%s: %w", st.Namespace, st.Name, err))
-		}
-		st.ingress.Close()
-		st.ingress = nil
+	for _, l := range st.links {
+		dropLink(l)
 	}
+	st.links = nil
+	var errs []error
 	if err := os.RemoveAll(podDir(d.cfg, st.UID)); err != nil {
 		errs = append(errs, fmt.Errorf("remove pins of pod %s/%s: %w", st.Namespace, st.Name, err))
+	}
+	if st.netnsPath != "" {
+		if err := teardownPodNetns(st.netnsPath, st.savedFwmark); err != nil {
+			errs = append(errs, fmt.Errorf("pod %s/%s: %w", st.Namespace, st.Name, err))
+		}
 	}
 	return errors.Join(errs...)
 }
@@ -311,8 +310,9 @@ func (d *Dataplane) adoptPods() error {
 		}
 		st := &podState{EnrolledPod: EnrolledPod{
 			UID: goString(meta.Uid[:]), Namespace: goString(meta.Namespace[:]), Name: goString(meta.Name[:]),
-			Interface: goString(meta.Ifname[:]), NetnsCookie: meta.NetnsCookie, Slot: slot,
-		}}
+			Interface: goString(meta.Ifname[:]), HostInterface: goString(meta.HostIfname[:]),
+			NetnsCookie: meta.NetnsCookie, Slot: slot,
+		}, savedFwmark: meta.SavedFwmarkAccept, links: map[string]link.Link{}}
 		bySlot[slot] = st
 	}
 	if err := it.Err(); err != nil {
@@ -337,27 +337,46 @@ func (d *Dataplane) adoptPods() error {
 	for _, st := range bySlot {
 		slices.SortFunc(st.IPs, func(a, b netip.Addr) int { return a.Compare(b) })
 		d.slots.take(st.Slot)
-		pin := filepath.Join(podDir(d.cfg, st.UID), "ingress")
-		l, err := link.LoadPinnedLink(pin, nil)
-		if err == nil {
-			err = l.Update(d.tc.AePodIngress)
-			if err != nil {
-				l.Close()
-			}
-		}
-		if err != nil {
-			// The pod's interface may be gone with its netns; the agent's
-			// reconcile removes such pods.
-			d.log.Warn("adopted pod has no usable ingress link", "pod", st.Namespace+"/"+st.Name, "uid", st.UID, "error", err)
-		} else {
-			st.ingress = l
-		}
+		d.adoptLinks(st)
 		d.pods[st.UID] = st
 	}
 	if len(bySlot) > 0 {
 		d.log.Info("adopted enrolled pods", "count", len(bySlot))
 	}
 	return nil
+}
+
+// adoptLinks loads the pod's pinned links and moves each to the freshly
+// loaded program in place. A link that cannot be loaded (its interface
+// went away with the netns) is left out; the agent's reconcile removes or
+// re-enrolls such pods.
+func (d *Dataplane) adoptLinks(st *podState) {
+	progs := map[string]*ebpf.Program{
+		"ingress": d.tc.AePodIngress, "lo_ingress": d.tc.AePodLoIngress,
+		"host_egress": d.tc.AeHostEgress, "host_ingress": d.tc.AeHostIngress,
+	}
+	entries, _ := os.ReadDir(podDir(d.cfg, st.UID))
+	for _, e := range entries {
+		prog := progs[e.Name()]
+		if v, ok := strings.CutPrefix(e.Name(), "reroute_"); ok {
+			prog = d.tc.AePodReroute
+			st.Options.RerouteInterfaces = append(st.Options.RerouteInterfaces, v)
+		}
+		if prog == nil {
+			continue
+		}
+		l, err := link.LoadPinnedLink(filepath.Join(podDir(d.cfg, st.UID), e.Name()), nil)
+		if err == nil {
+			if err = l.Update(prog); err != nil {
+				l.Close()
+			}
+		}
+		if err != nil {
+			d.log.Warn("adopted pod has an unusable link", "pod", st.Namespace+"/"+st.Name, "uid", st.UID, "link", e.Name(), "error", err)
+			continue
+		}
+		st.links[e.Name()] = l
+	}
 }
 
 const maxPods = 8192 // AE_MAX_PODS in bpf/common.h

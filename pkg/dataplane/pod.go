@@ -20,6 +20,9 @@ type Pod struct {
 	Netns string
 	// Interface is the pod-side interface inbound traffic arrives on.
 	Interface string
+	// HostInterface is the node side of the pod's veth; empty: found from
+	// the pod interface's peer.
+	HostInterface string
 	// IPs are the pod's addresses; at most one per family is used for
 	// outbound redirection, all of them for inbound.
 	IPs     []netip.Addr
@@ -32,18 +35,22 @@ type Options struct {
 	BypassInbound bool `json:"bypassInbound,omitempty"`
 	// DNSCapture sends DNS to ztunnel's proxy (R9, R13).
 	DNSCapture bool `json:"dnsCapture,omitempty"`
+	// RerouteInterfaces are virtual interfaces whose TCP is treated as
+	// the pod's outbound traffic (R14).
+	RerouteInterfaces []string `json:"rerouteInterfaces,omitempty"`
 }
 
 // EnrolledPod is a pod as the pinned maps describe it.
 type EnrolledPod struct {
-	UID         string       `json:"uid"`
-	Namespace   string       `json:"namespace"`
-	Name        string       `json:"name"`
-	Interface   string       `json:"interface"`
-	NetnsCookie uint64       `json:"netnsCookie"`
-	IPs         []netip.Addr `json:"ips"`
-	Options     Options      `json:"options"`
-	Slot        uint32       `json:"slot"`
+	UID           string       `json:"uid"`
+	Namespace     string       `json:"namespace"`
+	Name          string       `json:"name"`
+	Interface     string       `json:"interface"`
+	HostInterface string       `json:"hostInterface"`
+	NetnsCookie   uint64       `json:"netnsCookie"`
+	IPs           []netip.Addr `json:"ips"`
+	Options       Options      `json:"options"`
+	Slot          uint32       `json:"slot"`
 }
 
 // Stats are a pod's counters, summed over CPUs.
@@ -52,6 +59,10 @@ type Stats struct {
 	InboundRedirects  uint64 `json:"inboundRedirects"`
 	InboundNoListener uint64 `json:"inboundNoListener"`
 	OrigDstErrors     uint64 `json:"origDstErrors"`
+	DNSRedirects      uint64 `json:"dnsRedirects"`
+	RerouteRedirects  uint64 `json:"rerouteRedirects"`
+	ProbeSNAT         uint64 `json:"probeSnat"`
+	ProbeNATFull      uint64 `json:"probeNatFull"`
 }
 
 const (
@@ -76,6 +87,11 @@ func (p *Pod) validate() error {
 		return fmt.Errorf("pod %s/%s: no IPs", p.Namespace, p.Name)
 	case len(p.Interface) >= len(meta.Ifname):
 		return fmt.Errorf("pod %s/%s: interface name %q too long", p.Namespace, p.Name, p.Interface)
+	}
+	for _, v := range p.Options.RerouteInterfaces {
+		if v == "" || len(v) >= 16 || v == p.Interface || v == "lo" {
+			return fmt.Errorf("pod %s/%s: bad reroute interface %q", p.Namespace, p.Name, v)
+		}
 	}
 	for _, ip := range p.IPs {
 		if !ip.IsValid() || ip.Zone() != "" {
@@ -125,6 +141,15 @@ func (p *Pod) flags() uint32 {
 
 func optionsFromFlags(f uint32) Options {
 	return Options{BypassInbound: f&flagBypassInbound != 0, DNSCapture: f&flagDNSCapture != 0}
+}
+
+func (p *Pod) hasV6() bool {
+	for _, ip := range p.IPs {
+		if ip.Is6() {
+			return true
+		}
+	}
+	return false
 }
 
 func addrKey(ip netip.Addr) sockAeAddr {

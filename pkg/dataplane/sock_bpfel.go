@@ -70,14 +70,15 @@ type sockPodInfo struct {
 }
 
 type sockPodMeta struct {
-	_           structs.HostLayout
-	Uid         [40]int8
-	Namespace   [64]int8
-	Name        [128]int8
-	Ifname      [16]int8
-	NetnsCookie uint64
-	InUse       uint32
-	Pad         uint32
+	_                 structs.HostLayout
+	Uid               [40]int8
+	Namespace         [64]int8
+	Name              [128]int8
+	Ifname            [16]int8
+	HostIfname        [16]int8
+	NetnsCookie       uint64
+	InUse             uint32
+	SavedFwmarkAccept uint32
 }
 
 type sockPodStats struct {

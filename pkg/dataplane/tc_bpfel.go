@@ -70,14 +70,15 @@ type tcPodInfo struct {
 }
 
 type tcPodMeta struct {
-	_           structs.HostLayout
-	Uid         [40]int8
-	Namespace   [64]int8
-	Name        [128]int8
-	Ifname      [16]int8
-	NetnsCookie uint64
-	InUse       uint32
-	Pad         uint32
+	_                 structs.HostLayout
+	Uid               [40]int8
+	Namespace         [64]int8
+	Name              [128]int8
+	Ifname            [16]int8
+	HostIfname        [16]int8
+	NetnsCookie       uint64
+	InUse             uint32
+	SavedFwmarkAccept uint32
 }
 
 type tcPodStats struct {
@@ -110,15 +111,19 @@ type tcProbeNat struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	tcMapAeNetns       = "ae_netns"
-	tcMapAeOrigDst     = "ae_orig_dst"
-	tcMapAePodMeta     = "ae_pod_meta"
-	tcMapAePods        = "ae_pods"
-	tcMapAeProbeNat    = "ae_probe_nat"
-	tcMapAeSkDst       = "ae_sk_dst"
-	tcMapAeStats       = "ae_stats"
-	tcProgAePodIngress = "ae_pod_ingress"
-	tcVarAeCfg         = "ae_cfg"
+	tcMapAeNetns         = "ae_netns"
+	tcMapAeOrigDst       = "ae_orig_dst"
+	tcMapAePodMeta       = "ae_pod_meta"
+	tcMapAePods          = "ae_pods"
+	tcMapAeProbeNat      = "ae_probe_nat"
+	tcMapAeSkDst         = "ae_sk_dst"
+	tcMapAeStats         = "ae_stats"
+	tcProgAeHostEgress   = "ae_host_egress"
+	tcProgAeHostIngress  = "ae_host_ingress"
+	tcProgAePodIngress   = "ae_pod_ingress"
+	tcProgAePodLoIngress = "ae_pod_lo_ingress"
+	tcProgAePodReroute   = "ae_pod_reroute"
+	tcVarAeCfg           = "ae_cfg"
 )
 
 // loadTc returns the embedded CollectionSpec for tc.
@@ -163,7 +168,11 @@ type tcSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcProgramSpecs struct {
-	AePodIngress *ebpf.ProgramSpec `ebpf:"ae_pod_ingress"`
+	AeHostEgress   *ebpf.ProgramSpec `ebpf:"ae_host_egress"`
+	AeHostIngress  *ebpf.ProgramSpec `ebpf:"ae_host_ingress"`
+	AePodIngress   *ebpf.ProgramSpec `ebpf:"ae_pod_ingress"`
+	AePodLoIngress *ebpf.ProgramSpec `ebpf:"ae_pod_lo_ingress"`
+	AePodReroute   *ebpf.ProgramSpec `ebpf:"ae_pod_reroute"`
 }
 
 // tcMapSpecs contains maps before they are loaded into the kernel.
@@ -238,12 +247,20 @@ type tcVariables struct {
 //
 // It can be passed to loadTcObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcPrograms struct {
-	AePodIngress *ebpf.Program `ebpf:"ae_pod_ingress"`
+	AeHostEgress   *ebpf.Program `ebpf:"ae_host_egress"`
+	AeHostIngress  *ebpf.Program `ebpf:"ae_host_ingress"`
+	AePodIngress   *ebpf.Program `ebpf:"ae_pod_ingress"`
+	AePodLoIngress *ebpf.Program `ebpf:"ae_pod_lo_ingress"`
+	AePodReroute   *ebpf.Program `ebpf:"ae_pod_reroute"`
 }
 
 func (p *tcPrograms) Close() error {
 	return _TcClose(
+		p.AeHostEgress,
+		p.AeHostIngress,
 		p.AePodIngress,
+		p.AePodLoIngress,
+		p.AePodReroute,
 	)
 }
 

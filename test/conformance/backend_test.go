@@ -30,7 +30,7 @@ type ebpfBackend struct{ dp *dataplane.Dataplane }
 func (b *ebpfBackend) name() string { return "ebpf" }
 
 func (b *ebpfBackend) setup(t *testing.T, n *simnode.Node) {
-	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot})
+	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
 	if err != nil {
 		t.Fatalf("load dataplane: %v", err)
 	}

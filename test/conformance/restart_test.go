@@ -27,7 +27,7 @@ func TestRestartKeepsRedirection(t *testing.T) {
 	inbound := netip.AddrPortFrom(a.V4, appPort)
 	app.Listen("tcp", "a", netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
 
-	cfg := dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot}
+	cfg := dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
 	ctx := context.Background()
 	dst := netip.AddrPortFrom(simnode.OutsideV4, appPort)
 	checkRedirected := func(phase string) {

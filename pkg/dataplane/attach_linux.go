@@ -1,0 +1,257 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package dataplane
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+)
+
+// Policy routing of the return path (R10, R14), as istio-cni sets it up:
+// packets with the return mark are delivered locally, over lo.
+const (
+	returnMark      = 0x111
+	returnTable     = 100
+	returnRulePrio  = 32764
+	fwmarkAcceptKey = "/proc/sys/net/ipv4/tcp_fwmark_accept"
+)
+
+// attachment is one TCX link of a pod, pinned as pods/<uid>/<pin>.
+type attachment struct {
+	pin    string
+	netns  string // path of the netns the interface is in
+	iface  string
+	attach ebpf.AttachType
+	prog   *ebpf.Program
+}
+
+func (a attachment) String() string {
+	dir := "ingress"
+	if a.attach == ebpf.AttachTCXEgress {
+		dir = "egress"
+	}
+	return fmt.Sprintf("tcx %s on %s", dir, a.iface)
+}
+
+// plan lists the links a pod needs.
+func (d *Dataplane) plan(p *Pod, hostIf string) []attachment {
+	in := func(pin, iface string, prog *ebpf.Program) attachment {
+		return attachment{pin: pin, netns: p.Netns, iface: iface, attach: ebpf.AttachTCXIngress, prog: prog}
+	}
+	atts := []attachment{
+		in("ingress", p.Interface, d.tc.AePodIngress),
+		in("lo_ingress", "lo", d.tc.AePodLoIngress),
+	}
+	for _, v := range p.Options.RerouteInterfaces {
+		atts = append(atts, in("reroute_"+v, v, d.tc.AePodReroute))
+	}
+	atts = append(atts,
+		attachment{pin: "host_egress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: d.tc.AeHostEgress},
+		attachment{pin: "host_ingress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXIngress, prog: d.tc.AeHostIngress},
+	)
+	return atts
+}
+
+// attach creates and pins one link. TCX appends it after programs other
+// software attached, which keep working (chain, never replace).
+func (d *Dataplane) attach(uid string, a attachment) (link.Link, error) {
+	var l link.Link
+	err := inNetns(a.netns, func() error {
+		ifi, err := net.InterfaceByName(a.iface)
+		if err != nil {
+			return fmt.Errorf("find interface %s: %w", a.iface, err)
+		}
+		l, err = link.AttachTCX(link.TCXOptions{Interface: ifi.Index, Program: a.prog, Attach: a.attach})
+		if err != nil {
+			return fmt.Errorf("attach %s: %w", a, err)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	dir := podDir(d.cfg, uid)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("create pod pin directory: %w", err)
+	}
+	pin := filepath.Join(dir, a.pin)
+	if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
+		l.Close()
+		return nil, fmt.Errorf("replace pin %s: %w", pin, err)
+	}
+	if err := l.Pin(pin); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("pin %s: %w", a, err)
+	}
+	return l, nil
+}
+
+// dropLink unpins and closes a link, which detaches its program.
+func dropLink(l link.Link) {
+	_ = l.Unpin()
+	l.Close()
+}
+
+// podNetnsState is what enrollment changes inside the pod netns besides
+// links: the return-path policy routing and tcp_fwmark_accept.
+type podNetnsState struct {
+	cookie          uint64
+	podIndex        int // ifindex of the pod interface
+	peerIndex       int // ifindex of its veth peer, in the peer's netns
+	savedFwmarkAcpt uint32
+}
+
+// setupPodNetns reads the pod's netns cookie and veth peer and installs
+// the return path. It is idempotent.
+func setupPodNetns(p *Pod, hasV6 bool) (podNetnsState, error) {
+	var st podNetnsState
+	err := inNetns(p.Netns, func() error {
+		var err error
+		if st.cookie, err = currentNetnsCookie(); err != nil {
+			return err
+		}
+		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+		if err != nil {
+			return fmt.Errorf("netlink: %w", err)
+		}
+		defer h.Close()
+		l, err := h.LinkByName(p.Interface)
+		if err != nil {
+			return fmt.Errorf("find interface %s: %w", p.Interface, err)
+		}
+		st.podIndex, st.peerIndex = l.Attrs().Index, l.Attrs().ParentIndex
+		if err := addReturnPath(h, hasV6); err != nil {
+			return err
+		}
+		prev, err := os.ReadFile(fwmarkAcceptKey)
+		if err != nil {
+			return fmt.Errorf("read tcp_fwmark_accept: %w", err)
+		}
+		if len(prev) > 0 && prev[0] == '1' {
+			st.savedFwmarkAcpt = 1
+		}
+		if err := os.WriteFile(fwmarkAcceptKey, []byte("1"), 0o644); err != nil {
+			return fmt.Errorf("set tcp_fwmark_accept: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return st, fmt.Errorf("pod %s/%s: %w", p.Namespace, p.Name, err)
+	}
+	return st, nil
+}
+
+func returnRule(family int) *netlink.Rule {
+	r := netlink.NewRule()
+	r.Family = family
+	r.Mark = returnMark
+	mask := uint32(DefaultMarkMask)
+	r.Mask = &mask
+	r.Priority = returnRulePrio
+	r.Table = returnTable
+	return r
+}
+
+func returnRoute(family int) *netlink.Route {
+	dst := &net.IPNet{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)}
+	if family == unix.AF_INET6 {
+		dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
+	}
+	return &netlink.Route{Family: family, Dst: dst, Table: returnTable, Type: unix.RTN_LOCAL, Scope: unix.RT_SCOPE_HOST}
+}
+
+func addReturnPath(h *netlink.Handle, hasV6 bool) error {
+	families := []int{unix.AF_INET}
+	if hasV6 {
+		families = append(families, unix.AF_INET6)
+	}
+	lo, err := h.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("find lo: %w", err)
+	}
+	for _, fam := range families {
+		if err := h.RuleAdd(returnRule(fam)); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("add return-path rule (family %d): %w", fam, err)
+		}
+		rt := returnRoute(fam)
+		rt.LinkIndex = lo.Attrs().Index
+		if err := h.RouteReplace(rt); err != nil {
+			return fmt.Errorf("add return-path route (family %d): %w", fam, err)
+		}
+	}
+	return nil
+}
+
+// teardownPodNetns undoes setupPodNetns. A pod whose netns is gone needs
+// nothing undone.
+func teardownPodNetns(path string, savedFwmarkAccept uint32) error {
+	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return inNetns(path, func() error {
+		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+		if err != nil {
+			return fmt.Errorf("netlink: %w", err)
+		}
+		defer h.Close()
+		var errs []error
+		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+			if err := h.RuleDel(returnRule(fam)); err != nil && !errors.Is(err, unix.ENOENT) {
+				errs = append(errs, fmt.Errorf("delete return-path rule: %w", err))
+			}
+			rt := returnRoute(fam)
+			if err := h.RouteDel(rt); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
+				errs = append(errs, fmt.Errorf("delete return-path route: %w", err))
+			}
+		}
+		val := []byte("0")
+		if savedFwmarkAccept == 1 {
+			val = []byte("1")
+		}
+		if err := os.WriteFile(fwmarkAcceptKey, val, 0o644); err != nil {
+			errs = append(errs, fmt.Errorf("restore tcp_fwmark_accept: %w", err))
+		}
+		return errors.Join(errs...)
+	})
+}
+
+// hostInterface finds the node side of the pod's veth: the interface in
+// the node netns whose index the pod interface names as its peer, and
+// whose own peer is that pod interface.
+func (d *Dataplane) hostInterface(p *Pod, podIndex, peerIndex int) (string, error) {
+	if p.HostInterface != "" {
+		return p.HostInterface, nil
+	}
+	if peerIndex == 0 {
+		return "", fmt.Errorf("pod %s/%s: interface %s has no veth peer; set the host interface explicitly", p.Namespace, p.Name, p.Interface)
+	}
+	ns, err := netns.GetFromPath(d.cfg.NodeNetns)
+	if err != nil {
+		return "", fmt.Errorf("open node netns %s: %w", d.cfg.NodeNetns, err)
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return "", fmt.Errorf("netlink in node netns: %w", err)
+	}
+	defer h.Close()
+	l, err := h.LinkByIndex(peerIndex)
+	if err != nil {
+		return "", fmt.Errorf("pod %s/%s: find the node side of %s (ifindex %d): %w", p.Namespace, p.Name, p.Interface, peerIndex, err)
+	}
+	if _, ok := l.(*netlink.Veth); !ok || l.Attrs().ParentIndex != podIndex {
+		return "", fmt.Errorf("pod %s/%s: node interface %s is a %s, not the veth peer of %s", p.Namespace, p.Name, l.Attrs().Name, l.Type(), p.Interface)
+	}
+	return l.Attrs().Name, nil
+}
