@@ -139,8 +139,50 @@ static __always_inline int remember_orig_dst(struct bpf_sock_addr *ctx, struct n
 	return 0;
 }
 
+/*
+ * DNS goes to ztunnel's proxy on loopback, but from the pod's own address,
+ * as with iptables' REDIRECT (which rewrites only the destination): the
+ * proxy sees the same client either way. connect() binds the socket (port
+ * left to the kernel; a socket the app bound already keeps its address),
+ * sendto() sets the datagram's source.
+ */
+static __always_inline void dns_source4(struct bpf_sock_addr *ctx, struct netns_info *ns, bool connect)
+{
+	struct sockaddr_in_ sa = {.family = AF_INET};
+
+	if (!(ns->flags & AE_F_HAS_V4))
+		return;
+	sa.addr = addr_words(&ns->ip4)[3];
+	if (connect)
+		bpf_bind(ctx, (struct sockaddr *)&sa, sizeof(sa));
+	else
+		ctx->msg_src_ip4 = sa.addr;
+}
+
+static __always_inline void dns_source6(struct bpf_sock_addr *ctx, struct netns_info *ns, bool v4, bool connect)
+{
+	struct sockaddr_in6_ sa = {.family = AF_INET6};
+	__u32 *w;
+
+	if (!(ns->flags & (v4 ? AE_F_HAS_V4 : AE_F_HAS_V6)))
+		return;
+	w = addr_words(v4 ? &ns->ip4 : &ns->ip6);
+	sa.addr[0] = w[0];
+	sa.addr[1] = w[1];
+	sa.addr[2] = w[2];
+	sa.addr[3] = w[3];
+	if (connect) {
+		bpf_bind(ctx, (struct sockaddr *)&sa, sizeof(sa));
+	} else {
+		ctx->msg_src_ip6[0] = sa.addr[0];
+		ctx->msg_src_ip6[1] = sa.addr[1];
+		ctx->msg_src_ip6[2] = sa.addr[2];
+		ctx->msg_src_ip6[3] = sa.addr[3];
+	}
+}
+
 /* R1/R9 for an IPv4 destination (connect4 and sendmsg4). */
-static __always_inline int redirect4(struct bpf_sock_addr *ctx)
+static __always_inline int redirect4(struct bpf_sock_addr *ctx, bool connect)
 {
 	struct netns_info *ns = enrolled_netns(ctx);
 	struct ae_addr dst;
@@ -155,6 +197,7 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx)
 	if (remember_orig_dst(ctx, ns, &dst, AF_INET))
 		return SYS_REJECT;
 	if (t == TARGET_DNS) {
+		dns_source4(ctx, ns, connect);
 		ctx->user_ip4 = bpf_htonl(0x7f000001);
 		ctx->user_port = bpf_htons(ae_cfg.dns_port);
 	} else {
@@ -182,7 +225,7 @@ static __always_inline void set_user_ip6(struct bpf_sock_addr *ctx, __u32 w0, __
  * kernel then talks IPv4 without running connect4, so the mapped case is
  * handled here as IPv4.
  */
-static __always_inline int redirect6(struct bpf_sock_addr *ctx)
+static __always_inline int redirect6(struct bpf_sock_addr *ctx, bool connect)
 {
 	struct netns_info *ns = enrolled_netns(ctx);
 	__u32 ip6[4];
@@ -203,6 +246,8 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx)
 		return SYS_PROCEED;
 	if (remember_orig_dst(ctx, ns, &dst, v4 ? AF_INET : AF_INET6))
 		return SYS_REJECT;
+	if (t == TARGET_DNS)
+		dns_source6(ctx, ns, v4, connect);
 
 	if (v4 && (t == TARGET_DNS || !(ns->flags & AE_F_HAS_V4))) {
 		set_user_ip6(ctx, 0, 0, bpf_htonl(0x0000ffff), bpf_htonl(0x7f000001));
@@ -261,28 +306,28 @@ static __always_inline void restore6(struct bpf_sock_addr *ctx, bool only_dns_pr
 SEC("cgroup/connect4")
 int ae_connect4(struct bpf_sock_addr *ctx)
 {
-	return redirect4(ctx);
+	return redirect4(ctx, true);
 }
 
 /* cgroup/connect6: every IPv6 connect(), IPv4-mapped included. */
 SEC("cgroup/connect6")
 int ae_connect6(struct bpf_sock_addr *ctx)
 {
-	return redirect6(ctx);
+	return redirect6(ctx, true);
 }
 
 /* cgroup/sendmsg4: UDP sendto() with a destination. */
 SEC("cgroup/sendmsg4")
 int ae_sendmsg4(struct bpf_sock_addr *ctx)
 {
-	return redirect4(ctx);
+	return redirect4(ctx, false);
 }
 
 /* cgroup/sendmsg6: UDP sendto() on IPv6 sockets. */
 SEC("cgroup/sendmsg6")
 int ae_sendmsg6(struct bpf_sock_addr *ctx)
 {
-	return redirect6(ctx);
+	return redirect6(ctx, false);
 }
 
 /* cgroup/recvmsg4: UDP recvfrom() source addresses. */

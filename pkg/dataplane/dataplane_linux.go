@@ -148,6 +148,12 @@ func (d *Dataplane) nodeHooks() []nodeHook {
 	return []nodeHook{
 		{"connect4", ebpf.AttachCGroupInet4Connect, d.sock.AeConnect4},
 		{"connect6", ebpf.AttachCGroupInet6Connect, d.sock.AeConnect6},
+		{"sendmsg4", ebpf.AttachCGroupUDP4Sendmsg, d.sock.AeSendmsg4},
+		{"sendmsg6", ebpf.AttachCGroupUDP6Sendmsg, d.sock.AeSendmsg6},
+		{"recvmsg4", ebpf.AttachCGroupUDP4Recvmsg, d.sock.AeRecvmsg4},
+		{"recvmsg6", ebpf.AttachCGroupUDP6Recvmsg, d.sock.AeRecvmsg6},
+		{"getpeername4", ebpf.AttachCgroupInet4GetPeername, d.sock.AeGetpeername4},
+		{"getpeername6", ebpf.AttachCgroupInet6GetPeername, d.sock.AeGetpeername6},
 		{"sockops", ebpf.AttachCGroupSockOps, d.sock.AeSockops},
 		{"getsockopt", ebpf.AttachCGroupGetsockopt, d.sock.AeGetsockopt},
 	}

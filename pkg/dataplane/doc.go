@@ -23,12 +23,17 @@
 //	maps/ae_stats       per-pod counters (per CPU, by slot)
 //	maps/ae_sk_dst      original destination per socket (socket storage)
 //	maps/ae_orig_dst    original destination by client address
-//	links/connect4      node-wide cgroup links
-//	links/connect6
-//	links/sockops
-//	links/getsockopt
-//	pods/<uid>/ingress  the pod's TCX ingress link
+//	maps/ae_probe_nat   host-probe SNAT translations
+//	links/<hook>        node-wide cgroup links: connect4, connect6,
+//	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
+//	                    getpeername4, getpeername6, sockops, getsockopt
+//	pods/<uid>/ingress       TCX ingress on the pod's interface (R5)
+//	pods/<uid>/lo_ingress    TCX ingress on the pod's lo (R10)
+//	pods/<uid>/reroute_<if>  TCX ingress on a virtual interface (R14)
+//	pods/<uid>/host_egress   TCX on the node side of the pod's veth (H1)
+//	pods/<uid>/host_ingress
 //
+
 // Pins outlive the agent: while it restarts or upgrades, redirection keeps
 // working, and New adopts what it finds (links are updated in place to the
 // new programs, so there is no moment without redirection). Uninstall

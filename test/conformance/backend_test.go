@@ -18,8 +18,15 @@ import (
 type backend interface {
 	name() string
 	setup(t *testing.T, n *simnode.Node)
-	enroll(t *testing.T, p *simnode.Pod)
+	enroll(t *testing.T, p *simnode.Pod, o podOpts)
 	remove(t *testing.T, p *simnode.Pod)
+}
+
+// podOpts are the per-pod modes (R12-R14).
+type podOpts struct {
+	dns         bool     // R9/R13: DNS capture
+	ingressMode bool     // R12: ambient.istio.io/bypass-inbound-capture
+	reroute     []string // R14: istio.io/reroute-virtual-interfaces
 }
 
 func backends() []backend { return []backend{&ebpfBackend{}, &iptablesBackend{}} }
@@ -30,7 +37,7 @@ type ebpfBackend struct{ dp *dataplane.Dataplane }
 func (b *ebpfBackend) name() string { return "ebpf" }
 
 func (b *ebpfBackend) setup(t *testing.T, n *simnode.Node) {
-	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	dp, err := dataplane.New(ebpfConfig(n))
 	if err != nil {
 		t.Fatalf("load dataplane: %v", err)
 	}
@@ -42,10 +49,15 @@ func (b *ebpfBackend) setup(t *testing.T, n *simnode.Node) {
 	})
 }
 
-func (b *ebpfBackend) enroll(t *testing.T, p *simnode.Pod) {
+func ebpfConfig(n *simnode.Node) dataplane.Config {
+	return dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
+}
+
+func (b *ebpfBackend) enroll(t *testing.T, p *simnode.Pod, o podOpts) {
 	t.Helper()
 	err := b.dp.Enroll(context.Background(), dataplane.Pod{
 		UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
+		Options: dataplane.Options{DNSCapture: o.dns, BypassInbound: o.ingressMode, RerouteInterfaces: o.reroute},
 	})
 	if err != nil {
 		t.Fatalf("enroll %s: %v", p.Name, err)
@@ -59,71 +71,120 @@ func (b *ebpfBackend) remove(t *testing.T, p *simnode.Pod) {
 	}
 }
 
-// iptablesBackend applies istio-cni's documented in-pod rules (contract
-// section 2) in the pod netns: the reference the eBPF path must match.
-type iptablesBackend struct{}
-
-func (iptablesBackend) name() string { return "iptables" }
-
-func (iptablesBackend) setup(*testing.T, *simnode.Node) {}
-
-// inpodRules renders the in-pod rules for one family.
-func inpodRules(loopback, probe string) string {
-	return strings.NewReplacer("LOOPBACK", loopback, "PROBE", probe).Replace(`*mangle
-:ISTIO_PRERT - [0:0]
-:ISTIO_OUTPUT - [0:0]
--A PREROUTING -j ISTIO_PRERT
--A OUTPUT -j ISTIO_OUTPUT
--A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff
--A ISTIO_PRERT -s PROBE -p tcp -m tcp -j ACCEPT
--A ISTIO_PRERT ! -d LOOPBACK -p tcp -i lo -j ACCEPT
--A ISTIO_PRERT -p tcp -m tcp --dport 15008 -m mark ! --mark 0x539/0xfff -j TPROXY --on-port 15008 --tproxy-mark 0x111/0xfff
--A ISTIO_PRERT -p tcp -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT
--A ISTIO_PRERT ! -d LOOPBACK -p tcp -m mark ! --mark 0x539/0xfff -j TPROXY --on-port 15006 --tproxy-mark 0x111/0xfff
--A ISTIO_OUTPUT -m connmark --mark 0x111/0xfff -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff
-COMMIT
-*nat
-:ISTIO_OUTPUT - [0:0]
--A OUTPUT -j ISTIO_OUTPUT
--A ISTIO_OUTPUT -d PROBE -p tcp -m tcp -j ACCEPT
--A ISTIO_OUTPUT -p tcp -m mark --mark 0x111/0xfff -j ACCEPT
--A ISTIO_OUTPUT ! -d LOOPBACK -o lo -j ACCEPT
--A ISTIO_OUTPUT ! -d LOOPBACK -p tcp -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001
-COMMIT
-`)
+// iptablesBackend applies istio-cni's documented rules (contract sections
+// 2 and 3): in-pod rules in each pod netns, and the host-probe SNAT rule
+// with its ipsets in the node netns. It is the reference the eBPF path
+// must match.
+type iptablesBackend struct {
+	node   *simnode.Node
+	ipsets map[string]string // family -> ipset name
 }
 
-func nsenter(t *testing.T, p *simnode.Pod, stdin string, args ...string) {
+func (*iptablesBackend) name() string { return "iptables" }
+
+// The host rule: local sockets (kubelet) to enrolled pods leave with the
+// probe address.
+func (b *iptablesBackend) setup(t *testing.T, n *simnode.Node) {
+	b.node = n
+	b.ipsets = map[string]string{"inet": "ae-pods-v4", "inet6": "ae-pods-v6"}
+	node := simnode.NetnsPath(n.NodeNS)
+	for fam, set := range b.ipsets {
+		run(t, node, "", "ipset", "create", set, "hash:ip", "family", fam, "comment")
+	}
+	run(t, node, "", "iptables", "-t", "nat", "-A", "POSTROUTING", "-m", "owner", "--socket-exists", "-p", "tcp",
+		"-m", "set", "--match-set", b.ipsets["inet"], "dst", "-j", "SNAT", "--to-source", "169.254.7.127")
+	run(t, node, "", "ip6tables", "-t", "nat", "-A", "POSTROUTING", "-m", "owner", "--socket-exists", "-p", "tcp",
+		"-m", "set", "--match-set", b.ipsets["inet6"], "dst", "-j", "SNAT", "--to-source", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
+}
+
+// inpodRules renders istio-cni's in-pod rules for one family: inbound by
+// nat REDIRECT (ztunnel reads SO_ORIGINAL_DST), the original-source return
+// path by connmark, DNS with its own conntrack zone.
+func inpodRules(o podOpts, loopback, probe string) string {
+	mangle := []string{
+		"-A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff",
+		"-A ISTIO_OUTPUT -m connmark --mark 0x111/0xfff -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff",
+	}
+	var nat, raw []string
+	for _, v := range o.reroute {
+		nat = append(nat, "-A ISTIO_PRERT -i "+v+" -p tcp -j REDIRECT --to-ports 15001", "-A ISTIO_PRERT -i "+v+" -p tcp -j RETURN")
+	}
+	if !o.ingressMode {
+		nat = append(nat, "-A ISTIO_PRERT -s PROBE -p tcp -m tcp -j ACCEPT")
+	}
+	nat = append(nat, "-A ISTIO_OUTPUT -d PROBE -p tcp -m tcp -j ACCEPT")
+	if !o.ingressMode {
+		nat = append(nat, "-A ISTIO_PRERT ! -d LOOPBACK -p tcp ! --dport 15008 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15006")
+	}
+	if o.dns {
+		nat = append(nat,
+			"-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark 0x539/0xfff -m udp --dport 53 -j REDIRECT --to-port 15053",
+			"-A ISTIO_OUTPUT ! -d LOOPBACK -p tcp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053")
+		raw = append(raw,
+			"-A ISTIO_OUTPUT -p udp -m mark --mark 0x539/0xfff -m udp --dport 53 -j CT --zone 1",
+			"-A ISTIO_PRERT -p udp -m mark ! --mark 0x539/0xfff -m udp --sport 53 -j CT --zone 1")
+	}
+	nat = append(nat,
+		"-A ISTIO_OUTPUT -p tcp -m mark --mark 0x111/0xfff -j ACCEPT",
+		"-A ISTIO_OUTPUT ! -d LOOPBACK -o lo -j ACCEPT",
+		"-A ISTIO_OUTPUT ! -d LOOPBACK -p tcp -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001")
+	table := func(name string, rules []string) string {
+		return "*" + name + "\n:ISTIO_PRERT - [0:0]\n:ISTIO_OUTPUT - [0:0]\n-A PREROUTING -j ISTIO_PRERT\n-A OUTPUT -j ISTIO_OUTPUT\n" +
+			strings.Join(rules, "\n") + "\nCOMMIT\n"
+	}
+	out := table("mangle", mangle) + table("nat", nat)
+	if len(raw) > 0 {
+		out += table("raw", raw)
+	}
+	return strings.NewReplacer("LOOPBACK", loopback, "PROBE", probe).Replace(out)
+}
+
+func run(t *testing.T, netnsPath, stdin string, args ...string) string {
 	t.Helper()
-	cmd := exec.Command("nsenter", append([]string{"--net=" + p.NetnsPath()}, args...)...)
+	cmd := exec.Command("nsenter", append([]string{"--net=" + netnsPath}, args...)...)
 	cmd.Stdin = strings.NewReader(stdin)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("%s in %s: %v: %s", strings.Join(args, " "), p.Name, err, out)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s in %s: %v: %s", strings.Join(args, " "), netnsPath, err, out)
 	}
+	return string(out)
 }
 
-func (iptablesBackend) enroll(t *testing.T, p *simnode.Pod) {
+func (b *iptablesBackend) enroll(t *testing.T, p *simnode.Pod, o podOpts) {
 	t.Helper()
-	nsenter(t, p, inpodRules("127.0.0.1/32", "169.254.7.127"), "iptables-restore", "--noflush")
-	nsenter(t, p, inpodRules("::1/128", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"), "ip6tables-restore", "--noflush")
+	ns := p.NetnsPath()
+	run(t, ns, inpodRules(o, "127.0.0.1/32", "169.254.7.127"), "iptables-restore", "--noflush")
+	run(t, ns, inpodRules(o, "::1/128", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"), "ip6tables-restore", "--noflush")
 	for _, fam := range []string{"-4", "-6"} {
-		nsenter(t, p, "", "ip", fam, "rule", "add", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
+		run(t, ns, "", "ip", fam, "rule", "add", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
 	}
-	nsenter(t, p, "", "ip", "-4", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "100")
-	nsenter(t, p, "", "ip", "-6", "route", "add", "local", "::/0", "dev", "lo", "table", "100")
+	run(t, ns, "", "ip", "-4", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "100")
+	run(t, ns, "", "ip", "-6", "route", "add", "local", "::/0", "dev", "lo", "table", "100")
+	node := simnode.NetnsPath(b.node.NodeNS)
+	run(t, node, "", "ipset", "add", "-exist", b.ipsets["inet"], p.V4.String(), "comment", p.UID)
+	run(t, node, "", "ipset", "add", "-exist", b.ipsets["inet6"], p.V6.String(), "comment", p.UID)
 }
 
-func (iptablesBackend) remove(t *testing.T, p *simnode.Pod) {
+func (b *iptablesBackend) remove(t *testing.T, p *simnode.Pod) {
 	t.Helper()
+	ns := p.NetnsPath()
 	for _, tool := range []string{"iptables", "ip6tables"} {
-		for _, table := range []string{"mangle", "nat"} {
-			nsenter(t, p, "", tool, "-t", table, "-F")
-			nsenter(t, p, "", tool, "-t", table, "-X")
+		for _, table := range []string{"mangle", "nat", "raw"} {
+			run(t, ns, "", tool, "-t", table, "-F")
+			run(t, ns, "", tool, "-t", table, "-X")
 		}
 	}
 	for _, fam := range []string{"-4", "-6"} {
-		nsenter(t, p, "", "ip", fam, "rule", "del", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
-		nsenter(t, p, "", "ip", fam, "route", "flush", "table", "100")
+		run(t, ns, "", "ip", fam, "rule", "del", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
+		run(t, ns, "", "ip", fam, "route", "flush", "table", "100")
+	}
+	// H4: an IP is removed only while its entry still names this pod.
+	node := simnode.NetnsPath(b.node.NodeNS)
+	for fam, ip := range map[string]string{"inet": p.V4.String(), "inet6": p.V6.String()} {
+		list := run(t, node, "", "ipset", "list", b.ipsets[fam])
+		if strings.Contains(list, ip+" comment \""+p.UID+"\"") {
+			run(t, node, "", "ipset", "del", b.ipsets[fam], ip)
+		}
 	}
 }
 

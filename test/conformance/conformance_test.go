@@ -34,40 +34,60 @@ const (
 	ztunnelMark = 0x539
 )
 
-// env is one node with two enrolled pods (a, b), a ztunnel stand-in serving
-// them, an outside host and a node-level app (the kubelet's position).
+// env is one node with a ztunnel stand-in and these pods:
+//
+//	a  enrolled, DNS capture on      b  enrolled, DNS capture on
+//	c  not enrolled                  d  enrolled in ingress mode, DNS capture off (R12, R13)
+//	e  enrolled with a virtual interface leading to a VM (R14)
+//
+// plus an outside host (TCP, UDP and DNS servers) and a node-level app in
+// kubelet's position.
 type env struct {
-	node    *simnode.Node
-	b       backend
-	a, bpod *simnode.Pod
-	appA    *simnode.App
-	appB    *simnode.App
-	outside *simnode.App
-	host    *simnode.App
-	zt      *simnode.Ztunnel
+	node          *simnode.Node
+	b             backend
+	a, bpod, c, d *simnode.Pod
+	e             *simnode.Pod
+	vm            *simnode.VM
+	appA, appB    *simnode.App
+	appC, appD    *simnode.App
+	appVM         *simnode.App
+	outside       *simnode.App
+	host          *simnode.App
+	zt            *simnode.Ztunnel
 }
 
 func newEnv(t *testing.T, b backend) *env {
 	n := simnode.New(t)
 	e := &env{node: n, b: b}
-	e.a = n.AddPod("a")
-	e.bpod = n.AddPod("b")
+	e.a, e.bpod, e.c, e.d, e.e = n.AddPod("a"), n.AddPod("b"), n.AddPod("c"), n.AddPod("d"), n.AddPod("e")
+	e.vm = n.AddVirtualInterface(e.e, "virt0")
 	b.setup(t, n)
 	e.zt = n.StartZtunnel()
-	for _, p := range []*simnode.Pod{e.a, e.bpod} {
+	enroll := func(p *simnode.Pod, o podOpts) {
 		e.zt.Add(p)
-		b.enroll(t, p)
+		b.enroll(t, p, o)
 	}
+	enroll(e.a, podOpts{dns: true})
+	enroll(e.bpod, podOpts{dns: true})
+	enroll(e.d, podOpts{ingressMode: true})
+	enroll(e.e, podOpts{dns: true, reroute: []string{"virt0"}})
+
 	any6 := netip.IPv6Unspecified()
-	e.appA = n.StartApp(e.a)
-	e.appA.Listen("tcp", "a", netip.AddrPortFrom(any6, appPort))
+	listen := func(p *simnode.Pod, name string) *simnode.App {
+		app := n.StartApp(p)
+		app.Listen("tcp", name, netip.AddrPortFrom(any6, appPort))
+		return app
+	}
+	e.appA, e.appB, e.appC, e.appD = listen(e.a, "a"), listen(e.bpod, "b"), listen(e.c, "c"), listen(e.d, "d")
 	e.appA.Listen("tcp", "a-lo", netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), loPort))
 	e.appA.Listen("tcp", "a-lo", netip.AddrPortFrom(netip.IPv6Loopback(), loPort))
-	e.appB = n.StartApp(e.bpod)
-	e.appB.Listen("tcp", "b", netip.AddrPortFrom(any6, appPort))
+	e.appVM = n.StartVMApp(e.vm)
 	e.outside = n.StartOutsideApp()
 	e.outside.Listen("tcp", "outside", netip.AddrPortFrom(any6, appPort))
 	e.outside.Listen("udp", "outside-udp", netip.AddrPortFrom(any6, udpPort))
+	if _, err := e.outside.Do(simnode.AppRequest{Op: "dns-server", Addr: netip.AddrPortFrom(any6, 53), Answer: simnode.OutsideDNSAnswer}); err != nil {
+		t.Fatalf("outside dns server: %v", err)
+	}
 	e.host = n.StartNodeApp()
 	e.host.Listen("tcp", "node", netip.AddrPortFrom(simnode.ProbeV4, nodePort))
 	e.host.Listen("tcp", "node", netip.AddrPortFrom(simnode.ProbeV6, nodePort))
@@ -99,12 +119,20 @@ type Outcome struct {
 	// Ztunnel is what the stand-in recorded for this connection: nil when
 	// the connection did not go through ztunnel.
 	Ztunnel *ZtunnelSaw `json:"ztunnel,omitempty"`
+	// DNS: the address answered, and where the app saw the reply come from.
+	Answer    netip.Addr     `json:"answer,omitzero"`
+	ReplyFrom netip.AddrPort `json:"replyFrom,omitzero"`
+	// Summary of a many-connection scenario.
+	Summary string `json:"summary,omitempty"`
 }
 
 // ZtunnelSaw is the stand-in's view of a captured connection.
 type ZtunnelSaw struct {
 	Listener int            `json:"listener"`
-	OrigDst  netip.AddrPort `json:"origDst"`
+	OrigDst  netip.AddrPort `json:"origDst,omitzero"`
+	// For DNS: the client address ztunnel saw and whether it asked upstream.
+	Peer        netip.Addr `json:"peer,omitzero"`
+	DNSUpstream bool       `json:"dnsUpstream,omitempty"`
 	// How the original destination was learned; checked for outbound
 	// (R1 requires SO_ORIGINAL_DST), where inbound may use either.
 	From string `json:"from,omitempty"`
@@ -148,8 +176,8 @@ func scenarios() []scenario {
 		{"R1_R5_pod_to_pod", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
 			dst := netip.AddrPortFrom(f.pick(e.bpod.V4, e.bpod.V6), appPort)
 			got := e.observe(e.appA.Dial("tcp", simnode.AppRequest{Addr: dst}))
-			// b's ztunnel delivers to b's app from b's own address.
-			return got, Outcome{Server: "b", ServerPeer: dst.Addr(), ServerAddr: dst,
+			// a's ztunnel dials from a's address; b's keeps it (R10).
+			return got, Outcome{Server: "b", ServerPeer: f.pick(e.a.V4, e.a.V6), ServerAddr: dst,
 				Ztunnel: &ZtunnelSaw{Listener: standin.OutboundPort, OrigDst: dst, From: "SO_ORIGINAL_DST"}}
 		}},
 		{"R2_ztunnel_marked_outbound", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
@@ -170,7 +198,7 @@ func scenarios() []scenario {
 		{"R5_inbound_tcp", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
 			dst := netip.AddrPortFrom(f.pick(e.a.V4, e.a.V6), appPort)
 			got := e.observe(e.outside.Dial("tcp", simnode.AppRequest{Addr: dst}))
-			return got, Outcome{Server: "a", ServerPeer: dst.Addr(), ServerAddr: dst,
+			return got, Outcome{Server: "a", ServerPeer: f.pick(simnode.OutsideV4, simnode.OutsideV6), ServerAddr: dst,
 				Ztunnel: &ZtunnelSaw{Listener: standin.InboundPort, OrigDst: dst}}
 		}},
 		{"R6_hbone_port_untouched", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
@@ -190,6 +218,18 @@ func scenarios() []scenario {
 			got := e.observe(e.appA.Dial("tcp", simnode.AppRequest{Addr: dst}))
 			return got, Outcome{Server: "node", ServerPeer: f.pick(e.a.V4, e.a.V6), ServerAddr: dst}
 		}},
+		{"R9_dns_udp", allFamilies, dnsScenario("udp", false, "r9-udp", true)},
+		{"R9_dns_udp_connected", allFamilies, dnsScenario("udp", true, "r9-udpc", true)},
+		{"R9_dns_tcp", allFamilies, dnsScenario("tcp", false, "r9-tcp", true)},
+		{"R9_dns_upstream_query_untouched", allFamilies, dnsScenario("udp", false, "r9-up", false)},
+		{"R10_original_source_return_path", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			// The app sees the client's own address and its reply reaches
+			// the client through ztunnel.
+			dst := netip.AddrPortFrom(f.pick(e.a.V4, e.a.V6), appPort)
+			got := e.observe(e.outside.Dial("tcp", simnode.AppRequest{Addr: dst}))
+			return got, Outcome{Server: "a", ServerPeer: f.pick(simnode.OutsideV4, simnode.OutsideV6), ServerAddr: dst,
+				Ztunnel: &ZtunnelSaw{Listener: standin.InboundPort, OrigDst: dst}}
+		}},
 		{"R11_udp_untouched", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
 			dst := netip.AddrPortFrom(f.pick(simnode.OutsideV4, simnode.OutsideV6), udpPort)
 			got := e.observe(e.appA.Dial("udp", simnode.AppRequest{Addr: dst}))
@@ -205,7 +245,125 @@ func scenarios() []scenario {
 			}
 			return got, Outcome{Server: "echo-reply"}
 		}},
+		{"R12_ingress_mode_inbound_direct", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			dst := netip.AddrPortFrom(f.pick(e.d.V4, e.d.V6), appPort)
+			got := e.observe(e.outside.Dial("tcp", simnode.AppRequest{Addr: dst}))
+			return got, Outcome{Server: "d", ServerPeer: f.pick(simnode.OutsideV4, simnode.OutsideV6), ServerAddr: dst}
+		}},
+		{"R12_ingress_mode_outbound_captured", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			dst := netip.AddrPortFrom(f.pick(simnode.OutsideV4, simnode.OutsideV6), appPort)
+			got := e.observe(e.appD.Dial("tcp", simnode.AppRequest{Addr: dst}))
+			return got, Outcome{Server: "outside", ServerPeer: f.pick(e.d.V4, e.d.V6), ServerAddr: dst,
+				Ztunnel: &ZtunnelSaw{Listener: standin.OutboundPort, OrigDst: dst, From: "SO_ORIGINAL_DST"}}
+		}},
+		{"R13_dns_capture_off", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			server := netip.AddrPortFrom(f.pick(simnode.OutsideV4, simnode.OutsideV6), 53)
+			name := fmt.Sprintf("r13-%s.%s", f, simnode.KnownDNSSuffix)
+			got := e.observeDNS(e.appD.Do(simnode.AppRequest{Op: "dns", Addr: server, DNSName: name, Proto: "udp"}))
+			return got, Outcome{Answer: simnode.OutsideDNSAnswer, ReplyFrom: server}
+		}},
+		{"R14_virtual_interface_outbound", []family{v4}, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			dst := netip.AddrPortFrom(simnode.OutsideV4, appPort)
+			resp, err := e.appVM.Dial("tcp", simnode.AppRequest{Addr: dst})
+			got := e.observe(resp, err)
+			// The VM's connection is the pod's outbound traffic: ztunnel
+			// carries it from the pod's address.
+			return got, Outcome{Server: "outside", ServerPeer: e.e.V4, ServerAddr: dst,
+				Ztunnel: &ZtunnelSaw{Listener: standin.OutboundPort, OrigDst: dst, From: "SO_ORIGINAL_DST"}}
+		}},
+		{"H1_host_probe_snat", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			dst := netip.AddrPortFrom(f.pick(e.a.V4, e.a.V6), appPort)
+			got := e.observe(e.host.Dial("tcp", simnode.AppRequest{Addr: dst}))
+			return got, Outcome{Server: "a", ServerPeer: f.pick(simnode.ProbeV4, simnode.ProbeV6), ServerAddr: dst}
+		}},
+		{"H1_host_probe_snat_ingress_mode", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			dst := netip.AddrPortFrom(f.pick(e.d.V4, e.d.V6), appPort)
+			got := e.observe(e.host.Dial("tcp", simnode.AppRequest{Addr: dst}))
+			return got, Outcome{Server: "d", ServerPeer: f.pick(simnode.ProbeV4, simnode.ProbeV6), ServerAddr: dst}
+		}},
+		{"H2_forwarded_not_snat_captured", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			dst := netip.AddrPortFrom(f.pick(e.a.V4, e.a.V6), appPort)
+			got := e.observe(e.outside.Dial("tcp", simnode.AppRequest{Addr: dst}))
+			return got, Outcome{Server: "a", ServerPeer: f.pick(simnode.OutsideV4, simnode.OutsideV6), ServerAddr: dst,
+				Ztunnel: &ZtunnelSaw{Listener: standin.InboundPort, OrigDst: dst}}
+		}},
+		{"H3_pod_outside_mesh_untouched", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			dst := netip.AddrPortFrom(f.pick(e.c.V4, e.c.V6), appPort)
+			got := e.observe(e.host.Dial("tcp", simnode.AppRequest{Addr: dst}))
+			return got, Outcome{Server: "c", ServerPeer: f.pick(simnode.GatewayV4, simnode.GatewayV6), ServerAddr: dst}
+		}},
+		{"H1_H2_200_probes_200_forwarded_at_once", []family{v4}, concurrentProbes},
 	}
+}
+
+// dnsScenario queries the outside host's address for a name; known names
+// are answered by ztunnel's proxy, others by the outside server (through
+// ztunnel's own upstream query, which must not be captured again).
+func dnsScenario(proto string, connected bool, label string, known bool) func(*testing.T, *env, family) (Outcome, Outcome) {
+	return func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+		server := netip.AddrPortFrom(f.pick(simnode.OutsideV4, simnode.OutsideV6), 53)
+		name := fmt.Sprintf("%s-%s.example.test", label, f)
+		answer := simnode.OutsideDNSAnswer
+		if known {
+			name = fmt.Sprintf("%s-%s.%s", label, f, simnode.KnownDNSSuffix)
+			answer = simnode.KnownDNSAnswer
+		}
+		got := e.observeDNS(e.appA.Do(simnode.AppRequest{Op: "dns", Addr: server, DNSName: name, Proto: proto, Connected: connected}))
+		for _, r := range e.zt.Records() {
+			if r.DNSName == name+"." {
+				got.Ztunnel = &ZtunnelSaw{Listener: r.Listener, Peer: r.Peer.Addr(), DNSUpstream: r.DNSUpstream}
+			}
+		}
+		return got, Outcome{Answer: answer, ReplyFrom: server,
+			Ztunnel: &ZtunnelSaw{Listener: standin.DNSPort, Peer: f.pick(e.a.V4, e.a.V6), DNSUpstream: !known}}
+	}
+}
+
+// concurrentProbes holds 200 kubelet-style probes and 200 forwarded
+// connections open against the same pod at once: every probe must be
+// translated and no forwarded connection may be.
+func concurrentProbes(t *testing.T, e *env, f family) (Outcome, Outcome) {
+	const n = 200
+	dst := netip.AddrPortFrom(e.a.V4, appPort)
+	var probes, forwarded simnode.AppResponse
+	var perr, ferr error
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		probes, perr = e.host.Do(simnode.AppRequest{Op: "dial-many", Addr: dst, Count: n})
+	}()
+	go func() {
+		defer wg.Done()
+		forwarded, ferr = e.outside.Do(simnode.AppRequest{Op: "dial-many", Addr: dst, Count: n})
+	}()
+	wg.Wait()
+	if perr != nil || ferr != nil {
+		return Outcome{Err: fmt.Sprint(perr, ferr)}, Outcome{}
+	}
+	count := func(rs []simnode.DialResult, peer netip.Addr) (ok, matching int) {
+		for _, r := range rs {
+			if r.Err == "" && r.Reply != nil {
+				ok++
+				if r.Reply.Peer.Addr() == peer {
+					matching++
+				}
+			}
+		}
+		return ok, matching
+	}
+	pOK, pSNAT := count(probes.Replies, simnode.ProbeV4)
+	fOK, fSNAT := count(forwarded.Replies, simnode.ProbeV4)
+	_, fOrig := count(forwarded.Replies, simnode.OutsideV4)
+	got := Outcome{Summary: fmt.Sprintf("probes %d ok %d snat; forwarded %d ok %d snat %d original source", pOK, pSNAT, fOK, fSNAT, fOrig)}
+	return got, Outcome{Summary: fmt.Sprintf("probes %d ok %d snat; forwarded %d ok %d snat %d original source", n, n, n, 0, n)}
+}
+
+func (e *env) observeDNS(resp simnode.AppResponse, err error) Outcome {
+	if err != nil {
+		return Outcome{Err: "failed: " + err.Error()}
+	}
+	return Outcome{Answer: resp.Answer, ReplyFrom: resp.From}
 }
 
 // removalScenarios run after pod a left the mesh (R16).
@@ -220,6 +378,17 @@ func removalScenarios() []scenario {
 			dst := netip.AddrPortFrom(f.pick(e.a.V4, e.a.V6), appPort)
 			got := e.observe(e.outside.Dial("tcp", simnode.AppRequest{Addr: dst}))
 			return got, Outcome{Server: "a", ServerPeer: f.pick(simnode.OutsideV4, simnode.OutsideV6), ServerAddr: dst}
+		}},
+		{"R16_removed_pod_probe_not_snat", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			dst := netip.AddrPortFrom(f.pick(e.a.V4, e.a.V6), appPort)
+			got := e.observe(e.host.Dial("tcp", simnode.AppRequest{Addr: dst}))
+			return got, Outcome{Server: "a", ServerPeer: f.pick(simnode.GatewayV4, simnode.GatewayV6), ServerAddr: dst}
+		}},
+		{"R16_removed_pod_dns_direct", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			server := netip.AddrPortFrom(f.pick(simnode.OutsideV4, simnode.OutsideV6), 53)
+			name := fmt.Sprintf("r16-%s.%s", f, simnode.KnownDNSSuffix)
+			got := e.observeDNS(e.appA.Do(simnode.AppRequest{Op: "dns", Addr: server, DNSName: name, Proto: "udp"}))
+			return got, Outcome{Answer: simnode.OutsideDNSAnswer, ReplyFrom: server}
 		}},
 	}
 }
@@ -254,6 +423,24 @@ func runScenarios(t *testing.T, e *env, list []scenario, seen *outcomes) {
 	}
 }
 
+// ipReuse: pod f is enrolled, then goes away without a removal; pod g gets
+// f's addresses and is enrolled; f's late removal must leave g's probe
+// translation (the node's set of enrolled pod IPs) alone.
+func ipReuse(t *testing.T, e *env) (Outcome, Outcome) {
+	old := e.node.AddPod("f")
+	e.b.enroll(t, old, podOpts{})
+	e.node.DeletePodNetwork(old)
+	cur := e.node.AddPodWithAddrs("g", old.V4, old.V6)
+	app := e.node.StartApp(cur)
+	app.Listen("tcp", "g", netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
+	e.zt.Add(cur)
+	e.b.enroll(t, cur, podOpts{})
+	e.b.remove(t, old)
+	dst := netip.AddrPortFrom(cur.V4, appPort)
+	got := e.observe(e.host.Dial("tcp", simnode.AppRequest{Addr: dst}))
+	return got, Outcome{Server: "g", ServerPeer: simnode.ProbeV4, ServerAddr: dst}
+}
+
 func js(v any) string {
 	b, _ := json.Marshal(v)
 	return string(b)
@@ -276,6 +463,13 @@ func TestConformance(t *testing.T) {
 			runScenarios(t, e, scenarios(), seen)
 			b.remove(t, e.a)
 			runScenarios(t, e, removalScenarios(), seen)
+			t.Run("H4_ip_reuse_keeps_new_owner", func(t *testing.T) {
+				got, want := ipReuse(t, e)
+				seen.add(b.name(), "H4_ip_reuse_keeps_new_owner", got)
+				if !reflect.DeepEqual(got, want) {
+					t.Errorf("outcome differs from the contract\n got: %s\nwant: %s", js(got), js(want))
+				}
+			})
 		})
 	}
 	t.Run("parity", func(t *testing.T) {

@@ -23,14 +23,31 @@ func (n *Node) StartApp(p *Pod) *App {
 	return &App{StartHelper(n.t, RoleApp, p.NS, p.Cgroup)}
 }
 
-// StartOutsideApp starts an app on the outside host (no pod cgroup).
+// StartOutsideApp starts an app on the outside host.
 func (n *Node) StartOutsideApp() *App {
-	return &App{StartHelper(n.t, RoleApp, n.OutsideNS, "")}
+	return &App{StartHelper(n.t, RoleApp, n.OutsideNS, n.cgroup("outside"))}
 }
 
-// StartNodeApp starts an app in the node netns, as kubelet would run.
+// cgroup makes (once) a cgroup below the node's root for helpers that are
+// not in a pod, so cleanup can end them however a test fails.
+func (n *Node) cgroup(name string) string {
+	n.t.Helper()
+	cg := filepath.Join(n.CgroupRoot, name)
+	if err := os.Mkdir(cg, 0o755); err != nil && !os.IsExist(err) {
+		n.t.Fatal(err)
+	}
+	return cg
+}
+
+// StartNodeApp starts an app in the node netns, as kubelet would run:
+// in a cgroup of the node's hierarchy, outside every pod.
 func (n *Node) StartNodeApp() *App {
-	return &App{StartHelper(n.t, RoleApp, n.NodeNS, "")}
+	return &App{StartHelper(n.t, RoleApp, n.NodeNS, n.cgroup("kubelet"))}
+}
+
+// StartVMApp starts an app behind a pod's virtual interface.
+func (n *Node) StartVMApp(v *VM) *App {
+	return &App{StartHelper(n.t, RoleApp, v.NS, n.cgroup("vm"))}
 }
 
 // Listen starts a TCP ("tcp") or UDP ("udp") server that answers with a
@@ -68,6 +85,18 @@ func (a *App) Ping(dst netip.Addr) error {
 	return nil
 }
 
+// Do sends any request and fails on a transport error only.
+func (a *App) Do(req AppRequest) (AppResponse, error) {
+	var resp AppResponse
+	if err := a.Call(req, &resp); err != nil {
+		return resp, err
+	}
+	if !resp.OK {
+		return resp, errors.New(resp.Err)
+	}
+	return resp, nil
+}
+
 // Ztunnel is the ztunnel stand-in process.
 type Ztunnel struct {
 	*Proc
@@ -78,10 +107,7 @@ type Ztunnel struct {
 // below the node's cgroup root (as ztunnel's pod would be).
 func (n *Node) StartZtunnel() *Ztunnel {
 	n.t.Helper()
-	cg := filepath.Join(n.CgroupRoot, "ztunnel")
-	if err := os.Mkdir(cg, 0o755); err != nil && !os.IsExist(err) {
-		n.t.Fatal(err)
-	}
+	cg := n.cgroup("ztunnel")
 	records := filepath.Join(n.t.TempDir(), "ztunnel-records.jsonl")
 	return &Ztunnel{Proc: StartHelper(n.t, RoleZtunnel, n.NodeNS, cg, RecordsEnv+"="+records), records: records}
 }

@@ -12,8 +12,10 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
+	"golang.org/x/net/dns/dnsmessage"
 	"golang.org/x/net/icmp"
 	"golang.org/x/net/ipv4"
 	"golang.org/x/net/ipv6"
@@ -30,6 +32,15 @@ const (
 
 // RecordsEnv names the file the ztunnel helper appends its records to.
 const RecordsEnv = "AMBIENT_EBPF_RECORDS"
+
+// The stand-in's DNS table in the simulated node: names under
+// KnownDNSSuffix are answered by ztunnel itself, the rest go upstream to
+// the outside host's server, which answers everything with OutsideDNSAnswer.
+var (
+	KnownDNSSuffix   = "known.test"
+	KnownDNSAnswer   = netip.MustParseAddr("198.18.250.1")
+	OutsideDNSAnswer = netip.MustParseAddr("198.19.0.53")
+)
 
 // RunHelper runs the helper role named in the environment, if any, and
 // exits. Call it first thing in TestMain.
@@ -62,6 +73,15 @@ type AppRequest struct {
 	Mark   int            `json:"mark,omitempty"`
 	Mapped bool           `json:"mapped,omitempty"` // dial from AF_INET6 to ::ffff:a.b.c.d
 	Bind   netip.AddrPort `json:"bind,omitempty"`
+	// DNS: the name to query (op dns) or the address every query is
+	// answered with (op dns-server); Proto udp or tcp; Connected uses a
+	// connected UDP socket.
+	DNSName   string     `json:"dnsName,omitempty"`
+	Answer    netip.Addr `json:"answer,omitzero"`
+	Proto     string     `json:"proto,omitempty"`
+	Connected bool       `json:"connected,omitempty"`
+	// Count is the number of concurrent connections of op dial-many.
+	Count int `json:"count,omitempty"`
 }
 
 // AppResponse answers an AppRequest.
@@ -69,7 +89,20 @@ type AppResponse struct {
 	OK    bool           `json:"ok"`
 	Err   string         `json:"err,omitempty"`
 	Reply *standin.Reply `json:"reply,omitempty"`
-	Local netip.AddrPort `json:"local,omitempty"`
+	Local netip.AddrPort `json:"local,omitzero"`
+	// DNS: the answered address and where the reply came from as the app
+	// sees it (recvfrom's source, or the connected socket's peer).
+	Answer netip.Addr     `json:"answer,omitzero"`
+	From   netip.AddrPort `json:"from,omitzero"`
+	// Replies of op dial-many, one per connection.
+	Replies []DialResult `json:"replies,omitempty"`
+}
+
+// DialResult is one connection of op dial-many.
+type DialResult struct {
+	Err   string         `json:"err,omitempty"`
+	Local netip.AddrPort `json:"local,omitzero"`
+	Reply *standin.Reply `json:"reply,omitempty"`
 }
 
 type handler interface {
@@ -134,6 +167,12 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		return AppResponse{Local: sockutil.AddrPort(c.LocalAddr())}, nil
 	case "ping":
 		return AppResponse{}, ping(req.Addr.Addr())
+	case "dns-server":
+		return AppResponse{}, a.dnsServer(req.Addr, req.Answer)
+	case "dns":
+		return a.dnsQuery(req)
+	case "dial-many":
+		return a.dialMany(req), nil
 	case "dial-tcp", "dial-udp":
 		dst := req.Addr
 		if req.Mapped {
@@ -187,6 +226,169 @@ func readReply(c net.Conn) (*standin.Reply, error) {
 			return nil, fmt.Errorf("short reply %q: %w", got, err)
 		}
 	}
+}
+
+// dialMany holds Count connections open at once, then has each say hello.
+func (a *app) dialMany(req AppRequest) AppResponse {
+	results := make([]DialResult, req.Count)
+	conns := make([]net.Conn, req.Count)
+	var wg sync.WaitGroup
+	for i := range req.Count {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c, err := a.ns.Dial(req.Addr, sockutil.Opts{Bind: req.Bind}, 5*time.Second)
+			if err != nil {
+				results[i].Err = err.Error()
+				return
+			}
+			conns[i] = c
+			results[i].Local = sockutil.AddrPort(c.LocalAddr())
+		}()
+	}
+	wg.Wait()
+	for i, c := range conns {
+		if c == nil {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer c.Close()
+			_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+			if _, err := c.Write([]byte("hello\n")); err != nil {
+				results[i].Err = err.Error()
+				return
+			}
+			r, err := readReply(c)
+			if err != nil {
+				results[i].Err = err.Error()
+				return
+			}
+			results[i].Reply = r
+		}()
+	}
+	wg.Wait()
+	return AppResponse{Replies: results}
+}
+
+// dnsServer answers every A query with answer, over UDP and TCP.
+func (a *app) dnsServer(addr netip.AddrPort, answer netip.Addr) error {
+	uc, err := a.ns.ListenUDP(addr, sockutil.Opts{ReusePort: true})
+	if err != nil {
+		return err
+	}
+	l, err := a.ns.Listen(addr, sockutil.Opts{ReusePort: true})
+	if err != nil {
+		uc.Close()
+		return err
+	}
+	respond := func(query []byte) []byte {
+		var msg dnsmessage.Message
+		if msg.Unpack(query) != nil || len(msg.Questions) != 1 {
+			return nil
+		}
+		reply, _ := standin.BuildAnswer(msg.Header.ID, msg.Questions[0], answer)
+		return reply
+	}
+	go func() {
+		buf := make([]byte, 4096)
+		for {
+			n, from, err := uc.ReadFromUDPAddrPort(buf)
+			if err != nil {
+				return
+			}
+			if reply := respond(buf[:n]); reply != nil {
+				_, _ = uc.WriteToUDPAddrPort(reply, from)
+			}
+		}
+	}()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+				if q, err := standin.ReadTCPMessage(c); err == nil {
+					if reply := respond(q); reply != nil {
+						_ = standin.WriteTCPMessage(c, reply)
+					}
+				}
+			}()
+		}
+	}()
+	return nil
+}
+
+// dnsQuery asks req.Addr for req.DNSName the way resolvers do: UDP
+// sendto/recvfrom (or a connected UDP socket), or TCP.
+func (a *app) dnsQuery(req AppRequest) (AppResponse, error) {
+	query, err := standin.BuildQuery(uint16(time.Now().UnixNano()), req.DNSName)
+	if err != nil {
+		return AppResponse{}, err
+	}
+	var reply []byte
+	var from netip.AddrPort
+	switch {
+	case req.Proto == "tcp":
+		c, err := a.ns.Dial(req.Addr, sockutil.Opts{}, 3*time.Second)
+		if err != nil {
+			return AppResponse{}, err
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+		if err := standin.WriteTCPMessage(c, query); err != nil {
+			return AppResponse{}, err
+		}
+		if reply, err = standin.ReadTCPMessage(c); err != nil {
+			return AppResponse{}, err
+		}
+		from = sockutil.AddrPort(c.RemoteAddr()) // getpeername()
+	case req.Connected:
+		c, err := a.ns.DialUDP(req.Addr, sockutil.Opts{})
+		if err != nil {
+			return AppResponse{}, err
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+		if _, err := c.Write(query); err != nil {
+			return AppResponse{}, err
+		}
+		buf := make([]byte, 4096)
+		n, err := c.Read(buf)
+		if err != nil {
+			return AppResponse{}, err
+		}
+		reply, from = buf[:n], sockutil.AddrPort(c.RemoteAddr())
+	default:
+		wildcard := netip.IPv4Unspecified()
+		if req.Addr.Addr().Is6() {
+			wildcard = netip.IPv6Unspecified()
+		}
+		c, err := a.ns.ListenUDP(netip.AddrPortFrom(wildcard, 0), sockutil.Opts{})
+		if err != nil {
+			return AppResponse{}, err
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+		if _, err := c.WriteToUDPAddrPort(query, req.Addr); err != nil {
+			return AppResponse{}, err
+		}
+		buf := make([]byte, 4096)
+		n, src, err := c.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			return AppResponse{}, err
+		}
+		reply, from = buf[:n], netip.AddrPortFrom(src.Addr().Unmap(), src.Port())
+	}
+	answer, err := standin.FirstAnswer(reply)
+	if err != nil {
+		return AppResponse{}, err
+	}
+	return AppResponse{Answer: answer, From: from}, nil
 }
 
 // ping sends one ICMP echo request and waits for the reply.
@@ -263,7 +465,10 @@ type ZtunnelRequest struct {
 type ztunnelHelper struct{ proxy *standin.Proxy }
 
 func runZtunnel() error {
-	var cfg standin.Config
+	cfg := standin.Config{DNS: standin.DNS{
+		Table:    map[string]netip.Addr{"*." + KnownDNSSuffix: KnownDNSAnswer},
+		Upstream: netip.AddrPortFrom(OutsideV4, 53),
+	}}
 	if path := os.Getenv(RecordsEnv); path != "" {
 		f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
 		if err != nil {

@@ -175,8 +175,19 @@ func (p *Pod) NetnsPath() string { return NetnsPath(p.NS) }
 // IPs returns the pod's addresses.
 func (p *Pod) IPs() []netip.Addr { return []netip.Addr{p.V4, p.V6} }
 
-// AddPod creates a dual-stack pod.
+// AddPod creates a dual-stack pod with fresh addresses.
 func (n *Node) AddPod(name string) *Pod {
+	n.t.Helper()
+	n.mu.Lock()
+	idx := n.nextIP
+	n.mu.Unlock()
+	return n.AddPodWithAddrs(name, netip.AddrFrom4([4]byte{198, 18, byte(idx >> 8), byte(idx)}),
+		netip.MustParseAddr(fmt.Sprintf("fd00:198:18:1::%x", idx)))
+}
+
+// AddPodWithAddrs creates a dual-stack pod with the given addresses (which
+// may have belonged to a pod that is gone: IP reuse).
+func (n *Node) AddPodWithAddrs(name string, v4, v6 netip.Addr) *Pod {
 	n.t.Helper()
 	n.mu.Lock()
 	idx := n.nextIP
@@ -184,9 +195,7 @@ func (n *Node) AddPod(name string) *Pod {
 	n.mu.Unlock()
 	p := &Pod{
 		Name: name, Namespace: "default", UID: fmt.Sprintf("%s-0000-4000-8000-%012d", n.ID, idx),
-		NS:       "ae" + n.ID + "-" + name,
-		V4:       netip.AddrFrom4([4]byte{198, 18, byte(idx >> 8), byte(idx)}),
-		V6:       netip.MustParseAddr(fmt.Sprintf("fd00:198:18:1::%x", idx)),
+		NS: "ae" + n.ID + "-" + name, V4: v4, V6: v6,
 		HostVeth: fmt.Sprintf("veth%s%d", n.ID[:4], idx),
 		Cgroup:   filepath.Join(n.CgroupRoot, "pod-"+name),
 	}
@@ -236,6 +245,38 @@ func (n *Node) checkLeftovers() {
 	if ok, _ := hostfs.IsBPFFS(filepath.Dir(n.BPFFSDir)); ok {
 		n.t.Errorf("bpffs %s still mounted", filepath.Dir(n.BPFFSDir))
 	}
+}
+
+// DeletePodNetwork removes the pod's veth (and with it the node's route to
+// its addresses), as when a pod is gone before anyone removed it from the
+// mesh. The pod's netns stays for late cleanup.
+func (n *Node) DeletePodNetwork(p *Pod) {
+	n.t.Helper()
+	n.IP(n.NodeNS, "link", "del", p.HostVeth)
+}
+
+// VM is a host behind a pod's virtual interface (a VM's tap, say).
+type VM struct {
+	NS    string // netns name
+	Iface string // the interface's name inside the pod
+	Addr  netip.Addr
+}
+
+// AddVirtualInterface gives the pod a virtual interface leading to a VM
+// host of its own; the pod routes for it.
+func (n *Node) AddVirtualInterface(p *Pod, iface string) *VM {
+	n.t.Helper()
+	v := &VM{NS: p.NS + "-vm", Iface: iface, Addr: netip.MustParseAddr("198.18.200.2")}
+	n.addNetns(v.NS)
+	n.IP(v.NS, "link", "set", "lo", "up")
+	n.IP(p.NS, "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", v.NS)
+	n.IP(p.NS, "addr", "add", "198.18.200.1/24", "dev", iface)
+	n.IP(p.NS, "link", "set", iface, "up")
+	n.IP(v.NS, "addr", "add", v.Addr.String()+"/24", "dev", "eth0")
+	n.IP(v.NS, "link", "set", "eth0", "up")
+	n.IP(v.NS, "route", "add", "default", "via", "198.18.200.1")
+	n.Sysctl(p.NS, "net/ipv4/ip_forward", "1")
+	return v
 }
 
 // removeCgroupTree removes a cgroup subtree this test made, ending the

@@ -49,9 +49,10 @@ func StartHelper(t testing.TB, role, ns, cgroup string, extraEnv ...string) *Pro
 			t.Fatalf("open cgroup %s: %v", cgroup, err)
 		}
 		defer syscall.Close(fd)
-		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd, Pdeathsig: syscall.SIGKILL}
-	} else {
-		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		// No Pdeathsig: it fires when the forking OS thread exits, and
+		// threads locked into a netns do exit. The cgroup is the leash:
+		// its cleanup kills whatever is left in it.
+		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
 	}
 	p := &Proc{t: t, cmd: cmd, Stderr: &lockedBuffer{}}
 	cmd.Stderr = p.Stderr

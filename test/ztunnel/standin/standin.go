@@ -41,7 +41,9 @@ type Record struct {
 	Peer        netip.AddrPort `json:"peer"`
 	Local       netip.AddrPort `json:"local"`
 	OrigDst     netip.AddrPort `json:"origDst"`
-	OrigDstFrom string         `json:"origDstFrom"` // SO_ORIGINAL_DST or local
+	OrigDstFrom string         `json:"origDstFrom,omitempty"` // SO_ORIGINAL_DST or local
+	DNSName     string         `json:"dnsName,omitempty"`
+	DNSUpstream bool           `json:"dnsUpstream,omitempty"` // answered by the upstream server
 	Error       string         `json:"error,omitempty"`
 }
 
@@ -57,11 +59,14 @@ type Reply struct {
 type Config struct {
 	// Records receives one JSON line per connection; nil discards them.
 	Records io.Writer
-	// PreserveSource makes inbound delivery to the app come from the
-	// client's own address (IP_TRANSPARENT + IP_FREEBIND + bind), as
-	// ztunnel does; it needs the original-source return path (R10).
-	PreserveSource bool
-	Logger         *slog.Logger
+	// PlainInbound delivers inbound traffic to the app from the pod's own
+	// address. By default the client's address is kept (IP_TRANSPARENT +
+	// IP_FREEBIND + bind), as ztunnel does, which needs the
+	// original-source return path (R10).
+	PlainInbound bool
+	// DNS configures the DNS proxy on 127.0.0.1:15053 and [::1]:15053.
+	DNS    DNS
+	Logger *slog.Logger
 }
 
 // Proxy serves any number of pods.
@@ -78,6 +83,7 @@ type pod struct {
 	uid       string
 	ns        *sockutil.Netns
 	listeners []net.Listener
+	closers   []io.Closer
 	wg        sync.WaitGroup
 }
 
@@ -105,6 +111,10 @@ func (p *Proxy) AddPod(uid string, netns *os.File) error {
 			return fmt.Errorf("pod %s: %w", uid, err)
 		}
 		pd.listeners = append(pd.listeners, l)
+	}
+	if err := p.serveDNS(pd); err != nil {
+		pd.close()
+		return fmt.Errorf("pod %s: dns proxy: %w", uid, err)
 	}
 	p.mu.Lock()
 	old := p.pods[uid]
@@ -163,6 +173,9 @@ func (pd *pod) close() {
 	for _, l := range pd.listeners {
 		l.Close()
 	}
+	for _, c := range pd.closers {
+		c.Close()
+	}
 	pd.wg.Wait()
 	pd.ns.Close()
 }
@@ -199,12 +212,9 @@ func (p *Proxy) handle(pd *pod, c net.Conn, port int) {
 	var up net.Conn
 	if err == nil {
 		opts := sockutil.Opts{Mark: Mark, ReusePort: true}
-		if port == InboundPort && p.cfg.PreserveSource {
+		if port == InboundPort && !p.cfg.PlainInbound {
 			opts.Transparent, opts.FreeBind = true, true
 			opts.Bind = netip.AddrPortFrom(rec.Peer.Addr(), 0)
-			if dst.Addr().Is6() && rec.Peer.Addr().Is4() {
-				opts.Bind = netip.AddrPortFrom(netip.AddrFrom16(rec.Peer.Addr().As16()), 0)
-			}
 		}
 		up, err = pd.ns.Dial(dst, opts, 5*time.Second)
 	}
