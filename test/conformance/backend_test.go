@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -71,122 +72,18 @@ func (b *ebpfBackend) remove(t *testing.T, p *simnode.Pod) {
 	}
 }
 
-// iptablesBackend applies istio-cni's documented rules (contract sections
-// 2 and 3): in-pod rules in each pod netns, and the host-probe SNAT rule
-// with its ipsets in the node netns. It is the reference the eBPF path
-// must match.
-type iptablesBackend struct {
-	node   *simnode.Node
-	ipsets map[string]string // family -> ipset name
-}
+// iptablesBackend is istio-cni's rules, from package reference.
+type iptablesBackend struct{ reference.Iptables }
 
 func (*iptablesBackend) name() string { return "iptables" }
 
-// The host rule: local sockets (kubelet) to enrolled pods leave with the
-// probe address.
-func (b *iptablesBackend) setup(t *testing.T, n *simnode.Node) {
-	b.node = n
-	b.ipsets = map[string]string{"inet": "ae-pods-v4", "inet6": "ae-pods-v6"}
-	node := simnode.NetnsPath(n.NodeNS)
-	for fam, set := range b.ipsets {
-		run(t, node, "", "ipset", "create", set, "hash:ip", "family", fam, "comment")
-	}
-	run(t, node, "", "iptables", "-t", "nat", "-A", "POSTROUTING", "-m", "owner", "--socket-exists", "-p", "tcp",
-		"-m", "set", "--match-set", b.ipsets["inet"], "dst", "-j", "SNAT", "--to-source", "169.254.7.127")
-	run(t, node, "", "ip6tables", "-t", "nat", "-A", "POSTROUTING", "-m", "owner", "--socket-exists", "-p", "tcp",
-		"-m", "set", "--match-set", b.ipsets["inet6"], "dst", "-j", "SNAT", "--to-source", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
-}
-
-// inpodRules renders istio-cni's in-pod rules for one family: inbound by
-// nat REDIRECT (ztunnel reads SO_ORIGINAL_DST), the original-source return
-// path by connmark, DNS with its own conntrack zone.
-func inpodRules(o podOpts, loopback, probe string) string {
-	mangle := []string{
-		"-A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff",
-		"-A ISTIO_OUTPUT -m connmark --mark 0x111/0xfff -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff",
-	}
-	var nat, raw []string
-	for _, v := range o.reroute {
-		nat = append(nat, "-A ISTIO_PRERT -i "+v+" -p tcp -j REDIRECT --to-ports 15001", "-A ISTIO_PRERT -i "+v+" -p tcp -j RETURN")
-	}
-	if !o.ingressMode {
-		nat = append(nat, "-A ISTIO_PRERT -s PROBE -p tcp -m tcp -j ACCEPT")
-	}
-	nat = append(nat, "-A ISTIO_OUTPUT -d PROBE -p tcp -m tcp -j ACCEPT")
-	if !o.ingressMode {
-		nat = append(nat, "-A ISTIO_PRERT ! -d LOOPBACK -p tcp ! --dport 15008 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15006")
-	}
-	if o.dns {
-		nat = append(nat,
-			"-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark 0x539/0xfff -m udp --dport 53 -j REDIRECT --to-port 15053",
-			"-A ISTIO_OUTPUT ! -d LOOPBACK -p tcp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053")
-		raw = append(raw,
-			"-A ISTIO_OUTPUT -p udp -m mark --mark 0x539/0xfff -m udp --dport 53 -j CT --zone 1",
-			"-A ISTIO_PRERT -p udp -m mark ! --mark 0x539/0xfff -m udp --sport 53 -j CT --zone 1")
-	}
-	nat = append(nat,
-		"-A ISTIO_OUTPUT -p tcp -m mark --mark 0x111/0xfff -j ACCEPT",
-		"-A ISTIO_OUTPUT ! -d LOOPBACK -o lo -j ACCEPT",
-		"-A ISTIO_OUTPUT ! -d LOOPBACK -p tcp -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001")
-	table := func(name string, rules []string) string {
-		return "*" + name + "\n:ISTIO_PRERT - [0:0]\n:ISTIO_OUTPUT - [0:0]\n-A PREROUTING -j ISTIO_PRERT\n-A OUTPUT -j ISTIO_OUTPUT\n" +
-			strings.Join(rules, "\n") + "\nCOMMIT\n"
-	}
-	out := table("mangle", mangle) + table("nat", nat)
-	if len(raw) > 0 {
-		out += table("raw", raw)
-	}
-	return strings.NewReplacer("LOOPBACK", loopback, "PROBE", probe).Replace(out)
-}
-
-func run(t *testing.T, netnsPath, stdin string, args ...string) string {
-	t.Helper()
-	cmd := exec.Command("nsenter", append([]string{"--net=" + netnsPath}, args...)...)
-	cmd.Stdin = strings.NewReader(stdin)
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		t.Fatalf("%s in %s: %v: %s", strings.Join(args, " "), netnsPath, err, out)
-	}
-	return string(out)
-}
+func (b *iptablesBackend) setup(t *testing.T, n *simnode.Node) { b.Setup(t, n) }
 
 func (b *iptablesBackend) enroll(t *testing.T, p *simnode.Pod, o podOpts) {
-	t.Helper()
-	ns := p.NetnsPath()
-	run(t, ns, inpodRules(o, "127.0.0.1/32", "169.254.7.127"), "iptables-restore", "--noflush")
-	run(t, ns, inpodRules(o, "::1/128", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"), "ip6tables-restore", "--noflush")
-	for _, fam := range []string{"-4", "-6"} {
-		run(t, ns, "", "ip", fam, "rule", "add", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
-	}
-	run(t, ns, "", "ip", "-4", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "100")
-	run(t, ns, "", "ip", "-6", "route", "add", "local", "::/0", "dev", "lo", "table", "100")
-	node := simnode.NetnsPath(b.node.NodeNS)
-	run(t, node, "", "ipset", "add", "-exist", b.ipsets["inet"], p.V4.String(), "comment", p.UID)
-	run(t, node, "", "ipset", "add", "-exist", b.ipsets["inet6"], p.V6.String(), "comment", p.UID)
+	b.Enroll(t, p, reference.Opts{DNS: o.dns, IngressMode: o.ingressMode, Reroute: o.reroute})
 }
 
-func (b *iptablesBackend) remove(t *testing.T, p *simnode.Pod) {
-	t.Helper()
-	ns := p.NetnsPath()
-	for _, tool := range []string{"iptables", "ip6tables"} {
-		for _, table := range []string{"mangle", "nat", "raw"} {
-			run(t, ns, "", tool, "-t", table, "-F")
-			run(t, ns, "", tool, "-t", table, "-X")
-		}
-	}
-	for _, fam := range []string{"-4", "-6"} {
-		run(t, ns, "", "ip", fam, "rule", "del", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
-		run(t, ns, "", "ip", fam, "route", "flush", "table", "100")
-	}
-	// H4: an IP is removed only while its entry still names this pod.
-	node := simnode.NetnsPath(b.node.NodeNS)
-	for fam, ip := range map[string]string{"inet": p.V4.String(), "inet6": p.V6.String()} {
-		list := run(t, node, "", "ipset", "list", b.ipsets[fam])
-		if strings.Contains(list, ip+" comment \""+p.UID+"\"") {
-			run(t, node, "", "ipset", "del", b.ipsets[fam], ip)
-		}
-	}
-}
+func (b *iptablesBackend) remove(t *testing.T, p *simnode.Pod) { b.Remove(t, p) }
 
 // rulesIn lists the iptables and nftables rules present in a netns.
 func rulesIn(t *testing.T, netnsPath string) string {
