@@ -5,13 +5,17 @@ package simnode
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"errors"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"sync"
+	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
 
@@ -97,36 +101,84 @@ func (a *App) Do(req AppRequest) (AppResponse, error) {
 	return resp, nil
 }
 
-// Ztunnel is the ztunnel stand-in process.
+// Ztunnel is the ztunnel stand-in process, fed over ZDS by a server in
+// the test process that plays the node agent's part.
 type Ztunnel struct {
 	*Proc
+	t       testing.TB
 	records string
+	zds     *zds.Server
+	mu      sync.Mutex
+	pods    map[string]zds.Workload
 }
 
 // StartZtunnel starts the stand-in in the node netns, in its own cgroup
-// below the node's cgroup root (as ztunnel's pod would be).
+// below the node's cgroup root (as ztunnel's pod would be), connected
+// over ZDS to a server this test runs.
 func (n *Node) StartZtunnel() *Ztunnel {
 	n.t.Helper()
-	cg := n.cgroup("ztunnel")
-	records := filepath.Join(n.t.TempDir(), "ztunnel-records.jsonl")
-	return &Ztunnel{Proc: StartHelper(n.t, RoleZtunnel, n.NodeNS, cg, RecordsEnv+"="+records), records: records}
+	dir := n.t.TempDir()
+	z := &Ztunnel{t: n.t, records: filepath.Join(dir, "ztunnel-records.jsonl"), pods: map[string]zds.Workload{}}
+	sock := filepath.Join(dir, "ztunnel.sock")
+	srv, err := zds.NewServer(zds.Config{SocketPath: sock, Snapshot: z.snapshot})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	z.zds = srv
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Run(ctx) }()
+	n.t.Cleanup(func() { cancel(); <-done })
+	select {
+	case <-srv.Ready():
+	case <-time.After(5 * time.Second):
+		n.t.Fatal("zds server did not start")
+	}
+	z.Proc = StartHelper(n.t, RoleZtunnel, n.NodeNS, n.cgroup("ztunnel"), RecordsEnv+"="+z.records, ZDSSocketEnv+"="+sock)
+	deadline := time.Now().Add(10 * time.Second)
+	for srv.Connections() == 0 {
+		if time.Now().After(deadline) {
+			n.t.Fatalf("the stand-in never connected over ZDS; stderr:\n%s", z.Stderr.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return z
 }
 
-// Add hands the pod to the stand-in, as an AddWorkload would.
+func (z *Ztunnel) snapshot() []zds.Workload {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	out := make([]zds.Workload, 0, len(z.pods))
+	for _, w := range z.pods {
+		out = append(out, w)
+	}
+	return out
+}
+
+// Add hands the pod to the stand-in with an AddWorkload.
 func (z *Ztunnel) Add(p *Pod) {
 	z.t.Helper()
-	var resp AppResponse
-	if err := z.Call(ZtunnelRequest{Op: "add", UID: p.UID, Netns: p.NetnsPath()}, &resp); err != nil || !resp.OK {
-		z.t.Fatalf("ztunnel add %s: %v %s", p.Name, err, resp.Err)
+	w := zds.Workload{UID: p.UID, Name: p.Name, Namespace: p.Namespace, ServiceAccount: "default", Netns: p.NetnsPath()}
+	z.mu.Lock()
+	z.pods[p.UID] = w
+	z.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := z.zds.AddWorkload(ctx, w); err != nil {
+		z.t.Fatalf("ztunnel add %s: %v; stderr:\n%s", p.Name, err, z.Stderr.String())
 	}
 }
 
-// Del takes the pod away from the stand-in.
+// Del takes the pod away from the stand-in with a DelWorkload.
 func (z *Ztunnel) Del(p *Pod) {
 	z.t.Helper()
-	var resp AppResponse
-	if err := z.Call(ZtunnelRequest{Op: "del", UID: p.UID}, &resp); err != nil || !resp.OK {
-		z.t.Fatalf("ztunnel del %s: %v %s", p.Name, err, resp.Err)
+	z.mu.Lock()
+	delete(z.pods, p.UID)
+	z.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := z.zds.DelWorkload(ctx, p.UID); err != nil {
+		z.t.Fatalf("ztunnel del %s: %v", p.Name, err)
 	}
 }
 

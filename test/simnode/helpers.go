@@ -5,6 +5,7 @@ package simnode
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -455,15 +456,10 @@ func serveUDP(c *net.UDPConn, name string) {
 	}
 }
 
-// ZtunnelRequest is a command for the ztunnel helper.
-type ZtunnelRequest struct {
-	Op    string `json:"op"` // add, del
-	UID   string `json:"uid"`
-	Netns string `json:"netns,omitempty"`
-}
+// ZDSSocketEnv names the ZDS socket the ztunnel helper connects to.
+const ZDSSocketEnv = "AMBIENT_EBPF_ZDS_SOCKET"
 
-type ztunnelHelper struct{ proxy *standin.Proxy }
-
+// runZtunnel is the stand-in taking pods over ZDS, until stdin closes.
 func runZtunnel() error {
 	cfg := standin.Config{DNS: standin.DNS{
 		Table:    map[string]netip.Addr{"*." + KnownDNSSuffix: KnownDNSAnswer},
@@ -477,30 +473,22 @@ func runZtunnel() error {
 		defer f.Close()
 		cfg.Records = f
 	}
-	z := &ztunnelHelper{proxy: standin.New(cfg)}
-	defer z.proxy.Close()
-	return serveJSON(z)
+	proxy := standin.New(cfg)
+	defer proxy.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() { errc <- proxy.ServeZDS(ctx, os.Getenv(ZDSSocketEnv)) }()
+	err := serveJSON(noOps{})
+	cancel()
+	if zerr := <-errc; zerr != nil && !errors.Is(zerr, context.Canceled) {
+		return errors.Join(err, zerr)
+	}
+	return err
 }
 
-func (z *ztunnelHelper) handle(line []byte) any {
-	var req ZtunnelRequest
-	if err := json.Unmarshal(line, &req); err != nil {
-		return AppResponse{Err: err.Error()}
-	}
-	switch req.Op {
-	case "add":
-		f, err := os.Open(req.Netns)
-		if err != nil {
-			return AppResponse{Err: err.Error()}
-		}
-		defer f.Close()
-		if err := z.proxy.AddPod(req.UID, f); err != nil {
-			return AppResponse{Err: err.Error()}
-		}
-	case "del":
-		z.proxy.DelPod(req.UID)
-	default:
-		return AppResponse{Err: errors.New("unknown op " + req.Op).Error()}
-	}
-	return AppResponse{OK: true}
-}
+// noOps answers every request with an error: the ztunnel helper is driven
+// over ZDS; stdin only holds its lifetime.
+type noOps struct{}
+
+func (noOps) handle([]byte) any { return AppResponse{Err: "the ztunnel helper takes no commands"} }
