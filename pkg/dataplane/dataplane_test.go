@@ -252,3 +252,41 @@ func TestRestartAdoptsPinnedState(t *testing.T) {
 		t.Errorf("pin directory %s left after Uninstall: %v", n.BPFFSDir, err)
 	}
 }
+
+func TestPinnedViewReadsWithoutTheAgent(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	if _, err := OpenPinned(n.BPFFSDir); !errors.Is(err, ErrNotInstalled) {
+		t.Fatalf("OpenPinned before install: %v, want ErrNotInstalled", err)
+	}
+	d := newDataplane(t, n)
+	if err := d.Enroll(context.Background(), podOf(p)); err != nil {
+		t.Fatal(err)
+	}
+	want := d.List()
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	view, err := OpenPinned(n.BPFFSDir)
+	if err != nil {
+		t.Fatalf("OpenPinned: %v", err)
+	}
+	defer view.Close()
+	got, err := view.Pods()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 1 || got[0].UID != want[0].UID || !reflect.DeepEqual(got[0].IPs, want[0].IPs) || got[0].HostInterface != p.HostVeth {
+		t.Errorf("Pods() = %+v, want %+v", got, want)
+	}
+	dump, err := view.Dump()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dump.Pods) != 2 || dump.Pods[0].Pod != "default/a" || len(dump.Netns) != 1 || len(dump.Meta) != 1 {
+		t.Errorf("Dump() = %+v", dump)
+	}
+	if dump.Netns[0].IPv4 != p.V4 || dump.Netns[0].IPv6 != p.V6 {
+		t.Errorf("ae_netns decodes to %v/%v, want %v/%v", dump.Netns[0].IPv4, dump.Netns[0].IPv6, p.V4, p.V6)
+	}
+}

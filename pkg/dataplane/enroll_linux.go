@@ -281,67 +281,23 @@ func (d *Dataplane) Stats(uid string) (Stats, error) {
 	if !ok {
 		return Stats{}, fmt.Errorf("pod %s is not enrolled", uid)
 	}
-	perCPU := make([]sockPodStats, ebpf.MustPossibleCPU())
-	if err := d.sock.AeStats.Lookup(st.Slot, &perCPU); err != nil {
-		return Stats{}, fmt.Errorf("read ae_stats: %w", err)
-	}
-	var s Stats
-	for _, c := range perCPU {
-		s.OutboundRedirects += c.OutboundRedirects
-		s.InboundRedirects += c.InboundRedirects
-		s.InboundNoListener += c.InboundNoListener
-		s.OrigDstErrors += c.OrigDstErrors
-	}
-	return s, nil
+	return readStats(&d.sock.sockMaps, st.Slot)
 }
 
 // adoptPods rebuilds the pod table from the pinned maps after a restart
-// and moves each pod's pinned ingress link to the freshly loaded program.
+// and moves each pod's pinned links to the freshly loaded programs.
 func (d *Dataplane) adoptPods() error {
-	bySlot := map[uint32]*podState{}
-	var (
-		slot uint32
-		meta sockPodMeta
-	)
-	it := d.sock.AePodMeta.Iterate()
-	for it.Next(&slot, &meta) {
-		if meta.InUse == 0 {
-			continue
-		}
-		st := &podState{EnrolledPod: EnrolledPod{
-			UID: goString(meta.Uid[:]), Namespace: goString(meta.Namespace[:]), Name: goString(meta.Name[:]),
-			Interface: goString(meta.Ifname[:]), HostInterface: goString(meta.HostIfname[:]),
-			NetnsCookie: meta.NetnsCookie, Slot: slot,
-		}, savedFwmark: meta.SavedFwmarkAccept, links: map[string]link.Link{}}
-		bySlot[slot] = st
+	pods, err := readPods(&d.sock.sockMaps)
+	if err != nil {
+		return err
 	}
-	if err := it.Err(); err != nil {
-		return fmt.Errorf("read ae_pod_meta: %w", err)
-	}
-
-	var (
-		key  sockAeAddr
-		info sockPodInfo
-	)
-	pit := d.sock.AePods.Iterate()
-	for pit.Next(&key, &info) {
-		if st := bySlot[info.Slot]; st != nil && st.NetnsCookie == info.NetnsCookie {
-			st.IPs = append(st.IPs, netip.AddrFrom16(key.B).Unmap())
-			st.Options = optionsFromFlags(info.Flags)
-		}
-	}
-	if err := pit.Err(); err != nil {
-		return fmt.Errorf("read ae_pods: %w", err)
-	}
-
-	for _, st := range bySlot {
-		slices.SortFunc(st.IPs, func(a, b netip.Addr) int { return a.Compare(b) })
+	for _, st := range pods {
 		d.slots.take(st.Slot)
 		d.adoptLinks(st)
 		d.pods[st.UID] = st
 	}
-	if len(bySlot) > 0 {
-		d.log.Info("adopted enrolled pods", "count", len(bySlot))
+	if len(pods) > 0 {
+		d.log.Info("adopted enrolled pods", "count", len(pods))
 	}
 	return nil
 }

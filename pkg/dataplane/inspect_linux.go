@@ -1,0 +1,265 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package dataplane
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+)
+
+// readPods decodes the enrolled pods from the maps: metadata by slot, then
+// each pod's addresses from ae_pods (only entries it still owns).
+func readPods(m *sockMaps) ([]*podState, error) {
+	bySlot := map[uint32]*podState{}
+	var (
+		slot uint32
+		meta sockPodMeta
+	)
+	it := m.AePodMeta.Iterate()
+	for it.Next(&slot, &meta) {
+		if meta.InUse == 0 {
+			continue
+		}
+		bySlot[slot] = &podState{EnrolledPod: EnrolledPod{
+			UID: goString(meta.Uid[:]), Namespace: goString(meta.Namespace[:]), Name: goString(meta.Name[:]),
+			Interface: goString(meta.Ifname[:]), HostInterface: goString(meta.HostIfname[:]),
+			NetnsCookie: meta.NetnsCookie, Slot: slot,
+		}, savedFwmark: meta.SavedFwmarkAccept, links: map[string]link.Link{}}
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read ae_pod_meta: %w", err)
+	}
+	var (
+		key  sockAeAddr
+		info sockPodInfo
+	)
+	pit := m.AePods.Iterate()
+	for pit.Next(&key, &info) {
+		if st := bySlot[info.Slot]; st != nil && st.NetnsCookie == info.NetnsCookie {
+			st.IPs = append(st.IPs, netip.AddrFrom16(key.B).Unmap())
+			st.Options = optionsFromFlags(info.Flags)
+		}
+	}
+	if err := pit.Err(); err != nil {
+		return nil, fmt.Errorf("read ae_pods: %w", err)
+	}
+	out := make([]*podState, 0, len(bySlot))
+	for _, st := range bySlot {
+		slices.SortFunc(st.IPs, func(a, b netip.Addr) int { return a.Compare(b) })
+		out = append(out, st)
+	}
+	slices.SortFunc(out, func(a, b *podState) int {
+		if c := cmpString(a.Namespace, b.Namespace); c != 0 {
+			return c
+		}
+		return cmpString(a.Name, b.Name)
+	})
+	return out, nil
+}
+
+func readStats(m *sockMaps, slot uint32) (Stats, error) {
+	perCPU := make([]sockPodStats, ebpf.MustPossibleCPU())
+	if err := m.AeStats.Lookup(slot, &perCPU); err != nil {
+		return Stats{}, fmt.Errorf("read ae_stats: %w", err)
+	}
+	var s Stats
+	for _, c := range perCPU {
+		s.OutboundRedirects += c.OutboundRedirects
+		s.InboundRedirects += c.InboundRedirects
+		s.InboundNoListener += c.InboundNoListener
+		s.OrigDstErrors += c.OrigDstErrors
+		s.DNSRedirects += c.DnsRedirects
+		s.RerouteRedirects += c.RerouteRedirects
+		s.ProbeSNAT += c.ProbeSnat
+		s.ProbeNATFull += c.ProbeNatFull
+	}
+	return s, nil
+}
+
+// ErrNotInstalled is returned when no data path is pinned at a directory.
+var ErrNotInstalled = errors.New("no ambient-ebpf data path pinned here")
+
+// Pinned is a read-only view of a node's pinned maps. It works without the
+// agent: the CLI's pods, maps and stats commands read it.
+type Pinned struct {
+	maps sockMaps
+}
+
+// OpenPinned opens the maps pinned under bpffsDir (Config.BPFFSDir).
+func OpenPinned(bpffsDir string) (*Pinned, error) {
+	dir := filepath.Join(bpffsDir, "maps")
+	if _, err := os.Stat(filepath.Join(dir, sockMapAeNetns)); errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("%s: %w", bpffsDir, ErrNotInstalled)
+	}
+	spec, err := loadSock()
+	if err != nil {
+		return nil, err
+	}
+	p := &Pinned{}
+	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir, LoadPinOptions: ebpf.LoadPinOptions{ReadOnly: true}}}
+	if err := spec.LoadAndAssign(&p.maps, opts); err != nil {
+		return nil, fmt.Errorf("open pinned maps in %s: %w", dir, err)
+	}
+	return p, nil
+}
+
+// Close releases the map handles.
+func (p *Pinned) Close() error { return p.maps.Close() }
+
+// Pods returns the enrolled pods.
+func (p *Pinned) Pods() ([]EnrolledPod, error) {
+	states, err := readPods(&p.maps)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]EnrolledPod, len(states))
+	for i, st := range states {
+		out[i] = st.EnrolledPod
+	}
+	return out, nil
+}
+
+// Stats returns a pod's counters by slot (EnrolledPod.Slot).
+func (p *Pinned) Stats(slot uint32) (Stats, error) { return readStats(&p.maps, slot) }
+
+// MapDump is every pinned map decoded, for people (the CLI's maps command).
+type MapDump struct {
+	Pods     []PodEntry      `json:"ae_pods"`
+	Netns    []NetnsEntry    `json:"ae_netns"`
+	Meta     []MetaEntry     `json:"ae_pod_meta"`
+	Stats    []StatsEntry    `json:"ae_stats"`
+	OrigDst  []OrigDstEntry  `json:"ae_orig_dst"`
+	ProbeNAT []ProbeNATEntry `json:"ae_probe_nat"`
+}
+
+// PodEntry is one ae_pods entry.
+type PodEntry struct {
+	IP          netip.Addr `json:"ip"`
+	Pod         string     `json:"pod"` // namespace/name from ae_pod_meta
+	NetnsCookie uint64     `json:"netnsCookie"`
+	Slot        uint32     `json:"slot"`
+	Options     Options    `json:"options"`
+}
+
+// NetnsEntry is one ae_netns entry.
+type NetnsEntry struct {
+	NetnsCookie uint64     `json:"netnsCookie"`
+	Pod         string     `json:"pod"`
+	IPv4        netip.Addr `json:"ipv4,omitzero"`
+	IPv6        netip.Addr `json:"ipv6,omitzero"`
+	Slot        uint32     `json:"slot"`
+	Options     Options    `json:"options"`
+}
+
+// MetaEntry is one slot of ae_pod_meta in use.
+type MetaEntry struct {
+	Slot          uint32 `json:"slot"`
+	UID           string `json:"uid"`
+	Pod           string `json:"pod"`
+	Interface     string `json:"interface"`
+	HostInterface string `json:"hostInterface"`
+	NetnsCookie   uint64 `json:"netnsCookie"`
+}
+
+// StatsEntry is one pod's counters from ae_stats, summed over CPUs.
+type StatsEntry struct {
+	Slot  uint32 `json:"slot"`
+	Pod   string `json:"pod"`
+	Stats Stats  `json:"stats"`
+}
+
+// OrigDstEntry is one original destination filed for ztunnel.
+type OrigDstEntry struct {
+	NetnsCookie uint64         `json:"netnsCookie"`
+	Client      netip.AddrPort `json:"client"`
+	OrigDst     netip.AddrPort `json:"origDst"`
+}
+
+// ProbeNATEntry is one live host-probe translation.
+type ProbeNATEntry struct {
+	Pod      netip.AddrPort `json:"pod"`
+	HostPort uint16         `json:"hostPort"`
+	Host     netip.Addr     `json:"host"`
+}
+
+func addrOf(a sockAeAddr) netip.Addr { return netip.AddrFrom16(a.B).Unmap() }
+
+func ntohs(v uint16) uint16 { return v>>8 | v<<8 }
+
+// Dump decodes every map except ae_sk_dst, which is socket storage and
+// cannot be listed from user space.
+func (p *Pinned) Dump() (*MapDump, error) {
+	pods, err := readPods(&p.maps)
+	if err != nil {
+		return nil, err
+	}
+	names := map[uint32]string{}
+	d := &MapDump{}
+	for _, st := range pods {
+		name := st.Namespace + "/" + st.Name
+		names[st.Slot] = name
+		d.Meta = append(d.Meta, MetaEntry{Slot: st.Slot, UID: st.UID, Pod: name, Interface: st.Interface,
+			HostInterface: st.HostInterface, NetnsCookie: st.NetnsCookie})
+		s, err := readStats(&p.maps, st.Slot)
+		if err != nil {
+			return nil, err
+		}
+		d.Stats = append(d.Stats, StatsEntry{Slot: st.Slot, Pod: name, Stats: s})
+	}
+	var (
+		addr sockAeAddr
+		info sockPodInfo
+	)
+	it := p.maps.AePods.Iterate()
+	for it.Next(&addr, &info) {
+		d.Pods = append(d.Pods, PodEntry{IP: addrOf(addr), Pod: names[info.Slot], NetnsCookie: info.NetnsCookie, Slot: info.Slot, Options: optionsFromFlags(info.Flags)})
+	}
+	var (
+		cookie uint64
+		ns     sockNetnsInfo
+	)
+	nit := p.maps.AeNetns.Iterate()
+	for nit.Next(&cookie, &ns) {
+		e := NetnsEntry{NetnsCookie: cookie, Pod: names[ns.Slot], Slot: ns.Slot, Options: optionsFromFlags(ns.Flags)}
+		if ns.Flags&flagHasV4 != 0 {
+			e.IPv4 = addrOf(ns.Ip4)
+		}
+		if ns.Flags&flagHasV6 != 0 {
+			e.IPv6 = addrOf(ns.Ip6)
+		}
+		d.Netns = append(d.Netns, e)
+	}
+	var (
+		ok sockOrigKey
+		od sockOrigDst
+	)
+	oit := p.maps.AeOrigDst.Iterate()
+	for oit.Next(&ok, &od) {
+		d.OrigDst = append(d.OrigDst, OrigDstEntry{NetnsCookie: ok.NetnsCookie,
+			Client:  netip.AddrPortFrom(addrOf(ok.Addr), ntohs(ok.Port)),
+			OrigDst: netip.AddrPortFrom(addrOf(od.Addr), ntohs(od.Port))})
+	}
+	var (
+		pk sockProbeKey
+		pn sockProbeNat
+	)
+	pit := p.maps.AeProbeNat.Iterate()
+	for pit.Next(&pk, &pn) {
+		d.ProbeNAT = append(d.ProbeNAT, ProbeNATEntry{Pod: netip.AddrPortFrom(addrOf(pk.Pod), ntohs(pk.PodPort)),
+			HostPort: ntohs(pk.HostPort), Host: addrOf(pn.Host)})
+	}
+	for _, err := range []error{it.Err(), nit.Err(), oit.Err(), pit.Err()} {
+		if err != nil {
+			return nil, fmt.Errorf("read maps: %w", err)
+		}
+	}
+	return d, nil
+}
