@@ -1,0 +1,99 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package cli
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+)
+
+func run(t *testing.T, args ...string) string {
+	t.Helper()
+	var out bytes.Buffer
+	cmd := NewCommand(&out)
+	cmd.SetArgs(args)
+	if err := cmd.ExecuteContext(context.Background()); err != nil {
+		t.Fatalf("ambient-ebpf %s: %v", strings.Join(args, " "), err)
+	}
+	return out.String()
+}
+
+// The CLI reads the pins with no agent running: pods, maps (dotted and
+// colon addresses, pod names beside IPs), stats, JSON on every command.
+func TestCommandsReadPinsWithoutTheAgent(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("web")
+	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if d, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}); err == nil {
+			_ = d.Uninstall()
+		}
+	})
+	err = dp.Enroll(context.Background(), dataplane.Pod{UID: p.UID, Namespace: "shop", Name: "web", Netns: p.NetnsPath(),
+		IPs: p.IPs(), Options: dataplane.Options{DNSCapture: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dp.Close() // the agent is gone; the pins stay
+
+	pods := run(t, "--bpffs", n.BPFFSDir, "pods")
+	for _, want := range []string{"shop/web", p.UID, p.V4.String(), p.V6.String(), "dns"} {
+		if !strings.Contains(pods, want) {
+			t.Errorf("pods output lacks %q:\n%s", want, pods)
+		}
+	}
+	maps := run(t, "--bpffs", n.BPFFSDir, "maps")
+	for _, want := range []string{"ae_pods (2)", p.V4.String() + "  ", "shop/web", "ae_netns (1)", "ae_probe_nat"} {
+		if !strings.Contains(maps, want) {
+			t.Errorf("maps output lacks %q:\n%s", want, maps)
+		}
+	}
+	for _, cmd := range []string{"pods", "maps", "stats", "status"} {
+		out := run(t, "--bpffs", n.BPFFSDir, "--health-url", "http://127.0.0.1:1", "-o", "json", cmd)
+		if !json.Valid([]byte(out)) {
+			t.Errorf("%s -o json is not JSON:\n%s", cmd, out)
+		}
+	}
+	var got []dataplane.EnrolledPod
+	if err := json.Unmarshal([]byte(run(t, "--bpffs", n.BPFFSDir, "-o", "json", "pods")), &got); err != nil || len(got) != 1 || got[0].Name != "web" {
+		t.Errorf("pods -o json = %+v, %v", got, err)
+	}
+}
+
+// bpftool prints the same pins with BTF field names.
+func TestBpftoolPrintsFieldNames(t *testing.T) {
+	if _, err := exec.LookPath("bpftool"); err != nil {
+		t.Fatal("bpftool is not installed (make deps installs it)")
+	}
+	n := simnode.New(t)
+	p := n.AddPod("web")
+	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dp.Uninstall()
+	if err := dp.Enroll(context.Background(), dataplane.Pod{UID: p.UID, Namespace: "shop", Name: "web", Netns: p.NetnsPath(), IPs: p.IPs()}); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("bpftool", "map", "dump", "pinned", filepath.Join(n.BPFFSDir, "maps", "ae_netns")).CombinedOutput()
+	if err != nil {
+		t.Fatalf("bpftool: %v: %s", err, out)
+	}
+	for _, field := range []string{`"ip4"`, `"ip6"`, `"slot"`, `"flags"`} {
+		if !bytes.Contains(out, []byte(field)) {
+			t.Errorf("bpftool dump lacks field %s:\n%s", field, out)
+		}
+	}
+}
