@@ -3,8 +3,9 @@
 
 // Package cnichain invokes a real conflist through libcni, the library
 // container runtimes use: bridge + host-local from containernetworking/plugins
-// v1.10.0, then ambient-ebpf-cni, plus loopback, inside a node netns the test
-// creates. A fake agent records what the plugin forwards.
+// v1.10.0, then ambient-ebpf-cni as chained in by the installer, plus
+// loopback, inside a node netns the test creates. A fake agent records what
+// the plugin forwards.
 package cnichain
 
 import (
@@ -30,6 +31,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
@@ -213,7 +215,7 @@ func TestConflistThroughLibcni(t *testing.T) {
 	refDir := referencePlugins(t, root)
 	tmp := t.TempDir()
 	binDir := filepath.Join(tmp, "bin")
-	buildPlugin(t, root, binDir)
+	buildPlugin(t, root, filepath.Join(tmp, "build"))
 
 	podFilePath := filepath.Join(tmp, "pods.yaml")
 	if err := os.WriteFile(podFilePath, []byte(podFile), 0o600); err != nil {
@@ -225,17 +227,7 @@ func TestConflistThroughLibcni(t *testing.T) {
 
 	n := newNode(t)
 	ipamDir := filepath.Join(tmp, "host-local")
-	list, err := libcni.ConfListFromBytes([]byte(fmt.Sprintf(`{
-  "cniVersion": "1.1.0", "name": "aeb-%[1]s",
-  "plugins": [
-    {"type": "bridge", "bridge": "aeb%[1]s", "isGateway": false, "ipMasq": false,
-     "ipam": {"type": "host-local", "dataDir": %[2]q,
-              "ranges": [[{"subnet": "198.18.7.0/24"}], [{"subnet": "fd00:198:18:7::/64"}]]}},
-    {"type": "ambient-ebpf-cni", "agentSocket": %[3]q, "agentTimeout": "2s", "podFile": %[4]q}
-  ]}`, n.id, ipamDir, sock, podFilePath)))
-	if err != nil {
-		t.Fatal(err)
-	}
+	list := installChain(t, tmp, n.id, ipamDir, sock, podFilePath, binDir)
 	lo, err := libcni.ConfFromBytes([]byte(`{"cniVersion": "1.1.0", "name": "lo", "type": "loopback"}`))
 	if err != nil {
 		t.Fatal(err)
@@ -332,6 +324,54 @@ func TestConflistThroughLibcni(t *testing.T) {
 	if adds, _ := agent.snapshot(); len(adds) != 1 {
 		t.Errorf("agent saw %d adds after it stopped, want none", len(adds)-1)
 	}
+}
+
+// installChain plays the primary CNI (a lone bridge .conf in the conf dir)
+// and the agent's installer (which copies the plugin and chains it in), then
+// loads the network the way containerd does: the first conf file by name.
+func installChain(t *testing.T, tmp, id, ipamDir, sock, podFilePath, binDir string) *libcni.NetworkConfigList {
+	t.Helper()
+	confDir := filepath.Join(tmp, "net.d")
+	if err := os.MkdirAll(binDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	primary := fmt.Sprintf(`{"cniVersion": "1.1.0", "name": "aeb-%[1]s", "type": "bridge", "bridge": "aeb%[1]s",
+  "ipam": {"type": "host-local", "dataDir": %[2]q,
+           "ranges": [[{"subnet": "198.18.7.0/24"}], [{"subnet": "fd00:198:18:7::/64"}]]}}`, id, ipamDir)
+	if err := os.MkdirAll(confDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(confDir, "10-aeb.conf"), []byte(primary), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	inst := install.New(install.Config{
+		PluginBinary: filepath.Join(tmp, "build", "ambient-ebpf-cni"),
+		BinDirs:      []string{binDir},
+		ConfDir:      confDir,
+		PluginSettings: map[string]any{
+			"agentSocket": sock, "agentTimeout": "2s", "podFile": podFilePath,
+		},
+	})
+	if err := inst.Install(context.Background()); err != nil {
+		t.Fatalf("install the plugin: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := inst.Cleanup(); err != nil {
+			t.Errorf("uninstall: %v", err)
+		}
+	})
+	files, err := libcni.ConfFiles(confDir, []string{".conf", ".conflist", ".json"})
+	if err != nil || len(files) != 1 || filepath.Base(files[0]) != "10-aeb.conflist" {
+		t.Fatalf("conf files after install = %v, %v; want the converted 10-aeb.conflist", files, err)
+	}
+	list, err := libcni.NetworkConfFromFile(files[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list.Plugins) != 2 || list.Plugins[0].Network.Type != "bridge" || list.Plugins[1].Network.Type != "ambient-ebpf-cni" {
+		t.Fatalf("installed chain = %s", list.Bytes)
+	}
+	return list
 }
 
 func serveAgent(t *testing.T, sock string, h events.Handler) (stop func()) {
