@@ -10,6 +10,8 @@ package cnichain
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -37,12 +39,6 @@ import (
 
 // cniPluginsVersion must match CNI_PLUGINS_VERSION in the Makefile.
 const cniPluginsVersion = "v1.10.0"
-
-var refPlugins = map[string]string{
-	"bridge":     "github.com/containernetworking/plugins/plugins/main/bridge",
-	"host-local": "github.com/containernetworking/plugins/plugins/ipam/host-local",
-	"loopback":   "github.com/containernetworking/plugins/plugins/main/loopback",
-}
 
 // recorder is the fake agent: it enrolls every pod it is asked about.
 type recorder struct {
@@ -87,6 +83,11 @@ func referencePlugins(t *testing.T, root string) string {
 	dir := os.Getenv("CNI_PLUGINS_DIR")
 	if dir == "" {
 		dir = filepath.Join(root, ".cache", "cni-plugins", cniPluginsVersion)
+	}
+	refPlugins := map[string]string{
+		"bridge":     "github.com/containernetworking/plugins/plugins/main/bridge",
+		"host-local": "github.com/containernetworking/plugins/plugins/ipam/host-local",
+		"loopback":   "github.com/containernetworking/plugins/plugins/main/loopback",
 	}
 	var missing []string
 	for name, pkg := range refPlugins {
@@ -441,5 +442,57 @@ func assertLease(t *testing.T, dataDir, ip string, want bool) {
 	}
 	if got := len(matches) > 0; got != want {
 		t.Errorf("host-local lease for %s present = %v, want %v", ip, got, want)
+	}
+}
+
+// TestBinaryAnswersEveryInputWithACNIResult runs the built binary the way a
+// runtime does (environment + stdin) and checks that malformed input gets a
+// CNI error object on stdout with the spec's code and a non-zero exit.
+func TestBinaryAnswersEveryInputWithACNIResult(t *testing.T) {
+	root := repoRoot(t)
+	dir := t.TempDir()
+	buildPlugin(t, root, dir)
+	bin := filepath.Join(dir, "ambient-ebpf-cni")
+	run := func(command, stdin string) (string, error) {
+		cmd := exec.Command(bin)
+		cmd.Env = []string{"CNI_COMMAND=" + command, "CNI_CONTAINERID=c1", "CNI_NETNS=/proc/self/ns/net", "CNI_IFNAME=eth0",
+			"CNI_PATH=" + dir, "CNI_ARGS=K8S_POD_NAMESPACE=mesh;K8S_POD_NAME=web"}
+		cmd.Stdin = strings.NewReader(stdin)
+		out, err := cmd.Output()
+		return string(out), err
+	}
+	out, err := run("VERSION", `{"cniVersion":"1.1.0"}`)
+	if err != nil {
+		t.Fatalf("VERSION: %v", err)
+	}
+	var vi struct {
+		Supported []string `json:"supportedVersions"`
+	}
+	if err := json.Unmarshal([]byte(out), &vi); err != nil || !slices.Equal(vi.Supported, []string{"0.3.1", "0.4.0", "1.0.0", "1.1.0"}) {
+		t.Errorf("VERSION = %s (%v)", out, err)
+	}
+	cases := []struct {
+		name, command, stdin string
+		code                 uint
+	}{
+		{"bad json", "ADD", `{"cniVersion":`, types.ErrDecodingFailure},
+		{"unknown cniVersion", "ADD", `{"cniVersion":"7.0.0","name":"k8s","type":"ambient-ebpf-cni"}`, types.ErrIncompatibleCNIVersion},
+		{"missing prevResult", "ADD", `{"cniVersion":"1.0.0","name":"k8s","type":"ambient-ebpf-cni"}`, types.ErrInvalidNetworkConfig},
+		{"bad prevResult", "ADD", `{"cniVersion":"1.0.0","name":"k8s","type":"ambient-ebpf-cni","prevResult":{"ips":[{"address":"x"}]}}`, types.ErrDecodingFailure},
+		{"bad json on DEL", "DEL", `nope`, types.ErrDecodingFailure},
+		{"STATUS before 1.1", "STATUS", `{"cniVersion":"1.0.0","name":"k8s","type":"ambient-ebpf-cni"}`, types.ErrIncompatibleCNIVersion},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := run(tc.command, tc.stdin)
+			var exitErr *exec.ExitError
+			if !errors.As(err, &exitErr) {
+				t.Fatalf("%s exited with %v, want a non-zero exit; stdout %s", tc.command, err, out)
+			}
+			var cniErr types.Error
+			if err := json.Unmarshal([]byte(out), &cniErr); err != nil || cniErr.Code != tc.code || cniErr.Msg == "" {
+				t.Errorf("stdout = %s, want a CNI error with code %d", out, tc.code)
+			}
+		})
 	}
 }

@@ -23,11 +23,11 @@ import (
 // PluginType is the "type" of our entry in a conflist, and the binary name.
 const PluginType = "ambient-ebpf-cni"
 
-// SupportedVersions are the CNI spec versions the plugin speaks.
-var supportedVersions = []string{"0.3.1", "0.4.0", "1.0.0", "1.1.0"}
+// SupportedVersions returns the CNI spec versions the plugin speaks.
+func SupportedVersions() []string { return []string{"0.3.1", "0.4.0", "1.0.0", "1.1.0"} }
 
 // VersionInfo returns the plugin's CNI version information.
-func VersionInfo() version.PluginInfo { return version.PluginSupports(supportedVersions...) }
+func VersionInfo() version.PluginInfo { return version.PluginSupports(SupportedVersions()...) }
 
 // Defaults for the plugin configuration.
 const (
@@ -73,9 +73,9 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	if err := json.Unmarshal(stdin, conf); err != nil {
 		return nil, types.NewError(types.ErrDecodingFailure, "decode network configuration", err.Error())
 	}
-	if !slices.Contains(supportedVersions, conf.CNIVersion) {
+	if !slices.Contains(SupportedVersions(), conf.CNIVersion) {
 		return nil, types.NewError(types.ErrIncompatibleCNIVersion, "unsupported cniVersion",
-			fmt.Sprintf("config has cniVersion %q, plugin supports %s", conf.CNIVersion, strings.Join(supportedVersions, ", ")))
+			fmt.Sprintf("config has cniVersion %q, plugin supports %s", conf.CNIVersion, strings.Join(SupportedVersions(), ", ")))
 	}
 	if err := version.ParsePrevResult(&conf.PluginConf); err != nil {
 		return nil, types.NewError(types.ErrDecodingFailure, "decode prevResult", err.Error())

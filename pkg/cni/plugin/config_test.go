@@ -119,7 +119,7 @@ func FuzzParseConfig(f *testing.F) {
 			}
 			return
 		}
-		if !slices.Contains(supportedVersions, c.CNIVersion) || c.agentTimeout <= 0 || c.AgentSocket == "" {
+		if !slices.Contains(SupportedVersions(), c.CNIVersion) || c.agentTimeout <= 0 || c.AgentSocket == "" {
 			t.Fatalf("accepted an invalid config: %+v", c)
 		}
 		if c.PrevResult != nil {
