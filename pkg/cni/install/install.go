@@ -170,42 +170,56 @@ func (i *Installer) installConf() error {
 	if target == "" {
 		return fmt.Errorf("no cni configuration in %s to chain into yet", i.cfg.ConfDir)
 	}
+	written, err := i.chainInto(target, data)
+	if err != nil {
+		return err
+	}
 	// Our entry lives only in the highest-priority file: take it out of any
-	// other file an earlier pass chained into.
+	// other file an earlier pass chained into, after the new one has it.
 	for _, f := range files {
-		if f != target {
+		if f != target && f != written {
 			if err := i.removeFrom(f); err != nil {
 				return err
 			}
 		}
 	}
+	return nil
+}
+
+// chainInto adds our entry to target, converting a lone conf to a conflist,
+// and returns the file that now holds it.
+func (i *Installer) chainInto(target string, data []byte) (string, error) {
 	d, _ := parseDocument(data)
 	if d.isList() {
 		out, err := withPlugin(data, i.entry(), "")
 		if err != nil {
-			return fmt.Errorf("chain into %s: %w", target, err)
+			return "", fmt.Errorf("chain into %s: %w", target, err)
 		}
 		if err := writeIfChanged(target, out, 0o644); err != nil {
-			return fmt.Errorf("chain into %s: %w", target, err)
+			return "", fmt.Errorf("chain into %s: %w", target, err)
 		}
-		return nil
+		return target, nil
 	}
 	list := convertedName(target)
-	if _, err := os.Stat(list); err == nil {
-		return fmt.Errorf("convert %s: %s already exists", target, list)
+	if existing, err := os.ReadFile(list); err == nil {
+		// Ours from an earlier conversion (the primary CNI has since
+		// rewritten its .conf): convert again. Anything else is not ours.
+		if _, from, _, err := withoutPlugin(existing, PluginType); err != nil || from != filepath.Base(target) {
+			return "", fmt.Errorf("convert %s: %s already exists", target, list)
+		}
 	}
 	out, err := withPlugin(data, i.entry(), filepath.Base(target))
 	if err != nil {
-		return fmt.Errorf("convert %s: %w", target, err)
+		return "", fmt.Errorf("convert %s: %w", target, err)
 	}
 	if err := writeIfChanged(list, out, 0o644); err != nil {
-		return fmt.Errorf("convert %s: %w", target, err)
+		return "", fmt.Errorf("convert %s: %w", target, err)
 	}
 	if err := os.Remove(target); err != nil {
-		return fmt.Errorf("convert %s: remove the lone conf: %w", target, err)
+		return "", fmt.Errorf("convert %s: remove the lone conf: %w", target, err)
 	}
 	i.log.Info("converted a lone cni conf into a conflist", "from", target, "to", list)
-	return nil
+	return list, nil
 }
 
 // removeFrom takes our entry out of one conf file, restoring a lone .conf the

@@ -243,6 +243,42 @@ func assertOurEntry(t *testing.T, n *node, content string) {
 	t.Errorf("no %s entry in %s", PluginType, content)
 }
 
+func TestPrimaryRewritingItsConfAfterConversion(t *testing.T) {
+	n := newNode(t, map[string]string{"10-bridge.conf": bridgeConf})
+	inst := New(n.cfg)
+	if err := inst.Install(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	rewritten := strings.Replace(bridgeConf, "cni0", "cni1", 1)
+	mustWrite(t, filepath.Join(n.confDir, "10-bridge.conf"), rewritten)
+	if err := inst.Install(context.Background()); err != nil {
+		t.Fatalf("Install after the primary rewrote its conf: %v", err)
+	}
+	files := snapshot(t, n.confDir)
+	if _, ok := files["10-bridge.conf"]; ok {
+		t.Error("the rewritten .conf was not converted again")
+	}
+	list := files["10-bridge.conflist"]
+	if !strings.Contains(list, "cni1") || !slices.Equal(pluginTypes(t, list), []string{"bridge", PluginType}) {
+		t.Errorf("conflist = %s", list)
+	}
+	if err := inst.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if got := snapshot(t, n.confDir); len(got) != 1 || !jsonEqual(got["10-bridge.conf"], rewritten) {
+		t.Errorf("after cleanup = %v, want the rewritten conf back", got)
+	}
+
+	// A conflist of that name that is not ours is never overwritten.
+	n = newNode(t, map[string]string{"10-bridge.conf": bridgeConf, "10-bridge.conflist": listB})
+	if err := New(n.cfg).Install(context.Background()); err == nil || !strings.Contains(err.Error(), "already exists") {
+		t.Errorf("Install over a foreign conflist = %v", err)
+	}
+	if got := snapshot(t, n.confDir)["10-bridge.conflist"]; got != listB {
+		t.Errorf("foreign conflist changed: %s", got)
+	}
+}
+
 func TestKubeconfigCarriesTheTokenAndCA(t *testing.T) {
 	n := newNode(t, map[string]string{"10-a.conflist": listA})
 	if err := New(n.cfg).Install(context.Background()); err != nil {
