@@ -16,6 +16,13 @@ GEN_PKGS  := ./pkg/dataplane/...
 APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler
 CACHE     := $(CURDIR)/.cache
 GOTESTFLAGS ?= -race -count=1 -timeout 40m
+# Protobuf code generators, pinned; installed into $(CACHE)/bin by `make proto-tools`.
+PROTOC_GEN_GO_VERSION      := v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
+PROTO_FILES := $(wildcard pkg/api/*/*.proto)
+# Reference CNI plugins for the chain test, built from source into the cache.
+CNI_PLUGINS_VERSION := v1.10.0
+CNI_PLUGINS_DIR     := $(CACHE)/cni-plugins/$(CNI_PLUGINS_VERSION)
 # Under CI=true a skipped test fails the run.
 TESTREPORT_FLAGS := $(if $(filter true,$(CI)),-fail-on-skip,)
 
@@ -36,15 +43,37 @@ deps: ## install the toolchain (apt) and download Go modules; quick when done al
 generate: ## run bpf2go (clang-19) for every BPF object; outputs are committed
 	$(GO) generate $(GEN_PKGS)
 
+.PHONY: proto-tools
+proto-tools: ## install the pinned protoc-gen-go and protoc-gen-go-grpc into .cache/bin
+	@test -x $(CACHE)/bin/protoc-gen-go && test -x $(CACHE)/bin/protoc-gen-go-grpc && \
+		$(CACHE)/bin/protoc-gen-go --version | grep -q '$(PROTOC_GEN_GO_VERSION)$$' && \
+		$(CACHE)/bin/protoc-gen-go-grpc --version | grep -q '$(PROTOC_GEN_GO_GRPC_VERSION:v%=%)$$' || { \
+		GOBIN=$(CACHE)/bin GOFLAGS=-mod=mod $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION) && \
+		GOBIN=$(CACHE)/bin GOFLAGS=-mod=mod $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION); }
+
+.PHONY: proto
+proto: proto-tools ## generate Go and gRPC code from pkg/api/**/*.proto; outputs are committed
+	PATH="$(CACHE)/bin:$$PATH" protoc -I pkg/api --go_out=pkg/api --go_opt=paths=source_relative \
+		--go-grpc_out=pkg/api --go-grpc_opt=paths=source_relative $(PROTO_FILES:pkg/api/%=%)
+
 .PHONY: check-generated
-check-generated: ## regenerate the BPF objects in a scratch copy and fail on any difference
+check-generated: proto-tools ## regenerate BPF objects and protobuf code in a scratch copy and fail on any difference
 	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
 	git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} cp --parents {} "$$tmp"/ 2>/dev/null || true; \
-	cd "$$tmp" && $(GO) generate $(GEN_PKGS) && \
+	cd "$$tmp" && { [ ! -d pkg/dataplane ] || $(GO) generate $(GEN_PKGS); } && $(MAKE) --no-print-directory -s proto CACHE=$(CACHE) >/dev/null && \
 	if ! git -C "$(CURDIR)" diff --no-index --stat -- "$(CURDIR)/pkg" "$$tmp/pkg" >/dev/null 2>&1; then \
 		git -C "$(CURDIR)" diff --no-index --stat -- "$(CURDIR)/pkg" "$$tmp/pkg" || true; \
-		echo "check-generated: bpf2go outputs are stale; run 'make generate' and commit"; exit 1; \
-	fi; echo "check-generated: bpf2go outputs are up to date"
+		echo "check-generated: generated outputs are stale; run 'make generate proto' and commit"; exit 1; \
+	fi; echo "check-generated: bpf2go and protobuf outputs are up to date"
+
+.PHONY: cni-plugins
+cni-plugins: ## build bridge, ptp, host-local and loopback $(CNI_PLUGINS_VERSION) for the CNI chain test
+	@test -x $(CNI_PLUGINS_DIR)/bridge && test -x $(CNI_PLUGINS_DIR)/ptp && test -x $(CNI_PLUGINS_DIR)/host-local && test -x $(CNI_PLUGINS_DIR)/loopback || \
+	GOBIN=$(CNI_PLUGINS_DIR) GOFLAGS=-mod=mod CGO_ENABLED=0 $(GO) install \
+		github.com/containernetworking/plugins/plugins/main/bridge@$(CNI_PLUGINS_VERSION) \
+		github.com/containernetworking/plugins/plugins/main/ptp@$(CNI_PLUGINS_VERSION) \
+		github.com/containernetworking/plugins/plugins/ipam/host-local@$(CNI_PLUGINS_VERSION) \
+		github.com/containernetworking/plugins/plugins/main/loopback@$(CNI_PLUGINS_VERSION)
 
 .PHONY: build
 build: ## build all binaries into bin/
@@ -57,9 +86,9 @@ vet: ## go vet and gofmt
 	$(GO) vet ./...
 
 .PHONY: test
-test: deps vet ## run every test, kernel suites included (as root); the README's test command
+test: deps vet cni-plugins ## run every test, kernel suites included (as root); the README's test command
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport
-	$(GO) test $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
+	CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
 
 .PHONY: clean
 clean: ## remove build outputs

@@ -1,0 +1,161 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package events is the agent's end of the CNI plugin channel: a gRPC
+// server for the cniv1.CNIEvents service on a root-only unix socket. The
+// agent implements Handler; this package owns the socket, the transport and
+// the mapping of handler errors to gRPC status codes the plugin understands.
+package events
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
+)
+
+// DefaultSocketPath is where the agent listens and the plugin dials.
+const DefaultSocketPath = "/var/run/ambient-ebpf/cni.sock"
+
+// AddResult is the agent's answer to a pod ADD that it handled.
+type AddResult struct {
+	// Enrolled is true when the pod is redirected now, false when it is not
+	// ambient and was left alone.
+	Enrolled bool
+	// Reason says why, for the plugin's log.
+	Reason string
+}
+
+// Handler is what the agent implements. PodAdd must return only when the
+// pod is redirected and ztunnel has it (or is known not to be ambient); any
+// error fails the pod's CNI ADD. Wrap ErrNoZtunnel when no ztunnel is
+// connected so the plugin can say so.
+type Handler interface {
+	PodAdd(ctx context.Context, req *cniv1.PodAddRequest) (AddResult, error)
+	PodDel(ctx context.Context, req *cniv1.PodDelRequest) error
+}
+
+// ErrNoZtunnel tells the plugin that enrollment failed because no ztunnel is
+// connected to the agent.
+var ErrNoZtunnel = errors.New("no ztunnel connected")
+
+// Listen removes a stale socket file at socketPath, creates its directory
+// (0700) and listens there with a socket file only root can use (0600).
+func Listen(socketPath string) (net.Listener, error) {
+	if err := os.MkdirAll(filepath.Dir(socketPath), 0o700); err != nil {
+		return nil, fmt.Errorf("create socket directory for %s: %w", socketPath, err)
+	}
+	if err := os.Remove(socketPath); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("remove stale socket %s: %w", socketPath, err)
+	}
+	ln, err := net.Listen("unix", socketPath)
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", socketPath, err)
+	}
+	if err := os.Chmod(socketPath, 0o600); err != nil {
+		_ = ln.Close()
+		return nil, fmt.Errorf("restrict socket %s to root: %w", socketPath, err)
+	}
+	return ln, nil
+}
+
+// Serve listens on socketPath and serves h until ctx is cancelled.
+func Serve(ctx context.Context, socketPath string, h Handler) error {
+	ln, err := Listen(socketPath)
+	if err != nil {
+		return err
+	}
+	return ServeListener(ctx, ln, h)
+}
+
+// gracePeriod bounds how long in-flight calls may finish after ctx ends.
+const gracePeriod = 5 * time.Second
+
+// ServeListener serves h on ln until ctx is cancelled, then lets in-flight
+// calls finish for a short grace period. It closes ln. A cancelled ctx is a
+// clean stop and returns nil.
+func ServeListener(ctx context.Context, ln net.Listener, h Handler) error {
+	srv := grpc.NewServer()
+	cniv1.RegisterCNIEventsServer(srv, &server{h: h})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		<-ctx.Done()
+		stopped := make(chan struct{})
+		go func() { srv.GracefulStop(); close(stopped) }()
+		select {
+		case <-stopped:
+		case <-time.After(gracePeriod):
+			srv.Stop()
+		}
+	}()
+	err := srv.Serve(ln)
+	if ctx.Err() != nil {
+		<-done
+		return nil
+	}
+	srv.Stop()
+	if err != nil {
+		return fmt.Errorf("serve cni events on %s: %w", ln.Addr(), err)
+	}
+	return nil
+}
+
+type server struct {
+	cniv1.UnimplementedCNIEventsServer
+	h Handler
+}
+
+func (s *server) PodAdd(ctx context.Context, req *cniv1.PodAddRequest) (*cniv1.PodAddResponse, error) {
+	if err := validPod(req.GetPod()); err != nil {
+		return nil, err
+	}
+	res, err := s.h.PodAdd(ctx, req)
+	if err != nil {
+		p := req.GetPod()
+		slog.WarnContext(ctx, "cni add failed", "pod", p.GetNamespace()+"/"+p.GetName(), "error", err)
+		return nil, toStatus(err)
+	}
+	return &cniv1.PodAddResponse{Enrolled: res.Enrolled, Reason: res.Reason}, nil
+}
+
+func (s *server) PodDel(ctx context.Context, req *cniv1.PodDelRequest) (*cniv1.PodDelResponse, error) {
+	if err := validPod(req.GetPod()); err != nil {
+		return nil, err
+	}
+	if err := s.h.PodDel(ctx, req); err != nil {
+		return nil, toStatus(err)
+	}
+	return &cniv1.PodDelResponse{}, nil
+}
+
+func validPod(p *cniv1.Pod) error {
+	if p.GetName() == "" || p.GetNamespace() == "" {
+		return status.Error(codes.InvalidArgument, "pod name and namespace are required")
+	}
+	return nil
+}
+
+// toStatus maps a handler error to a status code. Unavailable and
+// DeadlineExceeded are left to the transport, so the plugin can tell "the
+// agent could not be reached" apart from "the agent could not enroll".
+func toStatus(err error) error {
+	switch {
+	case errors.Is(err, ErrNoZtunnel):
+		return status.Error(codes.FailedPrecondition, err.Error())
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, context.Canceled):
+		return status.Error(codes.Aborted, err.Error())
+	}
+	return status.Error(codes.Internal, err.Error())
+}

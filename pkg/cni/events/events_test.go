@@ -1,0 +1,197 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package events
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
+)
+
+type fakeHandler struct {
+	mu      sync.Mutex
+	adds    []*cniv1.PodAddRequest
+	dels    []*cniv1.PodDelRequest
+	addErr  error
+	delay   time.Duration
+	started chan struct{}
+}
+
+func (f *fakeHandler) PodAdd(ctx context.Context, req *cniv1.PodAddRequest) (AddResult, error) {
+	f.mu.Lock()
+	f.adds = append(f.adds, req)
+	err, delay := f.addErr, f.delay
+	f.mu.Unlock()
+	if delay > 0 {
+		select {
+		case <-time.After(delay):
+		case <-ctx.Done():
+			return AddResult{}, ctx.Err()
+		}
+	}
+	if err != nil {
+		return AddResult{}, err
+	}
+	return AddResult{Enrolled: true, Reason: "pod labelled ambient"}, nil
+}
+
+func (f *fakeHandler) PodDel(_ context.Context, req *cniv1.PodDelRequest) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.dels = append(f.dels, req)
+	return nil
+}
+
+// start serves h on a fresh socket and returns its path; the server stops
+// when the test ends.
+func start(t *testing.T, h Handler) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "run", "cni.sock")
+	ln, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { errc <- ServeListener(ctx, ln, h) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-errc; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	return path
+}
+
+func client(t *testing.T, path string) *Client {
+	t.Helper()
+	c, err := NewClient(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+func addReq() *cniv1.PodAddRequest {
+	return &cniv1.PodAddRequest{
+		Pod: &cniv1.Pod{Name: "web", Namespace: "demo", Uid: "u-1", ContainerId: "c1", Netns: "/var/run/netns/x", Interface: "eth0"},
+		Ips: []string{"198.18.0.5", "fd00:198:18::5"},
+	}
+}
+
+func TestPodAddAndDelReachTheHandler(t *testing.T) {
+	h := &fakeHandler{}
+	c := client(t, start(t, h))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := c.PodAdd(ctx, addReq())
+	if err != nil {
+		t.Fatalf("PodAdd: %v", err)
+	}
+	if !resp.GetEnrolled() || resp.GetReason() != "pod labelled ambient" {
+		t.Errorf("response = %v", resp)
+	}
+	if err := c.PodDel(ctx, &cniv1.PodDelRequest{Pod: addReq().Pod}); err != nil {
+		t.Fatalf("PodDel: %v", err)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if len(h.adds) != 1 || h.adds[0].GetPod().GetUid() != "u-1" || len(h.adds[0].GetIps()) != 2 {
+		t.Errorf("adds = %v", h.adds)
+	}
+	if len(h.dels) != 1 || h.dels[0].GetPod().GetContainerId() != "c1" {
+		t.Errorf("dels = %v", h.dels)
+	}
+}
+
+func TestSocketIsRootOnlyAndStaleFileIsReplaced(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "cni.sock")
+	if err := os.WriteFile(path, []byte("stale"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := Listen(path)
+	if err != nil {
+		t.Fatalf("Listen over a stale file: %v", err)
+	}
+	defer ln.Close()
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Mode()&os.ModeSocket == 0 || fi.Mode().Perm() != 0o600 {
+		t.Errorf("socket mode = %v, want a 0600 socket", fi.Mode())
+	}
+}
+
+func TestClientErrorsSayWhichFailClosedCaseHappened(t *testing.T) {
+	cases := []struct {
+		name    string
+		path    func(t *testing.T) string
+		timeout time.Duration
+		want    []error
+	}{
+		{
+			name:    "no socket",
+			path:    func(t *testing.T) string { return filepath.Join(t.TempDir(), "missing.sock") },
+			timeout: 2 * time.Second,
+			want:    []error{ErrAgentUnreachable},
+		},
+		{
+			name:    "agent too slow",
+			path:    func(t *testing.T) string { return start(t, &fakeHandler{delay: 10 * time.Second}) },
+			timeout: 200 * time.Millisecond,
+			want:    []error{ErrAgentTimeout},
+		},
+		{
+			name: "no ztunnel",
+			path: func(t *testing.T) string {
+				return start(t, &fakeHandler{addErr: fmt.Errorf("pod demo/web: %w", ErrNoZtunnel)})
+			},
+			timeout: 2 * time.Second,
+			want:    []error{ErrNotEnrolled, ErrNoZtunnel},
+		},
+		{
+			name: "dataplane error",
+			path: func(t *testing.T) string {
+				return start(t, &fakeHandler{addErr: errors.New("attach tcx to eth0: boom")})
+			},
+			timeout: 2 * time.Second,
+			want:    []error{ErrNotEnrolled},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := client(t, tc.path(t))
+			ctx, cancel := context.WithTimeout(context.Background(), tc.timeout)
+			defer cancel()
+			_, err := c.PodAdd(ctx, addReq())
+			for _, w := range tc.want {
+				if !errors.Is(err, w) {
+					t.Errorf("PodAdd error = %v, want it to wrap %v", err, w)
+				}
+			}
+		})
+	}
+}
+
+func TestRequestWithoutPodIsRefused(t *testing.T) {
+	h := &fakeHandler{}
+	c := client(t, start(t, h))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := c.PodAdd(ctx, &cniv1.PodAddRequest{}); !errors.Is(err, ErrNotEnrolled) {
+		t.Errorf("PodAdd without pod: %v, want ErrNotEnrolled", err)
+	}
+	if len(h.adds) != 0 {
+		t.Errorf("handler saw %d adds", len(h.adds))
+	}
+}

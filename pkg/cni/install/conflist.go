@@ -1,0 +1,195 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package install
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+)
+
+// convertedFromKey marks our entry in a conflist the installer made out of a
+// lone .conf, so uninstall can put the .conf back.
+const convertedFromKey = "convertedFrom"
+
+// confFiles lists the CNI configuration files in dir in the order runtimes
+// (libcni) try them: by name, .conf, .conflist and .json only.
+func confFiles(dir string) ([]string, error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("read cni conf dir %s: %w", dir, err)
+	}
+	var files []string
+	for _, e := range entries {
+		switch filepath.Ext(e.Name()) {
+		case ".conf", ".conflist", ".json":
+			if e.Type().IsRegular() || e.Type()&os.ModeSymlink != 0 {
+				files = append(files, filepath.Join(dir, e.Name()))
+			}
+		}
+	}
+	slices.Sort(files)
+	return files, nil
+}
+
+// document is a CNI configuration file kept as raw JSON, so fields we do not
+// know survive a rewrite untouched.
+type document struct {
+	fields  map[string]json.RawMessage
+	plugins []json.RawMessage // nil for a single-plugin .conf
+}
+
+func parseDocument(data []byte) (*document, error) {
+	d := &document{}
+	if err := json.Unmarshal(data, &d.fields); err != nil {
+		return nil, err
+	}
+	if d.fields == nil {
+		return nil, errors.New("not a json object")
+	}
+	if raw, ok := d.fields["plugins"]; ok {
+		if err := json.Unmarshal(raw, &d.plugins); err != nil {
+			return nil, fmt.Errorf("plugins: %w", err)
+		}
+		if d.plugins == nil {
+			d.plugins = []json.RawMessage{}
+		}
+		return d, nil
+	}
+	if _, ok := d.fields["type"]; !ok {
+		return nil, errors.New("neither a conflist (plugins) nor a plugin conf (type)")
+	}
+	return d, nil
+}
+
+func (d *document) isList() bool { return d.plugins != nil }
+
+func (d *document) marshal() ([]byte, error) {
+	if d.isList() {
+		raw, err := json.Marshal(d.plugins)
+		if err != nil {
+			return nil, err
+		}
+		d.fields["plugins"] = raw
+	}
+	out, err := json.MarshalIndent(d.fields, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	return append(out, '\n'), nil
+}
+
+// pluginType reads the "type" of one plugin entry.
+func pluginType(raw json.RawMessage) string {
+	var p struct {
+		Type string `json:"type"`
+	}
+	_ = json.Unmarshal(raw, &p)
+	return p.Type
+}
+
+// ours returns the index of our entry in the list, or -1.
+func (d *document) ours(typ string) int {
+	return slices.IndexFunc(d.plugins, func(p json.RawMessage) bool { return pluginType(p) == typ })
+}
+
+// withPlugin returns the conflist content with entry as the last plugin,
+// replacing an older entry of the same type in place. A single-plugin conf is
+// turned into a conflist; convertedFrom names the file it came from.
+func withPlugin(data []byte, entry map[string]any, convertedFrom string) ([]byte, error) {
+	d, err := parseDocument(data)
+	if err != nil {
+		return nil, err
+	}
+	if !d.isList() {
+		d = &document{fields: map[string]json.RawMessage{}, plugins: []json.RawMessage{data}}
+		for _, k := range []string{"cniVersion", "name"} {
+			if v, ok := parseFieldsOrNil(data)[k]; ok {
+				d.fields[k] = v
+			}
+		}
+		entry = withField(entry, convertedFromKey, convertedFrom)
+	}
+	typ, _ := entry["type"].(string)
+	if i := d.ours(typ); i >= 0 {
+		// Keep a conversion marker written by an earlier pass.
+		var old map[string]any
+		if json.Unmarshal(d.plugins[i], &old) == nil && old[convertedFromKey] != nil {
+			entry = withField(entry, convertedFromKey, old[convertedFromKey])
+		}
+	}
+	raw, err := json.Marshal(entry)
+	if err != nil {
+		return nil, err
+	}
+	if i := d.ours(typ); i >= 0 {
+		d.plugins[i] = raw
+		// Drop duplicates a broken earlier state may have left.
+		d.plugins = slices.Concat(d.plugins[:i+1], slices.DeleteFunc(slices.Clone(d.plugins[i+1:]),
+			func(p json.RawMessage) bool { return pluginType(p) == typ }))
+	} else {
+		d.plugins = append(d.plugins, raw)
+	}
+	return d.marshal()
+}
+
+// withoutPlugin removes every entry of type typ. It returns the new content
+// and, when the list had been converted from a .conf, that file's name and
+// its original single-plugin content instead.
+func withoutPlugin(data []byte, typ string) (out []byte, restoreAs string, changed bool, err error) {
+	d, err := parseDocument(data)
+	if err != nil {
+		return nil, "", false, err
+	}
+	if !d.isList() || d.ours(typ) < 0 {
+		return data, "", false, nil
+	}
+	for _, p := range d.plugins {
+		if pluginType(p) != typ {
+			continue
+		}
+		var m map[string]any
+		if json.Unmarshal(p, &m) == nil {
+			if s, ok := m[convertedFromKey].(string); ok && s != "" {
+				restoreAs = s
+			}
+		}
+	}
+	d.plugins = slices.DeleteFunc(d.plugins, func(p json.RawMessage) bool { return pluginType(p) == typ })
+	if restoreAs != "" && len(d.plugins) == 1 {
+		var buf bytes.Buffer
+		if err := json.Indent(&buf, d.plugins[0], "", "  "); err != nil {
+			return nil, "", false, err
+		}
+		buf.WriteByte('\n')
+		return buf.Bytes(), restoreAs, true, nil
+	}
+	out, err = d.marshal()
+	return out, "", true, err
+}
+
+func parseFieldsOrNil(data []byte) map[string]json.RawMessage {
+	var m map[string]json.RawMessage
+	_ = json.Unmarshal(data, &m)
+	return m
+}
+
+func withField(m map[string]any, k string, v any) map[string]any {
+	out := make(map[string]any, len(m)+1)
+	for key, val := range m {
+		out[key] = val
+	}
+	out[k] = v
+	return out
+}
+
+// convertedName is the conflist name for a lone .conf/.json file.
+func convertedName(path string) string {
+	return strings.TrimSuffix(path, filepath.Ext(path)) + ".conflist"
+}

@@ -1,0 +1,414 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package install puts the ambient-ebpf CNI plugin on the node and keeps it
+// there: it copies the plugin binary into the host CNI bin directories,
+// chains the plugin into the highest-priority CNI configuration (or writes a
+// conflist of its own), writes the plugin's narrow kubeconfig, repairs drift
+// it sees through fsnotify, and on uninstall removes exactly what it added.
+package install
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// PluginType is the type of our conflist entry and the binary's file name.
+const PluginType = "ambient-ebpf-cni"
+
+// Config says where things go on the host.
+type Config struct {
+	// PluginBinary is the plugin binary shipped with the agent.
+	PluginBinary string
+	// BinDirs are the host CNI bin directories (e.g. /opt/cni/bin); each must exist.
+	BinDirs []string
+	// ConfDir is the host CNI configuration directory (e.g. /etc/cni/net.d); it must exist.
+	ConfDir string
+	// OwnConflist, when set, is the file name of a conflist holding only our
+	// plugin, written instead of chaining into the primary CNI's conflist.
+	OwnConflist string
+	// CNIVersion of the own conflist. Default 1.0.0.
+	CNIVersion string
+	// PluginSettings are the plugin's fields besides "type" (agentSocket,
+	// podFile, excludeNamespaces, ...); see pkg/cni/plugin.Config.
+	PluginSettings map[string]any
+
+	// KubeconfigPath is where the plugin's kubeconfig is written (host path,
+	// passed to the plugin as "kubeconfig"). Empty: no kubeconfig (standalone).
+	KubeconfigPath string
+	// APIServer is the API server URL as the host sees it.
+	APIServer string
+	// TokenPath and CAPath are the agent's service-account token and CA.
+	TokenPath string
+	CAPath    string
+
+	// Debounce coalesces bursts of file events. Default 100ms.
+	Debounce time.Duration
+	Log      *slog.Logger
+}
+
+// Installer installs and watches. Its methods are safe for concurrent use.
+type Installer struct {
+	cfg   Config
+	log   *slog.Logger
+	mu    sync.Mutex // serialises install passes and cleanup
+	ready atomic.Bool
+}
+
+// New returns an installer for cfg.
+func New(cfg Config) *Installer {
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.CNIVersion == "" {
+		cfg.CNIVersion = "1.0.0"
+	}
+	if cfg.Debounce == 0 {
+		cfg.Debounce = 100 * time.Millisecond
+	}
+	return &Installer{cfg: cfg, log: cfg.Log.With("component", "cni-install")}
+}
+
+// Ready reports whether the last install pass put everything in place.
+func (i *Installer) Ready() bool { return i.ready.Load() }
+
+// Install makes one idempotent pass: binaries, kubeconfig, conflist. Files
+// already right are not rewritten, so a pass triggers no further events.
+func (i *Installer) Install(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	err := i.install(ctx)
+	i.ready.Store(err == nil)
+	return err
+}
+
+func (i *Installer) install(ctx context.Context) error {
+	bin, err := os.ReadFile(i.cfg.PluginBinary)
+	if err != nil {
+		return fmt.Errorf("read plugin binary: %w", err)
+	}
+	for _, dir := range i.cfg.BinDirs {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		removeTempFiles(dir, i.log)
+		if err := writeIfChanged(filepath.Join(dir, PluginType), bin, 0o755); err != nil {
+			return fmt.Errorf("install plugin binary: %w", err)
+		}
+	}
+	if i.cfg.KubeconfigPath != "" {
+		kc, err := i.kubeconfig()
+		if err != nil {
+			return err
+		}
+		if err := writeIfChanged(i.cfg.KubeconfigPath, kc, 0o600); err != nil {
+			return fmt.Errorf("write plugin kubeconfig: %w", err)
+		}
+	}
+	return i.installConf()
+}
+
+func (i *Installer) entry() map[string]any {
+	e := map[string]any{}
+	for k, v := range i.cfg.PluginSettings {
+		e[k] = v
+	}
+	e["type"] = PluginType
+	if i.cfg.KubeconfigPath != "" {
+		e["kubeconfig"] = i.cfg.KubeconfigPath
+	}
+	return e
+}
+
+func (i *Installer) installConf() error {
+	if i.cfg.OwnConflist != "" {
+		data, err := withPlugin([]byte(fmt.Sprintf(`{"cniVersion":%q,"name":"ambient-ebpf","plugins":[]}`, i.cfg.CNIVersion)), i.entry(), "")
+		if err != nil {
+			return fmt.Errorf("build own conflist: %w", err)
+		}
+		path := filepath.Join(i.cfg.ConfDir, i.cfg.OwnConflist)
+		if err := writeIfChanged(path, data, 0o644); err != nil {
+			return fmt.Errorf("write own conflist: %w", err)
+		}
+		return nil
+	}
+	files, err := confFiles(i.cfg.ConfDir)
+	if err != nil {
+		return err
+	}
+	var target string
+	var data []byte
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return fmt.Errorf("read cni conf %s: %w", f, err)
+		}
+		if _, err := parseDocument(b); err != nil {
+			i.log.Warn("skipping unparsable cni conf", "file", f, "error", err)
+			continue
+		}
+		target, data = f, b
+		break
+	}
+	if target == "" {
+		return fmt.Errorf("no cni configuration in %s to chain into yet", i.cfg.ConfDir)
+	}
+	written, err := i.chainInto(target, data)
+	if err != nil {
+		return err
+	}
+	// Our entry lives only in the highest-priority file: take it out of any
+	// other file an earlier pass chained into, after the new one has it.
+	for _, f := range files {
+		if f != target && f != written {
+			if err := i.removeFrom(f); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// chainInto adds our entry to target, converting a lone conf to a conflist,
+// and returns the file that now holds it.
+func (i *Installer) chainInto(target string, data []byte) (string, error) {
+	d, _ := parseDocument(data)
+	if d.isList() {
+		out, err := withPlugin(data, i.entry(), "")
+		if err != nil {
+			return "", fmt.Errorf("chain into %s: %w", target, err)
+		}
+		if err := writeIfChanged(target, out, 0o644); err != nil {
+			return "", fmt.Errorf("chain into %s: %w", target, err)
+		}
+		return target, nil
+	}
+	list := convertedName(target)
+	if existing, err := os.ReadFile(list); err == nil {
+		// Ours from an earlier conversion (the primary CNI has since
+		// rewritten its .conf): convert again. Anything else is not ours.
+		if _, from, _, err := withoutPlugin(existing, PluginType); err != nil || from != filepath.Base(target) {
+			return "", fmt.Errorf("convert %s: %s already exists", target, list)
+		}
+	}
+	out, err := withPlugin(data, i.entry(), filepath.Base(target))
+	if err != nil {
+		return "", fmt.Errorf("convert %s: %w", target, err)
+	}
+	if err := writeIfChanged(list, out, 0o644); err != nil {
+		return "", fmt.Errorf("convert %s: %w", target, err)
+	}
+	if err := os.Remove(target); err != nil {
+		return "", fmt.Errorf("convert %s: remove the lone conf: %w", target, err)
+	}
+	i.log.Info("converted a lone cni conf into a conflist", "from", target, "to", list)
+	return list, nil
+}
+
+// removeFrom takes our entry out of one conf file, restoring a lone .conf the
+// installer had converted. Files without our entry are left alone.
+func (i *Installer) removeFrom(path string) error {
+	data, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read cni conf %s: %w", path, err)
+	}
+	out, restoreAs, changed, err := withoutPlugin(data, PluginType)
+	if err != nil || !changed {
+		return nil // not ours to fix
+	}
+	if restoreAs != "" {
+		orig := filepath.Join(filepath.Dir(path), filepath.Base(restoreAs))
+		if err := writeIfChanged(orig, out, 0o644); err != nil {
+			return fmt.Errorf("restore %s: %w", orig, err)
+		}
+		if err := os.Remove(path); err != nil {
+			return fmt.Errorf("remove converted %s: %w", path, err)
+		}
+		return nil
+	}
+	if err := writeIfChanged(path, out, 0o644); err != nil {
+		return fmt.Errorf("unchain from %s: %w", path, err)
+	}
+	return nil
+}
+
+// kubeconfig builds the plugin's kubeconfig from the service-account token.
+func (i *Installer) kubeconfig() ([]byte, error) {
+	token, err := os.ReadFile(i.cfg.TokenPath)
+	if err != nil {
+		return nil, fmt.Errorf("read service-account token: %w", err)
+	}
+	cluster := &clientcmdapi.Cluster{Server: i.cfg.APIServer}
+	if i.cfg.CAPath != "" {
+		ca, err := os.ReadFile(i.cfg.CAPath)
+		if err != nil {
+			return nil, fmt.Errorf("read service-account ca: %w", err)
+		}
+		cluster.CertificateAuthorityData = ca
+	}
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["local"] = cluster
+	cfg.AuthInfos[PluginType] = &clientcmdapi.AuthInfo{Token: strings.TrimSpace(string(token))}
+	cfg.Contexts[PluginType] = &clientcmdapi.Context{Cluster: "local", AuthInfo: PluginType}
+	cfg.CurrentContext = PluginType
+	out, err := clientcmd.Write(*cfg)
+	if err != nil {
+		return nil, fmt.Errorf("encode plugin kubeconfig: %w", err)
+	}
+	return out, nil
+}
+
+// Cleanup removes what the installer adds and nothing else: our conflist
+// entry (restoring a converted .conf), the own conflist, the plugin binaries
+// and the kubeconfig. Errors are collected; every step is tried.
+func (i *Installer) Cleanup() error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	i.ready.Store(false)
+	var errs []error
+	if i.cfg.OwnConflist != "" {
+		errs = append(errs, removeFile(filepath.Join(i.cfg.ConfDir, i.cfg.OwnConflist)))
+	} else if files, err := confFiles(i.cfg.ConfDir); err != nil {
+		errs = append(errs, err)
+	} else {
+		for _, f := range files {
+			errs = append(errs, i.removeFrom(f))
+		}
+	}
+	for _, dir := range i.cfg.BinDirs {
+		removeTempFiles(dir, i.log)
+		errs = append(errs, removeFile(filepath.Join(dir, PluginType)))
+	}
+	if i.cfg.KubeconfigPath != "" {
+		errs = append(errs, removeFile(i.cfg.KubeconfigPath))
+	}
+	return errors.Join(errs...)
+}
+
+// Run installs, then watches the bin directories, the conf directory and the
+// token's directory and repairs drift until ctx ends. A failed pass leaves
+// the installer not ready and is retried on the next event or after a second.
+func (i *Installer) Run(ctx context.Context) error {
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("create file watcher: %w", err)
+	}
+	defer w.Close()
+	dirs := append([]string{i.cfg.ConfDir}, i.cfg.BinDirs...)
+	if i.cfg.KubeconfigPath != "" {
+		dirs = append(dirs, filepath.Dir(i.cfg.TokenPath))
+	}
+	for _, d := range dirs {
+		if err := w.Add(d); err != nil {
+			return fmt.Errorf("watch %s: %w", d, err)
+		}
+	}
+	const retry = time.Second
+	timer := time.NewTimer(0) // first pass right away
+	defer timer.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case ev, ok := <-w.Events:
+			if !ok {
+				return errors.New("file watcher closed")
+			}
+			i.log.Debug("cni install drift check", "event", ev.String())
+			timer.Reset(i.cfg.Debounce)
+		case err, ok := <-w.Errors:
+			if !ok {
+				return errors.New("file watcher closed")
+			}
+			i.log.Warn("file watcher error", "error", err)
+			timer.Reset(i.cfg.Debounce)
+		case <-timer.C:
+			if err := i.Install(ctx); err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				i.log.Warn("cni install not in place yet", "error", err)
+				timer.Reset(retry)
+			}
+		}
+	}
+}
+
+// writeIfChanged atomically replaces path with data (temp file in the same
+// directory, fsync, rename) unless it already holds exactly that.
+func writeIfChanged(path string, data []byte, mode os.FileMode) error {
+	if old, err := os.ReadFile(path); err == nil && bytes.Equal(old, data) {
+		if fi, err := os.Stat(path); err == nil && fi.Mode().Perm() == mode {
+			return nil
+		}
+	}
+	return atomicWrite(path, bytes.NewReader(data), mode)
+}
+
+func atomicWrite(path string, r io.Reader, mode os.FileMode) error {
+	var b [4]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return err
+	}
+	tmp := filepath.Join(filepath.Dir(path), "."+filepath.Base(path)+".tmp."+hex.EncodeToString(b[:]))
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode)
+	if err != nil {
+		return fmt.Errorf("create %s: %w", tmp, err)
+	}
+	_, err = io.Copy(f, r)
+	if err == nil {
+		err = f.Chmod(mode)
+	}
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return nil
+}
+
+// removeTempFiles deletes temp files an interrupted atomicWrite of the
+// plugin binary left behind.
+func removeTempFiles(dir string, log *slog.Logger) {
+	matches, _ := filepath.Glob(filepath.Join(dir, "."+PluginType+".tmp.*"))
+	for _, m := range matches {
+		if err := os.Remove(m); err != nil {
+			log.Warn("remove leftover temp file", "file", m, "error", err)
+		}
+	}
+}
+
+func removeFile(path string) error {
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", path, err)
+	}
+	return nil
+}

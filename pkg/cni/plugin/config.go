@@ -1,0 +1,179 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package plugin
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+)
+
+// PluginType is the "type" of our entry in a conflist, and the binary name.
+const PluginType = "ambient-ebpf-cni"
+
+// SupportedVersions returns the CNI spec versions the plugin speaks.
+func SupportedVersions() []string { return []string{"0.3.1", "0.4.0", "1.0.0", "1.1.0"} }
+
+// VersionInfo returns the plugin's CNI version information.
+func VersionInfo() version.PluginInfo { return version.PluginSupports(SupportedVersions()...) }
+
+// Defaults for the plugin configuration.
+const (
+	DefaultAgentTimeout    = 5 * time.Second
+	DefaultFallbackTimeout = 3 * time.Second
+)
+
+// Config is the plugin's entry in the conflist, as the installer writes it,
+// plus what the runtime injects (cniVersion, name, prevResult).
+type Config struct {
+	types.PluginConf
+
+	// AgentSocket is the agent's unix socket. Default events.DefaultSocketPath.
+	AgentSocket string `json:"agentSocket,omitempty"`
+	// AgentTimeout bounds one call to the agent, as a Go duration. Default 5s.
+	AgentTimeout string `json:"agentTimeout,omitempty"`
+	// Kubeconfig is the narrow kubeconfig the installer wrote; with it the
+	// plugin reads the pod and its namespace when the agent is down.
+	Kubeconfig string `json:"kubeconfig,omitempty"`
+	// PodFile is the standalone pod file, used instead of the API when set.
+	PodFile string `json:"podFile,omitempty"`
+	// ExcludeNamespaces never hold ambient pods. Default kube-system.
+	ExcludeNamespaces []string `json:"excludeNamespaces,omitempty"`
+	// AgentNamespace and AgentPodPrefix name the agent's own pods, which pass
+	// through without asking anyone (the agent may be the one starting).
+	AgentNamespace string `json:"agentNamespace,omitempty"`
+	AgentPodPrefix string `json:"agentPodPrefix,omitempty"`
+	// SelfLabels and ZtunnelLabels override the enrollment defaults used by
+	// the fallback decision.
+	SelfLabels    map[string]string `json:"selfLabels,omitempty"`
+	ZtunnelLabels map[string]string `json:"ztunnelLabels,omitempty"`
+
+	agentTimeout time.Duration
+}
+
+// ParseConfig decodes and validates the plugin's stdin. Errors are
+// *types.Error with the spec's codes: 6 for undecodable input, 1 for an
+// unsupported cniVersion, 7 for an invalid field. The prevResult, when
+// present, is parsed into PrevResult; whether it is required depends on the
+// command.
+func ParseConfig(stdin []byte) (*Config, error) {
+	conf := &Config{}
+	if err := json.Unmarshal(stdin, conf); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "decode network configuration", err.Error())
+	}
+	if !slices.Contains(SupportedVersions(), conf.CNIVersion) {
+		return nil, types.NewError(types.ErrIncompatibleCNIVersion, "unsupported cniVersion",
+			fmt.Sprintf("config has cniVersion %q, plugin supports %s", conf.CNIVersion, strings.Join(SupportedVersions(), ", ")))
+	}
+	if err := version.ParsePrevResult(&conf.PluginConf); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "decode prevResult", err.Error())
+	}
+	if conf.AgentSocket == "" {
+		conf.AgentSocket = events.DefaultSocketPath
+	}
+	conf.agentTimeout = DefaultAgentTimeout
+	if conf.AgentTimeout != "" {
+		d, err := time.ParseDuration(conf.AgentTimeout)
+		if err != nil || d <= 0 {
+			return nil, types.NewError(types.ErrInvalidNetworkConfig, "invalid agentTimeout",
+				fmt.Sprintf("agentTimeout %q must be a positive duration such as 5s", conf.AgentTimeout))
+		}
+		conf.agentTimeout = d
+	}
+	if conf.ExcludeNamespaces == nil {
+		conf.ExcludeNamespaces = enrollment.DefaultConfig().ExcludedNamespaces
+	}
+	return conf, nil
+}
+
+// enrollment returns the selection settings for the fallback decision.
+func (c *Config) enrollment() enrollment.Config {
+	e := enrollment.DefaultConfig()
+	e.ExcludedNamespaces = c.ExcludeNamespaces
+	if c.SelfLabels != nil {
+		e.SelfLabels = c.SelfLabels
+	}
+	if c.ZtunnelLabels != nil {
+		e.ZtunnelLabels = c.ZtunnelLabels
+	}
+	return e
+}
+
+// hasFallback reports whether the plugin can decide by itself when the
+// agent is down.
+func (c *Config) hasFallback() bool { return c.PodFile != "" || c.Kubeconfig != "" }
+
+// passesWithoutAgent reports the pods that never need the agent: pods in
+// excluded namespaces and the agent's own pods.
+func (c *Config) passesWithoutAgent(p *cniv1.Pod) (string, bool) {
+	if slices.Contains(c.ExcludeNamespaces, p.GetNamespace()) {
+		return string(enrollment.ReasonExcludedNS), true
+	}
+	if c.AgentNamespace != "" && c.AgentPodPrefix != "" &&
+		p.GetNamespace() == c.AgentNamespace && strings.HasPrefix(p.GetName(), c.AgentPodPrefix) {
+		return string(enrollment.ReasonSelf), true
+	}
+	return "", false
+}
+
+// podFromArgs reads the Kubernetes identity from CNI_ARGS
+// ("K8S_POD_NAMESPACE=a;K8S_POD_NAME=b;K8S_POD_UID=c;..."); unknown keys are
+// ignored. Name and namespace are empty when the caller is not a kubelet.
+func podFromArgs(cniArgs, containerID, netns, ifName string) *cniv1.Pod {
+	p := &cniv1.Pod{ContainerId: containerID, Netns: netns, Interface: ifName}
+	for _, kv := range strings.Split(cniArgs, ";") {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			continue
+		}
+		switch strings.TrimSpace(k) {
+		case "K8S_POD_NAME":
+			p.Name = v
+		case "K8S_POD_NAMESPACE":
+			p.Namespace = v
+		case "K8S_POD_UID":
+			p.Uid = v
+		}
+	}
+	return p
+}
+
+// prevIPs returns the addresses in the previous result, without prefix
+// length, container-side ones only when interfaces are listed.
+func prevIPs(prev types.Result) ([]string, error) {
+	res, err := current.NewResultFromResult(prev)
+	if err != nil {
+		return nil, fmt.Errorf("convert prevResult: %w", err)
+	}
+	var ips []string
+	for _, ip := range res.IPs {
+		if ip.Interface != nil && *ip.Interface >= 0 && *ip.Interface < len(res.Interfaces) &&
+			res.Interfaces[*ip.Interface].Sandbox == "" {
+			continue // a host-side address, not the pod's
+		}
+		if ip.Address.IP == nil {
+			continue
+		}
+		ips = append(ips, canonicalIP(ip.Address.IP))
+	}
+	return ips, nil
+}
+
+func canonicalIP(ip net.IP) string {
+	if v4 := ip.To4(); v4 != nil {
+		return v4.String()
+	}
+	return ip.String()
+}

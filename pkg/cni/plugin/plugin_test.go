@@ -1,0 +1,359 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package plugin
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
+)
+
+// fakeAgent records calls and answers with err (nil: enrolled).
+type fakeAgent struct {
+	mu   sync.Mutex
+	adds []*cniv1.PodAddRequest
+	dels []*cniv1.PodDelRequest
+	err  error
+}
+
+func (f *fakeAgent) PodAdd(_ context.Context, req *cniv1.PodAddRequest) (*cniv1.PodAddResponse, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.adds = append(f.adds, req)
+	if f.err != nil {
+		return nil, f.err
+	}
+	return &cniv1.PodAddResponse{Enrolled: true}, nil
+}
+
+func (f *fakeAgent) PodDel(_ context.Context, req *cniv1.PodDelRequest) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.dels = append(f.dels, req)
+	return f.err
+}
+
+func (f *fakeAgent) Close() error { return nil }
+
+// fakeSource answers lookups from fixed objects, or with err.
+type fakeSource struct {
+	pods map[string]*corev1.Pod
+	nss  map[string]*corev1.Namespace
+	err  error
+}
+
+func (f *fakeSource) Lookup(_ context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
+	if f.err != nil {
+		return nil, nil, f.err
+	}
+	p := f.pods[namespace+"/"+name]
+	if p == nil {
+		return nil, nil, fmt.Errorf("pod %s/%s not found", namespace, name)
+	}
+	return p, f.nss[namespace], nil
+}
+
+func pod(ns, name string, labels map[string]string) *corev1.Pod {
+	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: labels}}
+}
+
+func namespace(name string, labels map[string]string) *corev1.Namespace {
+	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}
+}
+
+var ambient = map[string]string{"istio.io/dataplane-mode": "ambient"}
+
+func testSource() *fakeSource {
+	return &fakeSource{
+		pods: map[string]*corev1.Pod{
+			"mesh/web":    pod("mesh", "web", nil),
+			"plain/web":   pod("plain", "web", nil),
+			"plain/amb":   pod("plain", "amb", ambient),
+			"mesh/optout": pod("mesh", "optout", map[string]string{"istio.io/dataplane-mode": "none"}),
+		},
+		nss: map[string]*corev1.Namespace{"mesh": namespace("mesh", ambient), "plain": namespace("plain", nil)},
+	}
+}
+
+type harness struct {
+	p      *Plugin
+	out    *bytes.Buffer
+	agent  *fakeAgent
+	dialed int
+}
+
+// newHarness wires a plugin to agent (nil: the dial fails) and src (nil: no
+// fallback configured).
+func newHarness(agent *fakeAgent, src PodSource) *harness {
+	h := &harness{out: &bytes.Buffer{}, agent: agent}
+	h.p = &Plugin{
+		Stdout: h.out,
+		Log:    slog.New(slog.NewTextHandler(io.Discard, nil)),
+		DialAgent: func(*Config) (Agent, error) {
+			h.dialed++
+			if agent == nil {
+				return nil, errors.New("dial unix /run/x.sock: connect: no such file or directory")
+			}
+			return agent, nil
+		},
+		PodSource:  func(*Config) (PodSource, error) { return src, nil },
+		ProbeAgent: func(context.Context, *Config) error { return nil },
+	}
+	return h
+}
+
+func cmdArgs(ns, name string, stdin []byte) *skel.CmdArgs {
+	return &skel.CmdArgs{
+		ContainerID: "sandbox-1", Netns: "/var/run/netns/p", IfName: "eth0",
+		Args:      "IgnoreUnknown=1;K8S_POD_NAMESPACE=" + ns + ";K8S_POD_NAME=" + name + ";K8S_POD_UID=uid-" + name,
+		StdinData: stdin,
+	}
+}
+
+func TestAddForwardsToTheAgentAndReturnsPrevResultUnchanged(t *testing.T) {
+	h := newHarness(&fakeAgent{}, nil)
+	if err := h.p.Add(cmdArgs("mesh", "web", conf("1.0.0", prev100, ""))); err != nil {
+		t.Fatalf("Add: %v", err)
+	}
+	if len(h.agent.adds) != 1 {
+		t.Fatalf("agent saw %d adds", len(h.agent.adds))
+	}
+	req := h.agent.adds[0]
+	want := &cniv1.Pod{Name: "web", Namespace: "mesh", Uid: "uid-web", ContainerId: "sandbox-1", Netns: "/var/run/netns/p", Interface: "eth0"}
+	if req.GetPod().String() != want.String() || strings.Join(req.GetIps(), ",") != "198.18.0.5,fd00:198:18::5" {
+		t.Errorf("request = %v", req)
+	}
+	c, _ := ParseConfig(conf("1.0.0", prev100, ""))
+	var wantOut bytes.Buffer
+	if err := c.PrevResult.PrintTo(&wantOut); err != nil {
+		t.Fatal(err)
+	}
+	if h.out.String() != wantOut.String() {
+		t.Errorf("stdout = %s, want prevResult %s", h.out, wantOut.String())
+	}
+}
+
+func TestAddFailsClosed(t *testing.T) {
+	unreachable := fmt.Errorf("%w: connection refused", events.ErrAgentUnreachable)
+	timeout := fmt.Errorf("%w: context deadline exceeded", events.ErrAgentTimeout)
+	cases := []struct {
+		name      string
+		agent     *fakeAgent // nil: dial fails
+		src       PodSource  // nil: no fallback
+		ns, pod   string
+		extra     string
+		wantErr   string // substring; empty: the ADD succeeds
+		wantAsked bool
+	}{
+		{name: "agent enrolls", agent: &fakeAgent{}, ns: "mesh", pod: "web", wantAsked: true},
+		{name: "no ztunnel", agent: &fakeAgent{err: fmt.Errorf("%w: %w", events.ErrNotEnrolled, events.ErrNoZtunnel)}, src: testSource(),
+			ns: "plain", pod: "web", wantErr: "no ztunnel connected", wantAsked: true},
+		{name: "dataplane error", agent: &fakeAgent{err: fmt.Errorf("%w: attach tcx", events.ErrNotEnrolled)}, src: testSource(),
+			ns: "mesh", pod: "web", wantErr: "agent could not enroll the pod: attach tcx", wantAsked: true},
+		{name: "dial fails, ambient namespace", src: testSource(), ns: "mesh", pod: "web", wantErr: "agent unreachable"},
+		{name: "unreachable, ambient namespace", agent: &fakeAgent{err: unreachable}, src: testSource(),
+			ns: "mesh", pod: "web", wantErr: "agent unreachable: connection refused; the pod is ambient (namespace labelled ambient)", wantAsked: true},
+		{name: "timeout, ambient pod label", agent: &fakeAgent{err: timeout}, src: testSource(),
+			ns: "plain", pod: "amb", wantErr: "agent timed out", wantAsked: true},
+		{name: "unreachable, plain pod passes", agent: &fakeAgent{err: unreachable}, src: testSource(), ns: "plain", pod: "web", wantAsked: true},
+		{name: "timeout, opted-out pod passes", agent: &fakeAgent{err: timeout}, src: testSource(), ns: "mesh", pod: "optout", wantAsked: true},
+		{name: "unreachable, api down", agent: &fakeAgent{err: unreachable}, src: &fakeSource{err: errors.New("connection refused")},
+			ns: "plain", pod: "web", wantErr: "fallback: connection refused", wantAsked: true},
+		{name: "unreachable, no fallback configured", agent: &fakeAgent{err: unreachable}, ns: "plain", pod: "web",
+			wantErr: "no kubeconfig or pod file", wantAsked: true},
+		{name: "unreachable, pod unknown to the fallback", agent: &fakeAgent{err: unreachable}, src: testSource(), ns: "plain", pod: "ghost",
+			wantErr: "not found", wantAsked: true},
+		{name: "excluded namespace never asks", ns: "kube-system", pod: "coredns"},
+		{name: "configured excluded namespace", ns: "infra", pod: "x", extra: `,"excludeNamespaces":["infra"]`},
+		{name: "agent's own pod never asks", ns: "ambient-ebpf", pod: "ambient-ebpf-node-x1",
+			extra: `,"agentNamespace":"ambient-ebpf","agentPodPrefix":"ambient-ebpf-node-"`},
+		{name: "not a kubernetes pod", ns: "", pod: ""},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(tc.agent, tc.src)
+			err := h.p.Add(cmdArgs(tc.ns, tc.pod, conf("1.1.0", prev100, tc.extra)))
+			if tc.wantErr == "" {
+				if err != nil {
+					t.Fatalf("Add: %v", err)
+				}
+				if h.out.Len() == 0 {
+					t.Error("no result printed")
+				}
+			} else {
+				var cniErr *types.Error
+				if !errors.As(err, &cniErr) || cniErr.Code != types.ErrTryAgainLater || !strings.Contains(cniErr.Msg, tc.wantErr) {
+					t.Fatalf("Add error = %#v, want code 11 with %q", err, tc.wantErr)
+				}
+				if !strings.Contains(cniErr.Msg, tc.ns+"/"+tc.pod) {
+					t.Errorf("error %q does not name the pod", cniErr.Msg)
+				}
+				if h.out.Len() != 0 {
+					t.Errorf("failed ADD printed a result: %s", h.out)
+				}
+			}
+			if asked := tc.agent != nil && len(tc.agent.adds) > 0; asked != tc.wantAsked {
+				t.Errorf("agent asked = %v, want %v", asked, tc.wantAsked)
+			}
+		})
+	}
+}
+
+func TestAddNeedsPrevResult(t *testing.T) {
+	h := newHarness(&fakeAgent{}, nil)
+	err := h.p.Add(cmdArgs("mesh", "web", conf("1.0.0", "", "")))
+	var cniErr *types.Error
+	if !errors.As(err, &cniErr) || cniErr.Code != types.ErrInvalidNetworkConfig || !strings.Contains(cniErr.Msg, "prevResult") {
+		t.Fatalf("Add without prevResult = %v", err)
+	}
+	if err := h.p.Check(cmdArgs("mesh", "web", conf("1.0.0", "", ""))); err == nil {
+		t.Error("Check without prevResult succeeded")
+	}
+	if err := h.p.Check(cmdArgs("mesh", "web", conf("1.0.0", prev100, ""))); err != nil {
+		t.Errorf("Check: %v", err)
+	}
+}
+
+func TestDelNeverFailsBecauseOfTheAgent(t *testing.T) {
+	for _, agent := range []*fakeAgent{nil, {err: events.ErrAgentUnreachable}, {err: events.ErrAgentTimeout}, {}} {
+		h := newHarness(agent, nil)
+		if err := h.p.Del(cmdArgs("mesh", "web", conf("1.0.0", "", ""))); err != nil {
+			t.Errorf("Del with agent %+v: %v", agent, err)
+		}
+		if agent != nil && (len(agent.dels) != 1 || agent.dels[0].GetPod().GetUid() != "uid-web") {
+			t.Errorf("agent dels = %v", agent.dels)
+		}
+	}
+	h := newHarness(&fakeAgent{}, nil)
+	if err := h.p.Del(cmdArgs("mesh", "web", []byte("{bad"))); err == nil {
+		t.Error("Del accepted malformed stdin")
+	}
+}
+
+func TestPanicBecomesCNIError(t *testing.T) {
+	h := newHarness(&fakeAgent{}, nil)
+	h.p.DialAgent = func(*Config) (Agent, error) { panic("boom") }
+	err := h.p.Funcs().Add(cmdArgs("mesh", "web", conf("1.0.0", prev100, "")))
+	var cniErr *types.Error
+	if !errors.As(err, &cniErr) || cniErr.Code != types.ErrInternal || !strings.Contains(cniErr.Msg, "panicked: boom") {
+		t.Fatalf("Add after panic = %v", err)
+	}
+}
+
+func TestStatusAndGC(t *testing.T) {
+	down := func(context.Context, *Config) error { return errors.New("connection refused") }
+	cases := []struct {
+		name  string
+		probe func(context.Context, *Config) error
+		extra string
+		code  uint // 0: success
+	}{
+		{"agent up", func(context.Context, *Config) error { return nil }, "", 0},
+		{"agent down, pod file fallback", down, `,"podFile":"/etc/pods.yaml"`, 0},
+		{"agent down, kubeconfig fallback", down, `,"kubeconfig":"/etc/cni/net.d/k"`, 0},
+		{"agent down, no fallback", down, "", types.ErrPluginNotAvailable},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(&fakeAgent{}, nil)
+			h.p.ProbeAgent = tc.probe
+			err := h.p.Status(&skel.CmdArgs{StdinData: conf("1.1.0", "", tc.extra)})
+			var cniErr *types.Error
+			switch {
+			case tc.code == 0 && err != nil:
+				t.Errorf("Status: %v", err)
+			case tc.code != 0 && (!errors.As(err, &cniErr) || cniErr.Code != tc.code):
+				t.Errorf("Status = %v, want code %d", err, tc.code)
+			}
+		})
+	}
+	h := newHarness(nil, nil)
+	gc := []byte(`{"cniVersion":"1.1.0","name":"k8s","type":"ambient-ebpf-cni","cni.dev/valid-attachments":[{"containerID":"a","ifname":"eth0"}]}`)
+	if err := h.p.GC(&skel.CmdArgs{StdinData: gc}); err != nil {
+		t.Errorf("GC: %v", err)
+	}
+}
+
+func TestProbeSocket(t *testing.T) {
+	c := &Config{AgentSocket: filepath.Join(t.TempDir(), "missing.sock")}
+	if err := probeSocket(context.Background(), c); err == nil {
+		t.Error("probe of a missing socket succeeded")
+	}
+}
+
+func TestKubeSourceReadsPodAndNamespaceWithTheToken(t *testing.T) {
+	var auth []string
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		auth = append(auth, r.Header.Get("Authorization"))
+		switch r.URL.Path {
+		case "/api/v1/namespaces/mesh/pods/web":
+			fmt.Fprint(w, `{"apiVersion":"v1","kind":"Pod","metadata":{"name":"web","namespace":"mesh","uid":"u1"}}`)
+		case "/api/v1/namespaces/mesh":
+			fmt.Fprint(w, `{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"mesh","labels":{"istio.io/dataplane-mode":"ambient"}}}`)
+		default:
+			http.Error(w, `{"kind":"Status","code":404}`, http.StatusNotFound)
+		}
+	}))
+	defer srv.Close()
+	kc := filepath.Join(t.TempDir(), "kubeconfig")
+	ca := base64.StdEncoding.EncodeToString(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}))
+	kubeconfig := "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: " + srv.URL + ", certificate-authority-data: " + ca + "}}]\n" +
+		"users: [{name: u, user: {token: tok-1}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"
+	if err := os.WriteFile(kc, []byte(kubeconfig), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	src, err := NewKubeSource(kc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, ns, err := src.Lookup(context.Background(), "mesh", "web")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.UID != "u1" || ns.Labels["istio.io/dataplane-mode"] != "ambient" {
+		t.Errorf("pod %v, namespace %v", p, ns)
+	}
+	if len(auth) != 2 || auth[0] != "Bearer tok-1" {
+		t.Errorf("authorization headers = %v", auth)
+	}
+	if _, _, err := src.Lookup(context.Background(), "mesh", "ghost"); err == nil || !strings.Contains(err.Error(), "mesh/ghost") {
+		t.Errorf("missing pod: %v", err)
+	}
+}
+
+func TestFileSource(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pods.yaml")
+	doc := "apiVersion: v1\nkind: Namespace\nmetadata: {name: mesh, labels: {istio.io/dataplane-mode: ambient}}\n---\n" +
+		"apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: mesh}\n"
+	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p, ns, err := FileSource(path).Lookup(context.Background(), "mesh", "web")
+	if err != nil || p.Name != "web" || ns == nil {
+		t.Fatalf("Lookup = %v, %v, %v", p, ns, err)
+	}
+	if _, _, err := FileSource(path).Lookup(context.Background(), "mesh", "ghost"); err == nil {
+		t.Error("pod missing from the file was found")
+	}
+}
