@@ -16,6 +16,13 @@ GEN_PKGS  := ./pkg/dataplane/...
 APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler
 CACHE     := $(CURDIR)/.cache
 GOTESTFLAGS ?= -race -count=1 -timeout 40m
+# kube-apiserver and etcd for the real-API-server tests (test/kubeapi), built
+# once per version from the wrapper modules under hack/tools/.
+KUBE_VERSION := v1.37.2
+ETCD_VERSION := v3.7.3
+KUBE_BINS    := $(CACHE)/kube/$(KUBE_VERSION)
+KUBE_LDFLAGS := -X k8s.io/component-base/version.gitVersion=$(KUBE_VERSION) -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
+export AMBIENT_EBPF_KUBE_BINS := $(KUBE_BINS)
 # Under CI=true a skipped test fails the run.
 TESTREPORT_FLAGS := $(if $(filter true,$(CI)),-fail-on-skip,)
 
@@ -56,8 +63,21 @@ vet: ## go vet and gofmt
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt needed"; exit 1; }
 	$(GO) vet ./...
 
+.PHONY: kube-bins
+kube-bins: $(KUBE_BINS)/kube-apiserver $(KUBE_BINS)/etcd ## build kube-apiserver and etcd into .cache/kube/<version> once (cold: ~15 min)
+
+# Each binary is written under a temporary name and renamed, so an interrupted
+# build never leaves a file that make would take as up to date.
+$(KUBE_BINS)/kube-apiserver: hack/tools/kube-apiserver/go.mod hack/tools/kube-apiserver/go.sum hack/tools/kube-apiserver/main.go
+	@mkdir -p $(KUBE_BINS)
+	cd hack/tools/kube-apiserver && nice $(GO) build -trimpath -ldflags '$(KUBE_LDFLAGS)' -o $@.tmp . && mv $@.tmp $@
+
+$(KUBE_BINS)/etcd: hack/tools/etcd/go.mod hack/tools/etcd/go.sum hack/tools/etcd/main.go
+	@mkdir -p $(KUBE_BINS)
+	cd hack/tools/etcd && nice $(GO) build -trimpath -o $@.tmp . && mv $@.tmp $@
+
 .PHONY: test
-test: deps vet ## run every test, kernel suites included (as root); the README's test command
+test: deps vet kube-bins ## run every test, kernel suites included (as root); the README's test command
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport
 	$(GO) test $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
 
