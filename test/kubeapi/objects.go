@@ -113,4 +113,6 @@ func (c *Cluster) RunningPod(tb testing.TB, spec PodSpec, ips ...netip.Addr) *co
 }
 
 // String names the cluster's endpoint for logs.
-func (c *Cluster) String() string { return fmt.Sprintf("kube-apiserver %s (logs in %s)", c.Config.Host, c.dir) }
+func (c *Cluster) String() string {
+	return fmt.Sprintf("kube-apiserver %s (logs in %s)", c.Config.Host, c.dir)
+}
