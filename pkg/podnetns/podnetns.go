@@ -1,0 +1,152 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package podnetns finds a pod's network namespace on this node without the
+// container runtime: it scans /proc for a process whose cgroup path names
+// the pod UID, and takes that process's netns (/proc/<pid>/ns/net). The agent
+// uses it for the start-up snapshot (contract section 5) and to redirect
+// running pods in place.
+//
+// The kubelet puts each pod in a cgroup named after its UID, whatever the
+// runtime; the layouts recognised are
+//
+//	cgroup v2, systemd driver:  0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod<uid_with_underscores>.slice/cri-containerd-<id>.scope
+//	cgroup v2, CRI-O:           0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid_with_underscores>.slice/crio-<id>.scope
+//	cgroup v1/v2, cgroupfs:     4:memory:/kubepods/besteffort/pod<uid>/<container id>
+//	guaranteed QoS:             .../kubepods-pod<uid_with_underscores>.slice/... or /kubepods/pod<uid>/...
+//
+// also when nested under another cgroup (kind nodes, kubelet.slice).
+package podnetns
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/types"
+)
+
+// ErrNotFound is returned when no process of the pod runs on this node.
+var ErrNotFound = errors.New("no process of the pod found in /proc")
+
+// NetNS names a pod's network namespace.
+type NetNS struct {
+	// Path is /proc/<pid>/ns/net under the proc root; opening it holds the
+	// netns for as long as the file stays open.
+	Path string
+	// PID is the process it was found through.
+	PID int
+	// Dev and Inode identify the netns (nsfs) across processes and paths.
+	Dev, Inode uint64
+}
+
+// Finder scans a proc file system.
+type Finder struct {
+	// ProcRoot is the proc mount, "/proc" on a node; the agent's DaemonSet
+	// usually mounts the host's at another path.
+	ProcRoot string
+}
+
+// New returns a Finder over procRoot ("" means /proc).
+func New(procRoot string) *Finder {
+	if procRoot == "" {
+		procRoot = "/proc"
+	}
+	return &Finder{ProcRoot: procRoot}
+}
+
+// Find returns the network namespace of the pod with this UID.
+func (f *Finder) Find(uid types.UID) (NetNS, error) {
+	found, err := f.FindAll([]types.UID{uid})
+	if err != nil {
+		return NetNS{}, err
+	}
+	ns, ok := found[uid]
+	if !ok {
+		return NetNS{}, fmt.Errorf("pod uid %s: %w", uid, ErrNotFound)
+	}
+	return ns, nil
+}
+
+// FindAll scans /proc once and returns the netns of each pod of uids that
+// has a process on this node. Of several processes of a pod the lowest PID
+// wins (usually the sandbox's pause process). Processes that exit during the
+// scan are passed over.
+func (f *Finder) FindAll(uids []types.UID) (map[types.UID]NetNS, error) {
+	want := map[types.UID]bool{}
+	for _, u := range uids {
+		want[u] = true
+	}
+	entries, err := os.ReadDir(f.ProcRoot)
+	if err != nil {
+		return nil, fmt.Errorf("scan %s: %w", f.ProcRoot, err)
+	}
+	var pids []int
+	for _, e := range entries {
+		if pid, err := strconv.Atoi(e.Name()); err == nil && pid > 0 {
+			pids = append(pids, pid)
+		}
+	}
+	slices.Sort(pids)
+	found := map[types.UID]NetNS{}
+	for _, pid := range pids {
+		dir := filepath.Join(f.ProcRoot, strconv.Itoa(pid))
+		uid, ok, err := readPodUID(filepath.Join(dir, "cgroup"))
+		if err != nil || !ok || !want[uid] {
+			continue
+		}
+		if _, done := found[uid]; done {
+			continue
+		}
+		path := filepath.Join(dir, "ns", "net")
+		dev, ino, err := statNetNS(path)
+		if err != nil {
+			continue // exited since, or a kernel thread
+		}
+		found[uid] = NetNS{Path: path, PID: pid, Dev: dev, Inode: ino}
+	}
+	return found, nil
+}
+
+func readPodUID(path string) (types.UID, bool, error) {
+	fh, err := os.Open(path)
+	if err != nil {
+		return "", false, err
+	}
+	defer fh.Close()
+	sc := bufio.NewScanner(fh)
+	for sc.Scan() {
+		if uid, ok := PodUIDFromCgroupLine(sc.Text()); ok {
+			return uid, true, nil
+		}
+	}
+	return "", false, sc.Err()
+}
+
+// podSegment matches a cgroup path element naming a pod: "pod<uid>" or
+// "<prefix>-pod<uid_with_underscores>.slice".
+var podSegment = regexp.MustCompile(`^(?:[a-z0-9_.-]*-)?pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})(?:\.slice)?$`)
+
+// PodUIDFromCgroupLine returns the pod UID named by one line of
+// /proc/<pid>/cgroup ("hierarchy-ID:controllers:path"), if any.
+func PodUIDFromCgroupLine(line string) (types.UID, bool) {
+	parts := strings.SplitN(line, ":", 3)
+	if len(parts) != 3 {
+		return "", false
+	}
+	segments := strings.Split(parts[2], "/")
+	// The innermost match is the pod; a pod segment is never nested in
+	// another, but a node's own cgroup could contain a "pod" word.
+	for i := len(segments) - 1; i >= 0; i-- {
+		if m := podSegment.FindStringSubmatch(segments[i]); m != nil {
+			return types.UID(strings.ReplaceAll(m[1], "_", "-")), true
+		}
+	}
+	return "", false
+}

@@ -1,0 +1,289 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package kubeapi starts a real etcd and kube-apiserver on 127.0.0.1 for
+// end-to-end tests, once per test binary:
+//
+//	func TestMain(m *testing.M) {
+//		cluster, err := kubeapi.Start(context.Background())
+//		... run m, then cluster.Stop()
+//	}
+//
+// The binaries are built by `make kube-bins` into .cache/kube/<version>/ (see
+// the Makefile); Start finds them through $AMBIENT_EBPF_KUBE_BINS or by
+// walking up from the working directory to that folder. There is no kubelet,
+// scheduler or controller-manager: pods are created with spec.nodeName set and
+// their status is written by the test (UpdateStatus), and namespaces must have
+// unique names because a deleted namespace stays Terminating forever.
+package kubeapi
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+)
+
+// Version is the kube-apiserver version the Makefile builds.
+const Version = "v1.37.2"
+
+// BinsEnv names the environment variable that points at the folder holding
+// kube-apiserver and etcd.
+const BinsEnv = "AMBIENT_EBPF_KUBE_BINS"
+
+// ErrNoBinaries is returned by Start when kube-apiserver or etcd is not
+// built; tests skip on it (or fail under CI=true).
+var ErrNoBinaries = errors.New("kube-apiserver and etcd not built (run make kube-bins)")
+
+const token = "ambient-ebpf-test-token"
+
+// Cluster is a running etcd + kube-apiserver pair.
+type Cluster struct {
+	// Config reaches the API server as a member of system:masters.
+	Config *rest.Config
+	// Client is a clientset over Config.
+	Client kubernetes.Interface
+
+	dir   string
+	procs []*process // started order: etcd, then kube-apiserver
+}
+
+type process struct {
+	name string
+	cmd  *exec.Cmd
+	done chan struct{}
+	err  error
+}
+
+// FindBinaries returns the folder holding kube-apiserver and etcd, or
+// ErrNoBinaries.
+func FindBinaries() (string, error) {
+	var candidates []string
+	if d := os.Getenv(BinsEnv); d != "" {
+		candidates = append(candidates, d)
+	}
+	if wd, err := os.Getwd(); err == nil {
+		for d := wd; ; d = filepath.Dir(d) {
+			candidates = append(candidates, filepath.Join(d, ".cache", "kube", Version))
+			if filepath.Dir(d) == d {
+				break
+			}
+		}
+	}
+	for _, d := range candidates {
+		if isExecutable(filepath.Join(d, "kube-apiserver")) && isExecutable(filepath.Join(d, "etcd")) {
+			return d, nil
+		}
+	}
+	return "", ErrNoBinaries
+}
+
+func isExecutable(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0
+}
+
+// Start runs etcd and kube-apiserver on free loopback ports in a fresh
+// temporary folder and returns once /readyz answers 200. The processes are
+// tied to ctx only through Stop: call Stop when the test binary ends.
+func Start(ctx context.Context) (*Cluster, error) {
+	bins, err := FindBinaries()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "kubeapi-")
+	if err != nil {
+		return nil, fmt.Errorf("temp dir: %w", err)
+	}
+	c := &Cluster{dir: dir}
+	if err := c.start(ctx, bins); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Cluster) start(ctx context.Context, bins string) error {
+	if err := writeCredentials(c.dir); err != nil {
+		return err
+	}
+	ports, err := freePorts(3)
+	if err != nil {
+		return err
+	}
+	clientURL := "http://127.0.0.1:" + strconv.Itoa(ports[0])
+	peerURL := "http://127.0.0.1:" + strconv.Itoa(ports[1])
+	if err := c.spawn("etcd", filepath.Join(bins, "etcd"),
+		"--name=test",
+		"--data-dir="+filepath.Join(c.dir, "etcd"),
+		"--listen-client-urls="+clientURL, "--advertise-client-urls="+clientURL,
+		"--listen-peer-urls="+peerURL, "--initial-advertise-peer-urls="+peerURL,
+		"--initial-cluster=test="+peerURL,
+		"--unsafe-no-fsync", "--log-level=warn",
+	); err != nil {
+		return err
+	}
+	apiPort := strconv.Itoa(ports[2])
+	if err := c.spawn("kube-apiserver", filepath.Join(bins, "kube-apiserver"),
+		"--etcd-servers="+clientURL,
+		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+		"--secure-port="+apiPort,
+		"--cert-dir="+filepath.Join(c.dir, "certs"),
+		"--token-auth-file="+filepath.Join(c.dir, "tokens.csv"),
+		"--authorization-mode=AlwaysAllow",
+		"--service-account-issuer=https://kubernetes.default.svc",
+		"--service-account-key-file="+filepath.Join(c.dir, "sa.pub"),
+		"--service-account-signing-key-file="+filepath.Join(c.dir, "sa.key"),
+		"--service-cluster-ip-range=10.96.0.0/16",
+		// 127.0.0.1 is refused as an endpoint address by the reconciler.
+		"--endpoint-reconciler-type=none",
+		// No controller-manager creates the default ServiceAccount.
+		"--disable-admission-plugins=ServiceAccount",
+	); err != nil {
+		return err
+	}
+	c.Config = &rest.Config{
+		Host:            "https://127.0.0.1:" + apiPort,
+		BearerToken:     token,
+		TLSClientConfig: rest.TLSClientConfig{Insecure: true},
+		QPS:             200,
+		Burst:           400,
+	}
+	if err := c.waitReady(ctx, 90*time.Second); err != nil {
+		return err
+	}
+	c.Client, err = kubernetes.NewForConfig(c.Config)
+	if err != nil {
+		return fmt.Errorf("clientset: %w", err)
+	}
+	return nil
+}
+
+// writeCredentials writes the service-account key pair and the static token
+// file the API server needs.
+func writeCredentials(dir string) error {
+	key := filepath.Join(dir, "sa.key")
+	for _, args := range [][]string{
+		{"genrsa", "-out", key, "2048"},
+		{"rsa", "-in", key, "-pubout", "-out", filepath.Join(dir, "sa.pub")},
+	} {
+		if out, err := exec.Command("openssl", args...).CombinedOutput(); err != nil {
+			return fmt.Errorf("openssl %s: %w: %s", args[0], err, out)
+		}
+	}
+	line := token + ",admin,admin-uid,system:masters\n"
+	if err := os.WriteFile(filepath.Join(dir, "tokens.csv"), []byte(line), 0o600); err != nil {
+		return fmt.Errorf("token file: %w", err)
+	}
+	return nil
+}
+
+// freePorts asks the kernel for n distinct free loopback ports. They are
+// released before use, so another process could take one in between; the
+// API server then fails to start and Start reports it.
+func freePorts(n int) ([]int, error) {
+	var ports []int
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, fmt.Errorf("free port: %w", err)
+		}
+		defer l.Close()
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+func (c *Cluster) spawn(name, bin string, args ...string) error {
+	logf, err := os.Create(filepath.Join(c.dir, name+".log"))
+	if err != nil {
+		return fmt.Errorf("%s log: %w", name, err)
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	// Its own process group, so a terminal's ^C reaches only the test binary,
+	// which then stops it in order.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return fmt.Errorf("start %s: %w", name, err)
+	}
+	p := &process{name: name, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		p.err = cmd.Wait()
+		logf.Close()
+		close(p.done)
+	}()
+	c.procs = append(c.procs, p)
+	return nil
+}
+
+func (c *Cluster) waitReady(ctx context.Context, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
+		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, //nolint:gosec // test API server's self-signed cert
+	}}
+	defer hc.CloseIdleConnections()
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		for _, p := range c.procs {
+			select {
+			case <-p.done:
+				return fmt.Errorf("%s exited before the api server was ready: %v; log: %s", p.name, p.err, c.LogPath(p.name))
+			default:
+			}
+		}
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.Config.Host+"/readyz", nil)
+		if err != nil {
+			return fmt.Errorf("readyz request: %w", err)
+		}
+		req.Header.Set("Authorization", "Bearer "+token)
+		if resp, err := hc.Do(req); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("api server not ready (log: %s): %w", c.LogPath("kube-apiserver"), ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// LogPath returns the log file of "etcd" or "kube-apiserver".
+func (c *Cluster) LogPath(name string) string { return filepath.Join(c.dir, name+".log") }
+
+// Stop sends SIGTERM to kube-apiserver, then etcd, waits for each to exit
+// (SIGKILL after 15 s), and removes the temporary folder. It is safe to call
+// more than once.
+func (c *Cluster) Stop() {
+	for i := len(c.procs) - 1; i >= 0; i-- {
+		p := c.procs[i]
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.done:
+		case <-time.After(15 * time.Second):
+			_ = p.cmd.Process.Kill()
+			<-p.done
+		}
+	}
+	c.procs = nil
+	if c.dir != "" && os.Getenv("KUBEAPI_KEEP") == "" {
+		os.RemoveAll(c.dir)
+	}
+}

@@ -1,0 +1,228 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package kubee2e runs pkg/kube's controller against a real kube-apiserver
+// and etcd (test/kubeapi), with a fake Mesh in place of the dataplane. Each
+// test has its own node name and namespaces, so the tests run in parallel
+// against one API server.
+package kubee2e
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube/kubetest"
+	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
+)
+
+var (
+	cluster    *kubeapi.Cluster
+	clusterErr error
+)
+
+func TestMain(m *testing.M) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	start := time.Now()
+	cluster, clusterErr = kubeapi.Start(ctx)
+	cancel()
+	if clusterErr == nil {
+		fmt.Fprintf(os.Stderr, "kubee2e: %s ready in %s\n", cluster, time.Since(start).Round(time.Millisecond))
+	}
+	code := m.Run()
+	if cluster != nil {
+		cluster.Stop()
+	}
+	os.Exit(code)
+}
+
+// requireCluster returns the API server, or skips (fails under CI=true)
+// when the binaries are not built, and fails when they are but did not
+// start.
+func requireCluster(t *testing.T) *kubeapi.Cluster {
+	t.Helper()
+	if errors.Is(clusterErr, kubeapi.ErrNoBinaries) {
+		testenv.SkipOrFail(t, "%v", clusterErr)
+	}
+	if clusterErr != nil {
+		t.Fatalf("start kube-apiserver: %v", clusterErr)
+	}
+	return cluster
+}
+
+// agent is one controller for one node, as the node agent runs it.
+type agent struct {
+	node string
+	mesh *kubetest.Mesh
+	ctrl *kube.Controller
+}
+
+type agentOption func(*kube.Config, *kubetest.Mesh)
+
+func withRepair(mode kube.RepairMode) agentOption {
+	return func(c *kube.Config, _ *kubetest.Mesh) { c.Repair.Mode = mode }
+}
+
+func newNode() string { return "node-" + testenv.RunID() }
+
+// startAgent runs a controller for node in the contract's order: caches
+// synced, snapshot (adopt is called with it), then handlers and workers.
+// It stops when the test ends.
+func startAgent(t *testing.T, node string, adopt func(*kubetest.Mesh, []*corev1.Pod), opts ...agentOption) *agent {
+	t.Helper()
+	c := requireCluster(t)
+	a := &agent{node: node, mesh: kubetest.NewMesh()}
+	cfg := kube.Config{
+		NodeName:   node,
+		Enrollment: enrollment.DefaultConfig(),
+		Logger:     slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})).With("node", node),
+	}
+	for _, o := range opts {
+		o(&cfg, a.mesh)
+	}
+	var err error
+	if a.ctrl, err = kube.New(cfg, c.Client, a.mesh); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := a.ctrl.Start(ctx); err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	snap, err := a.ctrl.Snapshot()
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	if adopt != nil {
+		adopt(a.mesh, snap)
+	}
+	done := make(chan error, 1)
+	go func() { done <- a.ctrl.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("controller run: %v", err)
+		}
+	})
+	return a
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(string(p[:len(p)-1]))
+	return len(p), nil
+}
+
+// eventually polls cond until it holds or 30 s pass.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting: %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// never checks that cond stays false for a while, after a barrier proved
+// that the controller has already reconciled what cond is about.
+func never(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		if cond() {
+			t.Fatalf("unexpected: %s", what)
+		}
+	}
+}
+
+func getPod(t *testing.T, pod *corev1.Pod) (*corev1.Pod, bool) {
+	t.Helper()
+	p, err := cluster.Client.CoreV1().Pods(pod.Namespace).Get(context.Background(), pod.Name, metav1.GetOptions{})
+	if err != nil {
+		return nil, false
+	}
+	return p, true
+}
+
+// annotation returns the pod's redirection annotation in the API server.
+func annotation(t *testing.T, pod *corev1.Pod) string {
+	t.Helper()
+	p, ok := getPod(t, pod)
+	if !ok {
+		return "<gone>"
+	}
+	return p.Annotations[enrollment.RedirectionAnnotation]
+}
+
+func hasAnnotation(t *testing.T, pod *corev1.Pod) bool {
+	t.Helper()
+	p, ok := getPod(t, pod)
+	if !ok {
+		return false
+	}
+	_, has := p.Annotations[enrollment.RedirectionAnnotation]
+	return has
+}
+
+// eventReasons returns the reasons of the Events recorded on the pod.
+func eventReasons(t *testing.T, pod *corev1.Pod) []string {
+	t.Helper()
+	list, err := cluster.Client.CoreV1().Events(pod.Namespace).List(context.Background(), metav1.ListOptions{
+		FieldSelector: fields.OneTermEqualSelector("involvedObject.uid", string(pod.UID)).String(),
+	})
+	if err != nil {
+		t.Fatalf("list events of pod %s/%s: %v", pod.Namespace, pod.Name, err)
+	}
+	var out []string
+	for _, e := range list.Items {
+		out = append(out, e.Reason)
+	}
+	return out
+}
+
+func hasEvent(t *testing.T, pod *corev1.Pod, reason string) bool {
+	for _, r := range eventReasons(t, pod) {
+		if r == reason {
+			return true
+		}
+	}
+	return false
+}
+
+func enrolled(a *agent, uid types.UID) bool { return a.mesh.Redirection(uid) != kube.RedirectionNone }
+
+var ambientLabels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}
+
+// ip returns a distinct test pod address.
+func ip(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 244, byte(i >> 8), byte(i)}) }
+
+func patchLabels(t *testing.T, pod *corev1.Pod, labels map[string]any) {
+	t.Helper()
+	body := mustJSON(t, map[string]any{"metadata": map[string]any{"labels": labels}})
+	if _, err := cluster.Client.CoreV1().Pods(pod.Namespace).Patch(context.Background(), pod.Name, types.MergePatchType, body, metav1.PatchOptions{}); err != nil {
+		t.Fatalf("label pod %s/%s: %v", pod.Namespace, pod.Name, err)
+	}
+}
+
+func patchNamespaceLabels(t *testing.T, ns *corev1.Namespace, labels map[string]any) {
+	t.Helper()
+	body := mustJSON(t, map[string]any{"metadata": map[string]any{"labels": labels}})
+	if _, err := cluster.Client.CoreV1().Namespaces().Patch(context.Background(), ns.Name, types.MergePatchType, body, metav1.PatchOptions{}); err != nil {
+		t.Fatalf("label namespace %s: %v", ns.Name, err)
+	}
+}
