@@ -1,3 +1,5 @@
+//go:build linux
+
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
