@@ -296,7 +296,7 @@ func TestStatusAndGC(t *testing.T) {
 }
 
 func TestProbeSocket(t *testing.T) {
-	c := &Config{AgentSocket: filepath.Join(t.TempDir(), "missing.sock")}
+	c := &Config{Settings: Settings{AgentSocket: filepath.Join(t.TempDir(), "missing.sock")}}
 	if err := probeSocket(context.Background(), c); err == nil {
 		t.Error("probe of a missing socket succeeded")
 	}
