@@ -1,3 +1,5 @@
+//go:build linux
+
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
@@ -34,6 +36,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
@@ -349,9 +352,7 @@ func installChain(t *testing.T, tmp, id, ipamDir, sock, podFilePath, binDir stri
 		PluginBinary: filepath.Join(tmp, "build", "ambient-ebpf-cni"),
 		BinDirs:      []string{binDir},
 		ConfDir:      confDir,
-		PluginSettings: map[string]any{
-			"agentSocket": sock, "agentTimeout": "2s", "podFile": podFilePath,
-		},
+		Plugin:       plugin.Settings{AgentSocket: sock, AgentTimeout: "2s", PodFile: podFilePath},
 	})
 	if err := inst.Install(context.Background()); err != nil {
 		t.Fatalf("install the plugin: %v", err)

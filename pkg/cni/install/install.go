@@ -13,6 +13,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -28,10 +29,12 @@ import (
 	"github.com/fsnotify/fsnotify"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 )
 
 // PluginType is the type of our conflist entry and the binary's file name.
-const PluginType = "ambient-ebpf-cni"
+const PluginType = plugin.PluginType
 
 // Config says where things go on the host.
 type Config struct {
@@ -46,9 +49,9 @@ type Config struct {
 	OwnConflist string
 	// CNIVersion of the own conflist. Default 1.0.0.
 	CNIVersion string
-	// PluginSettings are the plugin's fields besides "type" (agentSocket,
-	// podFile, excludeNamespaces, ...); see pkg/cni/plugin.Config.
-	PluginSettings map[string]any
+	// Plugin holds the plugin's settings in its conflist entry. Its
+	// Kubeconfig is set from KubeconfigPath.
+	Plugin plugin.Settings
 
 	// KubeconfigPath is where the plugin's kubeconfig is written (host path,
 	// passed to the plugin as "kubeconfig"). Empty: no kubeconfig (standalone).
@@ -125,21 +128,29 @@ func (i *Installer) install(ctx context.Context) error {
 	return i.installConf()
 }
 
-func (i *Installer) entry() map[string]any {
+// entry is our conflist entry.
+func (i *Installer) entry() (map[string]any, error) {
+	s := i.cfg.Plugin
+	s.Kubeconfig = i.cfg.KubeconfigPath
+	raw, err := json.Marshal(s)
+	if err != nil {
+		return nil, fmt.Errorf("encode plugin settings: %w", err)
+	}
 	e := map[string]any{}
-	for k, v := range i.cfg.PluginSettings {
-		e[k] = v
+	if err := json.Unmarshal(raw, &e); err != nil {
+		return nil, fmt.Errorf("encode plugin settings: %w", err)
 	}
 	e["type"] = PluginType
-	if i.cfg.KubeconfigPath != "" {
-		e["kubeconfig"] = i.cfg.KubeconfigPath
-	}
-	return e
+	return e, nil
 }
 
 func (i *Installer) installConf() error {
+	entry, err := i.entry()
+	if err != nil {
+		return err
+	}
 	if i.cfg.OwnConflist != "" {
-		data, err := withPlugin([]byte(fmt.Sprintf(`{"cniVersion":%q,"name":"ambient-ebpf","plugins":[]}`, i.cfg.CNIVersion)), i.entry(), "")
+		data, err := withPlugin([]byte(fmt.Sprintf(`{"cniVersion":%q,"name":"ambient-ebpf","plugins":[]}`, i.cfg.CNIVersion)), entry, "")
 		if err != nil {
 			return fmt.Errorf("build own conflist: %w", err)
 		}
@@ -170,7 +181,7 @@ func (i *Installer) installConf() error {
 	if target == "" {
 		return fmt.Errorf("no cni configuration in %s to chain into yet", i.cfg.ConfDir)
 	}
-	written, err := i.chainInto(target, data)
+	written, err := i.chainInto(target, data, entry)
 	if err != nil {
 		return err
 	}
@@ -188,10 +199,10 @@ func (i *Installer) installConf() error {
 
 // chainInto adds our entry to target, converting a lone conf to a conflist,
 // and returns the file that now holds it.
-func (i *Installer) chainInto(target string, data []byte) (string, error) {
+func (i *Installer) chainInto(target string, data []byte, entry map[string]any) (string, error) {
 	d, _ := parseDocument(data)
 	if d.isList() {
-		out, err := withPlugin(data, i.entry(), "")
+		out, err := withPlugin(data, entry, "")
 		if err != nil {
 			return "", fmt.Errorf("chain into %s: %w", target, err)
 		}
@@ -208,7 +219,7 @@ func (i *Installer) chainInto(target string, data []byte) (string, error) {
 			return "", fmt.Errorf("convert %s: %s already exists", target, list)
 		}
 	}
-	out, err := withPlugin(data, i.entry(), filepath.Base(target))
+	out, err := withPlugin(data, entry, filepath.Base(target))
 	if err != nil {
 		return "", fmt.Errorf("convert %s: %w", target, err)
 	}

@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 )
 
 const (
@@ -59,7 +61,7 @@ func newNode(t *testing.T, files map[string]string) *node {
 		PluginBinary:   filepath.Join(root, "ambient-ebpf-cni"),
 		BinDirs:        n.binDirs,
 		ConfDir:        n.confDir,
-		PluginSettings: map[string]any{"agentSocket": "/var/run/ambient-ebpf/cni.sock", "excludeNamespaces": []string{"kube-system"}},
+		Plugin:         plugin.Settings{AgentSocket: "/var/run/ambient-ebpf/cni.sock", ExcludeNamespaces: []string{"kube-system"}},
 		KubeconfigPath: filepath.Join(n.confDir, "ZZZ-ambient-ebpf-kubeconfig"),
 		APIServer:      "https://198.18.0.1:6443",
 		TokenPath:      filepath.Join(n.tokenDir, "token"),

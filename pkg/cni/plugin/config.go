@@ -35,11 +35,9 @@ const (
 	DefaultFallbackTimeout = 3 * time.Second
 )
 
-// Config is the plugin's entry in the conflist, as the installer writes it,
-// plus what the runtime injects (cniVersion, name, prevResult).
-type Config struct {
-	types.PluginConf
-
+// Settings are the plugin's own fields in its conflist entry; the installer
+// writes them (see pkg/cni/install).
+type Settings struct {
 	// AgentSocket is the agent's unix socket. Default events.DefaultSocketPath.
 	AgentSocket string `json:"agentSocket,omitempty"`
 	// AgentTimeout bounds one call to the agent, as a Go duration. Default 5s.
@@ -59,6 +57,13 @@ type Config struct {
 	// the fallback decision.
 	SelfLabels    map[string]string `json:"selfLabels,omitempty"`
 	ZtunnelLabels map[string]string `json:"ztunnelLabels,omitempty"`
+}
+
+// Config is the plugin's entry in the conflist as the plugin receives it:
+// what the runtime injects (cniVersion, name, prevResult) plus Settings.
+type Config struct {
+	types.PluginConf
+	Settings
 
 	agentTimeout time.Duration
 }

@@ -296,7 +296,7 @@ func TestStatusAndGC(t *testing.T) {
 }
 
 func TestProbeSocket(t *testing.T) {
-	c := &Config{AgentSocket: filepath.Join(t.TempDir(), "missing.sock")}
+	c := &Config{Settings: Settings{AgentSocket: filepath.Join(t.TempDir(), "missing.sock")}}
 	if err := probeSocket(context.Background(), c); err == nil {
 		t.Error("probe of a missing socket succeeded")
 	}
@@ -355,5 +355,55 @@ func TestFileSource(t *testing.T) {
 	}
 	if _, _, err := FileSource(path).Lookup(context.Background(), "mesh", "ghost"); err == nil {
 		t.Error("pod missing from the file was found")
+	}
+}
+
+// slowAgent never answers before the caller's deadline.
+type slowAgent struct{}
+
+func (slowAgent) PodAdd(ctx context.Context, _ *cniv1.PodAddRequest) (events.AddResult, error) {
+	<-ctx.Done()
+	return events.AddResult{}, ctx.Err()
+}
+
+func (slowAgent) PodDel(ctx context.Context, _ *cniv1.PodDelRequest) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+func TestHungAgentTimesOutAndTheFallbackDecides(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "cni.sock")
+	ln, err := events.Listen(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- events.ServeListener(ctx, ln, slowAgent{}) }()
+	defer func() { cancel(); <-served }()
+
+	podFile := filepath.Join(dir, "pods.yaml")
+	doc := "apiVersion: v1\nkind: Namespace\nmetadata: {name: mesh, labels: {istio.io/dataplane-mode: ambient}}\n---\n" +
+		"apiVersion: v1\nkind: Namespace\nmetadata: {name: plain}\n---\n" +
+		"apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: mesh}\n---\n" +
+		"apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: plain}\n"
+	if err := os.WriteFile(podFile, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	extra := fmt.Sprintf(`,"agentSocket":%q,"agentTimeout":"300ms","podFile":%q`, sock, podFile)
+	var out bytes.Buffer
+	p := New(&out, slog.New(slog.NewTextHandler(io.Discard, nil)))
+
+	err = p.Add(cmdArgs("mesh", "web", conf("1.0.0", prev100, extra)))
+	var cniErr *types.Error
+	if !errors.As(err, &cniErr) || !strings.Contains(cniErr.Msg, "agent timed out") || !strings.Contains(cniErr.Msg, "the pod is ambient") {
+		t.Errorf("ADD of an ambient pod with a hung agent = %v", err)
+	}
+	if err := p.Add(cmdArgs("plain", "web", conf("1.0.0", prev100, extra))); err != nil || out.Len() == 0 {
+		t.Errorf("ADD of a plain pod with a hung agent = %v, output %q", err, out.String())
+	}
+	if err := p.Del(cmdArgs("mesh", "web", conf("1.0.0", "", extra))); err != nil {
+		t.Errorf("DEL with a hung agent = %v", err)
 	}
 }
