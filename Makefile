@@ -16,7 +16,6 @@ GEN_PKGS  := ./pkg/dataplane/...
 APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler
 CACHE     := $(CURDIR)/.cache
 GOTESTFLAGS ?= -race -count=1 -timeout 40m
-<<<<<<< HEAD
 # Protobuf code generators, pinned; installed into $(CACHE)/bin by `make proto-tools`.
 PROTOC_GEN_GO_VERSION      := v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
@@ -24,7 +23,6 @@ PROTO_FILES := $(wildcard pkg/api/*/*.proto)
 # Reference CNI plugins for the chain test, built from source into the cache.
 CNI_PLUGINS_VERSION := v1.10.0
 CNI_PLUGINS_DIR     := $(CACHE)/cni-plugins/$(CNI_PLUGINS_VERSION)
-=======
 # kube-apiserver and etcd for the real-API-server tests (test/kubeapi), built
 # once per version from the wrapper modules under hack/tools/.
 KUBE_VERSION := v1.37.2
@@ -32,7 +30,6 @@ ETCD_VERSION := v3.7.3
 KUBE_BINS    := $(CACHE)/kube/$(KUBE_VERSION)
 KUBE_LDFLAGS := -X k8s.io/component-base/version.gitVersion=$(KUBE_VERSION) -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 export AMBIENT_EBPF_KUBE_BINS := $(KUBE_BINS)
->>>>>>> kube
 # Under CI=true a skipped test fails the run.
 TESTREPORT_FLAGS := $(if $(filter true,$(CI)),-fail-on-skip,)
 
@@ -109,11 +106,7 @@ $(KUBE_BINS)/etcd: hack/tools/etcd/go.mod hack/tools/etcd/go.sum hack/tools/etcd
 	cd hack/tools/etcd && nice $(GO) build -trimpath -o $@.tmp . && mv $@.tmp $@
 
 .PHONY: test
-<<<<<<< HEAD
-test: deps vet cni-plugins ## run every test, kernel suites included (as root); the README's test command
-=======
-test: deps vet kube-bins ## run every test, kernel suites included (as root); the README's test command
->>>>>>> kube
+test: deps vet cni-plugins kube-bins ## run every test, kernel suites included (as root); the README's test command
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport
 	CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
 
