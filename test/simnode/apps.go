@@ -134,7 +134,7 @@ func (n *Node) StartZtunnel() *Ztunnel {
 	case <-time.After(5 * time.Second):
 		n.t.Fatal("zds server did not start")
 	}
-	z.Proc = StartHelper(n.t, RoleZtunnel, n.NodeNS, n.cgroup("ztunnel"), RecordsEnv+"="+z.records, ZDSSocketEnv+"="+sock)
+	z.Proc = n.startZtunnelProc(z.records, sock)
 	deadline := time.Now().Add(10 * time.Second)
 	for srv.Connections() == 0 {
 		if time.Now().After(deadline) {
@@ -143,6 +143,19 @@ func (n *Node) StartZtunnel() *Ztunnel {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return z
+}
+
+// StartZtunnelFor starts the stand-in against an agent's ZDS socket: the
+// agent, not the test, hands it pods. Add and Del are not available.
+func (n *Node) StartZtunnelFor(socketPath string) *Ztunnel {
+	n.t.Helper()
+	z := &Ztunnel{t: n.t, records: filepath.Join(n.t.TempDir(), "ztunnel-records.jsonl")}
+	z.Proc = n.startZtunnelProc(z.records, socketPath)
+	return z
+}
+
+func (n *Node) startZtunnelProc(records, socket string) *Proc {
+	return StartHelper(n.t, RoleZtunnel, n.NodeNS, n.cgroup("ztunnel"), RecordsEnv+"="+records, ZDSSocketEnv+"="+socket)
 }
 
 func (z *Ztunnel) snapshot() []zds.Workload {

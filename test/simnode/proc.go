@@ -10,6 +10,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"sync"
 	"syscall"
 	"testing"
@@ -135,3 +136,79 @@ func (l *lockedBuffer) String() string {
 }
 
 func sleepShort() { time.Sleep(10 * time.Millisecond) }
+
+// Process is a program (not a helper role) running in a netns and cgroup.
+type Process struct {
+	t      testing.TB
+	cmd    *exec.Cmd
+	done   chan struct{}
+	Output *lockedBuffer
+}
+
+// StartProcess runs argv in netns ns and cgroup dir. It is ended by PID at
+// cleanup (SIGTERM, then SIGKILL).
+func StartProcess(t testing.TB, ns, cgroup string, argv ...string) *Process {
+	t.Helper()
+	cmd := exec.Command("nsenter", append([]string{"--net=" + NetnsPath(ns), "--"}, argv...)...)
+	p := &Process{t: t, cmd: cmd, done: make(chan struct{}), Output: &lockedBuffer{}}
+	cmd.Stdout, cmd.Stderr = p.Output, p.Output
+	if cgroup != "" {
+		fd, err := syscall.Open(cgroup, syscall.O_DIRECTORY|syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
+		if err != nil {
+			t.Fatalf("open cgroup %s: %v", cgroup, err)
+		}
+		defer syscall.Close(fd)
+		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start %s: %v", argv[0], err)
+	}
+	go func() { _ = cmd.Wait(); close(p.done) }()
+	t.Cleanup(func() { p.Terminate(5 * time.Second) })
+	return p
+}
+
+// Kill ends the process with SIGKILL and waits.
+func (p *Process) Kill() {
+	_ = p.cmd.Process.Signal(syscall.SIGKILL)
+	<-p.done
+}
+
+// Terminate sends SIGTERM and waits up to grace, then kills. It reports
+// whether the process exited on its own with status 0.
+func (p *Process) Terminate(grace time.Duration) bool {
+	select {
+	case <-p.done:
+		return p.cmd.ProcessState.Success()
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+		return p.cmd.ProcessState.Success()
+	case <-time.After(grace):
+		p.Kill()
+		return false
+	}
+}
+
+// Exited reports whether the process has ended.
+func (p *Process) Exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// BuildBinary builds a main package of this module into dir.
+func BuildBinary(t testing.TB, dir, pkg string) string {
+	t.Helper()
+	out := filepath.Join(dir, filepath.Base(pkg))
+	cmd := exec.Command("go", "build", "-o", out, pkg)
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build %s: %v: %s", pkg, err, b)
+	}
+	return out
+}

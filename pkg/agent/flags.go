@@ -1,0 +1,165 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package agent
+
+import (
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"strings"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
+)
+
+// Flags are the agent's command line; Config turns them into a Config.
+type Flags struct {
+	fs *flag.FlagSet
+
+	nodeName, kubeconfig, standalone            string
+	bpffs, cgroupRoot, nodeNetns                string
+	probeV4, probeV6                            string
+	zdsSocket, cniSocket, procRoot              string
+	healthAddr, metricsAddr                     string
+	cniBinDirs                                  listFlag
+	cniConfDir, cniConfName, pluginBinary       string
+	cniKubeconfig, tokenPath, caPath, apiServer string
+	installCNI                                  bool
+	excluded                                    string
+	dnsCapture                                  bool
+	repairMode                                  string
+	dsNamespace, dsName                         string
+	uninstallOnExit                             bool
+	logLevel                                    string
+}
+
+type listFlag []string
+
+func (l *listFlag) String() string { return strings.Join(*l, ",") }
+func (l *listFlag) Set(v string) error {
+	*l = append(*l, v)
+	return nil
+}
+
+// NewFlags registers the agent's flags on fs.
+func NewFlags(fs *flag.FlagSet) *Flags {
+	f := &Flags{fs: fs}
+	fs.StringVar(&f.nodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name (default $NODE_NAME)")
+	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig path; empty: in-cluster")
+	fs.StringVar(&f.standalone, "standalone-pods", "", "read pods and namespaces from this file instead of the Kubernetes API")
+	fs.StringVar(&f.bpffs, "bpffs-dir", dataplane.DefaultBPFFSDir, "directory all pins live under (on a bpffs)")
+	fs.StringVar(&f.cgroupRoot, "cgroup-root", "", "cgroup v2 directory the socket hooks attach to; empty: the cgroup2 mount")
+	fs.StringVar(&f.nodeNetns, "node-netns", "", "the node's netns (where pods' veth peers are); empty: the agent's own")
+	fs.StringVar(&f.probeV4, "probe-snat-v4", dataplane.DefaultProbeV4.String(), "host-probe SNAT address (IPv4)")
+	fs.StringVar(&f.probeV6, "probe-snat-v6", dataplane.DefaultProbeV6.String(), "host-probe SNAT address (IPv6)")
+	fs.StringVar(&f.zdsSocket, "zds-socket", "", "ZDS socket ztunnel connects to (default /var/run/ztunnel/ztunnel.sock)")
+	fs.StringVar(&f.cniSocket, "cni-socket", "", "socket the CNI plugin calls (default /var/run/ambient-ebpf/cni.sock)")
+	fs.StringVar(&f.procRoot, "proc-root", DefaultProcRoot, "the host's /proc, scanned for running pods' netns")
+	fs.StringVar(&f.healthAddr, "health-addr", DefaultHealthAddr, "address of /healthz and /readyz")
+	fs.StringVar(&f.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address of /metrics")
+	fs.BoolVar(&f.installCNI, "install-cni", true, "install the CNI plugin on the host and keep it installed")
+	fs.Var(&f.cniBinDirs, "cni-bin-dir", "host CNI bin directory (repeatable; default /host/opt/cni/bin)")
+	fs.StringVar(&f.cniConfDir, "cni-conf-dir", "/host/etc/cni/net.d", "host CNI configuration directory")
+	fs.StringVar(&f.cniConfName, "cni-conf-name", "", "write this own conflist instead of chaining into the primary CNI's")
+	fs.StringVar(&f.pluginBinary, "cni-plugin-binary", "/usr/local/bin/ambient-ebpf-cni", "the plugin binary to install")
+	fs.StringVar(&f.cniKubeconfig, "cni-kubeconfig", "", "host path of the plugin's kubeconfig (default <cni-conf-dir>/ambient-ebpf-cni.kubeconfig)")
+	fs.StringVar(&f.tokenPath, "token-path", "/var/run/secrets/kubernetes.io/serviceaccount/token", "service-account token the plugin's kubeconfig carries")
+	fs.StringVar(&f.caPath, "ca-path", "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt", "API server CA for the plugin's kubeconfig")
+	fs.StringVar(&f.apiServer, "api-server", "", "API server URL as the host sees it (default from KUBERNETES_SERVICE_HOST/PORT)")
+	fs.StringVar(&f.excluded, "excluded-namespaces", "kube-system", "comma-separated namespaces whose pods are never enrolled")
+	fs.BoolVar(&f.dnsCapture, "dns-capture", true, "capture DNS to ztunnel's proxy (per pod: ambient.istio.io/dns-capture)")
+	fs.StringVar(&f.repairMode, "repair-mode", "repair", "unredirected running ambient pods: repair (in place), delete, label")
+	fs.StringVar(&f.dsNamespace, "daemonset-namespace", os.Getenv("POD_NAMESPACE"), "the agent's DaemonSet namespace (uninstall check)")
+	fs.StringVar(&f.dsName, "daemonset-name", "", "the agent's DaemonSet; while it exists, shutdown keeps all state")
+	fs.BoolVar(&f.uninstallOnExit, "uninstall-on-exit", false, "remove everything on shutdown (standalone nodes, the demo)")
+	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	return f
+}
+
+// Logger builds the logger the flags ask for.
+func (f *Flags) Logger() (*slog.Logger, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})), nil
+}
+
+// Config validates the flags and builds the agent's Config.
+func (f *Flags) Config() (Config, error) {
+	log, err := f.Logger()
+	if err != nil {
+		return Config{}, err
+	}
+	c := Config{
+		Logger:   log,
+		NodeName: f.nodeName, Kubeconfig: f.kubeconfig, StandalonePods: f.standalone,
+		ZDSSocket: f.zdsSocket, CNISocket: f.cniSocket, ProcRoot: f.procRoot,
+		HealthAddr: f.healthAddr, MetricsAddr: f.metricsAddr,
+		DaemonSetNamespace: f.dsNamespace, DaemonSetName: f.dsName, UninstallOnExit: f.uninstallOnExit,
+	}
+	c.Dataplane = dataplane.Config{BPFFSDir: f.bpffs, CgroupRoot: f.cgroupRoot, NodeNetns: f.nodeNetns}
+	if c.Dataplane.ProbeV4, err = netip.ParseAddr(f.probeV4); err != nil {
+		return c, fmt.Errorf("--probe-snat-v4: %w", err)
+	}
+	if c.Dataplane.ProbeV6, err = netip.ParseAddr(f.probeV6); err != nil {
+		return c, fmt.Errorf("--probe-snat-v6: %w", err)
+	}
+	if c.Dataplane.CgroupRoot == "" {
+		if c.Dataplane.CgroupRoot, err = hostfs.Cgroup2Root(); err != nil {
+			return c, fmt.Errorf("find the cgroup v2 hierarchy (set --cgroup-root): %w", err)
+		}
+	}
+	c.Enrollment = enrollment.DefaultConfig()
+	c.Enrollment.DNSCapture = f.dnsCapture
+	c.Enrollment.ExcludedNamespaces = nil
+	for _, ns := range strings.Split(f.excluded, ",") {
+		if ns = strings.TrimSpace(ns); ns != "" {
+			c.Enrollment.ExcludedNamespaces = append(c.Enrollment.ExcludedNamespaces, ns)
+		}
+	}
+	switch f.repairMode {
+	case "repair", "inplace":
+		c.Repair.Mode = kube.RepairInPlace
+	case "delete":
+		c.Repair.Mode = kube.RepairDelete
+	case "label":
+		c.Repair.Mode = kube.RepairLabel
+	default:
+		return c, fmt.Errorf("--repair-mode %q: want repair, delete or label", f.repairMode)
+	}
+	if f.installCNI {
+		bins := []string(f.cniBinDirs)
+		if len(bins) == 0 {
+			bins = []string{"/host/opt/cni/bin"}
+		}
+		ic := &install.Config{PluginBinary: f.pluginBinary, BinDirs: bins, ConfDir: f.cniConfDir, OwnConflist: f.cniConfName}
+		ic.Plugin.AgentSocket = f.cniSocket
+		ic.Plugin.ExcludeNamespaces = c.Enrollment.ExcludedNamespaces
+		ic.Plugin.AgentNamespace = f.dsNamespace
+		ic.Plugin.AgentPodPrefix = f.dsName
+		if f.standalone != "" {
+			ic.Plugin.PodFile = f.standalone
+		} else {
+			ic.KubeconfigPath = f.cniKubeconfig
+			if ic.KubeconfigPath == "" {
+				ic.KubeconfigPath = f.cniConfDir + "/ambient-ebpf-cni.kubeconfig"
+			}
+			ic.TokenPath, ic.CAPath, ic.APIServer = f.tokenPath, f.caPath, f.apiServer
+			if ic.APIServer == "" {
+				if h, p := os.Getenv("KUBERNETES_SERVICE_HOST"), os.Getenv("KUBERNETES_SERVICE_PORT"); h != "" {
+					ic.APIServer = "https://" + net.JoinHostPort(h, p)
+				}
+			}
+		}
+		c.Install = ic
+	}
+	return c, nil
+}
