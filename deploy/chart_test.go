@@ -163,46 +163,31 @@ func (r *rendered) decodeFile(dec runtime.Decoder, name, text string) error {
 func (r *rendered) add(obj runtime.Object, gvk *schema.GroupVersionKind) error {
 	apiVersion, kind := gvk.ToAPIVersionAndKind()
 	r.kinds = append(r.kinds, apiVersion+" "+kind)
-	twice := fmt.Errorf("more than one %s", kind)
 	switch o := obj.(type) {
 	case *appsv1.DaemonSet:
-		if r.ds != nil {
-			return twice
-		}
-		r.ds = o
+		return setOnce(&r.ds, o)
 	case *corev1.ServiceAccount:
-		if r.sa != nil {
-			return twice
-		}
-		r.sa = o
+		return setOnce(&r.sa, o)
 	case *rbacv1.ClusterRole:
-		if r.cr != nil {
-			return twice
-		}
-		r.cr = o
+		return setOnce(&r.cr, o)
 	case *rbacv1.ClusterRoleBinding:
-		if r.crb != nil {
-			return twice
-		}
-		r.crb = o
+		return setOnce(&r.crb, o)
 	case *rbacv1.Role:
-		if r.role != nil {
-			return twice
-		}
-		r.role = o
+		return setOnce(&r.role, o)
 	case *rbacv1.RoleBinding:
-		if r.rb != nil {
-			return twice
-		}
-		r.rb = o
+		return setOnce(&r.rb, o)
 	case *policyv1.PodDisruptionBudget:
-		if r.pdb != nil {
-			return twice
-		}
-		r.pdb = o
-	default:
-		return fmt.Errorf("unexpected object %s %s", apiVersion, kind)
+		return setOnce(&r.pdb, o)
 	}
+	return fmt.Errorf("unexpected object %s %s", apiVersion, kind)
+}
+
+// setOnce keeps the one object of a kind the chart renders.
+func setOnce[T any](dst **T, o *T) error {
+	if *dst != nil {
+		return fmt.Errorf("more than one %T", o)
+	}
+	*dst = o
 	return nil
 }
 
@@ -506,29 +491,17 @@ func TestChartRenders(t *testing.T) {
 		{
 			name:   "repair off adds no pod writes",
 			values: "agent: {repairMode: \"off\"}",
-			check: func(t *testing.T, r *rendered) {
-				checkClusterRules(t, r)
-				if got := flag1(t, r.agent(t), "repair-mode"); got != "off" {
-					t.Errorf("--repair-mode=%s", got)
-				}
-			},
+			check:  checkRepair("off"),
 		},
 		{
 			name:   "repair delete adds pods delete",
 			values: "agent: {repairMode: delete}",
-			check: func(t *testing.T, r *rendered) {
-				checkClusterRules(t, r, "delete")
-				if got := flag1(t, r.agent(t), "repair-mode"); got != "delete" {
-					t.Errorf("--repair-mode=%s", got)
-				}
-			},
+			check:  checkRepair("delete", "delete"),
 		},
 		{
 			name:   "repair label adds pods patch",
 			values: "agent: {repairMode: label}",
-			check: func(t *testing.T, r *rendered) {
-				checkClusterRules(t, r, "patch")
-			},
+			check:  checkRepair("label", "patch"),
 		},
 		{
 			name:    "unknown repair mode fails",
@@ -565,22 +538,12 @@ func TestChartRenders(t *testing.T) {
 		{
 			name:   "node selector merges over the default",
 			values: "nodeSelector: {ambient-ebpf.io/capable: \"true\"}",
-			check: func(t *testing.T, r *rendered) {
-				want := map[string]string{"kubernetes.io/os": "linux", "ambient-ebpf.io/capable": "true"}
-				if got := r.ds.Spec.Template.Spec.NodeSelector; !reflect.DeepEqual(got, want) {
-					t.Errorf("nodeSelector %v, want %v", got, want)
-				}
-			},
+			check:  checkNodeSelector(map[string]string{"kubernetes.io/os": "linux", "ambient-ebpf.io/capable": "true"}),
 		},
 		{
 			name:   "default node selector can be dropped",
 			values: "defaultNodeSelector: null\nnodeSelector: {pool: mesh}",
-			check: func(t *testing.T, r *rendered) {
-				want := map[string]string{"pool": "mesh"}
-				if got := r.ds.Spec.Template.Spec.NodeSelector; !reflect.DeepEqual(got, want) {
-					t.Errorf("nodeSelector %v, want %v", got, want)
-				}
-			},
+			check:  checkNodeSelector(map[string]string{"pool": "mesh"}),
 		},
 		{
 			name:   "privileged on request",
@@ -671,6 +634,24 @@ hostPaths: {ztunnelSocketDir: /run/ztunnel}
 				t.Logf("rendered manifest:\n%s", r.manifest)
 			}
 		})
+	}
+}
+
+// checkRepair checks the repair mode flag and the pod verbs it adds.
+func checkRepair(mode string, podVerbs ...string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		checkClusterRules(t, r, podVerbs...)
+		if got := flag1(t, r.agent(t), "repair-mode"); got != mode {
+			t.Errorf("--repair-mode=%s, want %s", got, mode)
+		}
+	}
+}
+
+func checkNodeSelector(want map[string]string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		if got := r.ds.Spec.Template.Spec.NodeSelector; !reflect.DeepEqual(got, want) {
+			t.Errorf("nodeSelector %v, want %v", got, want)
+		}
 	}
 }
 
