@@ -81,6 +81,12 @@ func targetDecoder() (runtime.Decoder, error) {
 // renderChart renders the chart as `helm template` would, with the given
 // values YAML over values.yaml, and decodes every object.
 func renderChart(valuesYAML string) (*rendered, error) {
+	return renderChartSchema(valuesYAML, true)
+}
+
+// renderChartSchema is renderChart with values.schema.json validation
+// optional, as `helm template --skip-schema-validation` makes it.
+func renderChartSchema(valuesYAML string, validate bool) (*rendered, error) {
 	ch, err := loader.Load(chartDir)
 	if err != nil {
 		return nil, fmt.Errorf("load chart: %w", err)
@@ -100,8 +106,8 @@ func renderChart(valuesYAML string) (*rendered, error) {
 	}
 	caps := chartutil.DefaultCapabilities.Copy()
 	caps.KubeVersion = *kv
-	top, err := chartutil.ToRenderValues(ch, overrides,
-		chartutil.ReleaseOptions{Name: releaseName, Namespace: releaseNS, Revision: 1, IsInstall: true}, caps)
+	top, err := chartutil.ToRenderValuesWithSchemaValidation(ch, overrides,
+		chartutil.ReleaseOptions{Name: releaseName, Namespace: releaseNS, Revision: 1, IsInstall: true}, caps, !validate)
 	if err != nil {
 		return nil, fmt.Errorf("render values: %w", err)
 	}
@@ -479,10 +485,11 @@ func checkInvariants(t *testing.T, r *rendered) {
 
 func TestChartRenders(t *testing.T) {
 	cases := []struct {
-		name    string
-		values  string
-		wantErr string
-		check   func(t *testing.T, r *rendered)
+		name       string
+		values     string
+		skipSchema bool
+		wantErr    string
+		check      func(t *testing.T, r *rendered)
 	}{
 		{
 			name:  "defaults",
@@ -504,9 +511,25 @@ func TestChartRenders(t *testing.T) {
 			check:  checkRepair("label", "patch"),
 		},
 		{
-			name:    "unknown repair mode fails",
+			name:    "unknown repair mode fails the schema",
 			values:  "agent: {repairMode: fix}",
-			wantErr: "agent.repairMode must be",
+			wantErr: "/agent/repairMode': value must be one of",
+		},
+		{
+			name:       "unknown repair mode fails without the schema",
+			values:     "agent: {repairMode: fix}",
+			skipSchema: true,
+			wantErr:    "agent.repairMode must be",
+		},
+		{
+			name:    "misspelt value fails the schema",
+			values:  "nodeselector: {pool: mesh}",
+			wantErr: "additional properties 'nodeselector' not allowed",
+		},
+		{
+			name:    "relative host path fails the schema",
+			values:  "cni: {confDir: etc/cni/net.d}",
+			wantErr: "/cni/confDir",
 		},
 		{
 			name:   "pod disruption budget",
@@ -618,7 +641,7 @@ hostPaths: {ztunnelSocketDir: /run/ztunnel}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			r, err := renderChart(tc.values)
+			r, err := renderChartSchema(tc.values, !tc.skipSchema)
 			if tc.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 					t.Fatalf("render error %v, want one containing %q", err, tc.wantErr)
