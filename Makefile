@@ -110,6 +110,12 @@ test: deps vet cni-plugins kube-bins ## run every test, kernel suites included (
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport
 	CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
 
+IMAGE ?= ghcr.io/ambient-ebpf/ambient-ebpf:dev
+
+.PHONY: image
+image: ## build the container image (needs docker; deploy/dockerfile_test.go checks the Dockerfile without it)
+	docker build -t $(IMAGE) .
+
 .PHONY: clean
 clean: ## remove build outputs
 	rm -rf bin

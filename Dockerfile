@@ -1,0 +1,42 @@
+# syntax=docker/dockerfile:1
+#
+# The ambient-ebpf image: the node agent, the CNI plugin (the agent's
+# installer copies it into the host's CNI bin directory) and the CLI.
+#
+# The BPF objects are committed (pkg/dataplane/*_bpfel.o, embedded by
+# bpf2go's generated Go), so the build needs Go only: no clang, no headers.
+# All three binaries are static (CGO_ENABLED=0) and the agent shells out to
+# nothing (no iptables, ip, tc or mount binaries), so the final image is
+# distroless static: no shell, no package manager.
+#
+#   docker build -t ghcr.io/ambient-ebpf/ambient-ebpf:dev .
+#   docker buildx build --platform linux/amd64,linux/arm64 ...
+#
+# deploy/dockerfile_test.go keeps the build targets below in step with cmd/.
+
+ARG GO_IMAGE=golang:1.26
+ARG BASE_IMAGE=gcr.io/distroless/static-debian13
+
+FROM --platform=$BUILDPLATFORM ${GO_IMAGE} AS build
+ARG TARGETOS=linux
+ARG TARGETARCH
+WORKDIR /src
+COPY go.mod go.sum ./
+RUN --mount=type=cache,target=/go/pkg/mod go mod download
+COPY . .
+# Cross-compiles for the target platform (BPF objects are little-endian:
+# amd64, arm64 and the other little-endian architectures).
+RUN --mount=type=cache,target=/go/pkg/mod \
+    --mount=type=cache,target=/root/.cache/go-build \
+    CGO_ENABLED=0 GOOS=${TARGETOS} GOARCH=${TARGETARCH} \
+    go build -trimpath -ldflags="-s -w" -o /out/ \
+        ./cmd/ambient-ebpf-agent \
+        ./cmd/ambient-ebpf-cni \
+        ./cmd/ambient-ebpf
+
+FROM ${BASE_IMAGE}
+COPY --from=build /out/ambient-ebpf-agent /out/ambient-ebpf-cni /out/ambient-ebpf /usr/local/bin/
+# Root, with capabilities granted by the pod spec (see the chart's README);
+# distroless static's default user is already 0, this makes it explicit.
+USER 0:0
+ENTRYPOINT ["/usr/local/bin/ambient-ebpf-agent"]

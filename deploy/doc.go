@@ -1,0 +1,9 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package deploy holds what an operator deploys: the Helm chart in
+// ambient-ebpf/ and, at the repository root, the Dockerfile. Its tests
+// render the chart with the Helm library and decode every object strictly
+// into the Kubernetes API types we target, and keep the Dockerfile's build
+// targets in step with cmd/.
+package deploy
