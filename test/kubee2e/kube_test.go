@@ -27,6 +27,13 @@ func mustJSON(t *testing.T, v any) []byte {
 	return b
 }
 
+// deleting reports whether the pod is gone or being deleted: without a
+// kubelet, a pod deleted with a grace period stays until it expires.
+func deleting(t *testing.T, pod *corev1.Pod) bool {
+	p, ok := getPod(t, pod)
+	return !ok || p.DeletionTimestamp != nil
+}
+
 func TestSnapshotHoldsThisNodesPodsAnnotatedEnabled(t *testing.T) {
 	t.Parallel()
 	c := requireCluster(t)
@@ -239,7 +246,7 @@ func TestRepairDeleteRemovesUnredirectedPod(t *testing.T) {
 	pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node}, ip(100))
 	a := startAgent(t, node, nil, withRepair(kube.RepairDelete))
 
-	eventually(t, "unredirected pod deleted", func() bool { _, ok := getPod(t, pod); return !ok })
+	eventually(t, "unredirected pod deleted", func() bool { return deleting(t, pod) })
 	eventually(t, "delete event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairDeleted) })
 	if calls := a.mesh.CallsFor(pod.UID); len(calls) != 0 {
 		t.Errorf("mesh calls = %+v; want none in delete mode", calls)
@@ -280,9 +287,9 @@ func TestRepairNeverTouchesPodsWhoseContainersCompleted(t *testing.T) {
 		kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{ip(122)}, Containers: terminated("Error", 1)})
 	a := startAgent(t, node, nil, withRepair(kube.RepairDelete))
 
-	eventually(t, "pod with a failed container deleted", func() bool { _, ok := getPod(t, crashed); return !ok })
+	eventually(t, "pod with a failed container deleted", func() bool { return deleting(t, crashed) })
 	for _, p := range []*corev1.Pod{completed, exitZero} {
-		never(t, p.Name+" pod deleted", func() bool { _, ok := getPod(t, p); return !ok })
+		never(t, p.Name+" pod deleted", func() bool { return deleting(t, p) })
 		if r := eventReasons(t, p); len(r) != 0 {
 			t.Errorf("events on %s pod = %v; want none", p.Name, r)
 		}
