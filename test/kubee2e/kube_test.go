@@ -6,6 +6,7 @@ package kubee2e
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net/netip"
 	"slices"
 	"testing"
@@ -297,4 +298,22 @@ func TestRepairNeverTouchesPodsWhoseContainersCompleted(t *testing.T) {
 	if calls := a.mesh.Calls(); len(calls) != 0 {
 		t.Errorf("mesh calls = %+v; want none", calls)
 	}
+}
+
+func TestFailedInPlaceRedirectIsRecordedAndRetried(t *testing.T) {
+	t.Parallel()
+	c := requireCluster(t)
+	node := newNode()
+	ns := c.Namespace(t, "retry", ambientLabels)
+	pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node}, ip(130))
+	a := startAgent(t, node, nil, func(_ *kube.Config, m *kubetest.Mesh) { m.FailAdd(errors.New("netns not found")) })
+
+	eventually(t, "failure event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairFailed) })
+	eventually(t, "add retried", func() bool { return len(a.mesh.CallsFor(pod.UID)) >= 2 })
+	if hasAnnotation(t, pod) {
+		t.Error("pod annotated although its redirect failed")
+	}
+	a.mesh.FailAdd(nil)
+	eventually(t, "pod enrolled once the mesh recovers", func() bool { return enrolled(a, pod.UID) })
+	eventually(t, "annotation enabled", func() bool { return annotation(t, pod) == "enabled" })
 }
