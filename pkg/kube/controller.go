@@ -117,9 +117,9 @@ func (c *Controller) Run(ctx context.Context) error {
 	defer c.broadcaster.Shutdown()
 	defer sink.Stop()
 	podReg, err := c.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    c.enqueueObject,
-		UpdateFunc: func(_, obj any) { c.enqueueObject(obj) },
-		DeleteFunc: c.enqueueObject,
+		AddFunc:    func(obj any) { c.cfg.OnEvent("add"); c.enqueueObject(obj) },
+		UpdateFunc: func(_, obj any) { c.cfg.OnEvent("update"); c.enqueueObject(obj) },
+		DeleteFunc: func(obj any) { c.cfg.OnEvent("delete"); c.enqueueObject(obj) },
 	})
 	if err != nil {
 		return fmt.Errorf("add pod handler: %w", err)
@@ -131,6 +131,7 @@ func (c *Controller) Run(ctx context.Context) error {
 			o, ok1 := oldObj.(*corev1.Namespace)
 			n, ok2 := obj.(*corev1.Namespace)
 			if ok1 && ok2 && !maps.Equal(o.Labels, n.Labels) {
+				c.cfg.OnEvent("namespace")
 				c.enqueueNamespace(n)
 			}
 		},
@@ -142,6 +143,17 @@ func (c *Controller) Run(ctx context.Context) error {
 	c.cfg.Logger.Info("kube controller running", "node", c.cfg.NodeName, "repair", c.cfg.Repair.Mode)
 	runWorkers(ctx, c.queue, c.cfg.Workers, c.cfg.Logger, c.rec.reconcile)
 	return nil
+}
+
+// Decide tells whether pod belongs in the mesh, with its namespace read
+// from the cache; the agent's CNI path uses it so that new pods are decided
+// exactly as running ones. Call it after Start.
+func (c *Controller) Decide(pod *corev1.Pod) (enrollment.Decision, error) {
+	ns, err := listerStore{c.podLister, c.nsLister}.namespace(pod.Namespace)
+	if err != nil {
+		return enrollment.Decision{}, fmt.Errorf("namespace of pod %s/%s: %w", pod.Namespace, pod.Name, err)
+	}
+	return enrollment.Decide(c.cfg.Enrollment, pod, ns), nil
 }
 
 // Requeue asks for the pod to be reconciled again, for example when ztunnel

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"net/netip"
 	"slices"
+	"sync/atomic"
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
@@ -71,7 +72,14 @@ func TestSnapshotHoldsThisNodesPodsAnnotatedEnabled(t *testing.T) {
 func TestNamespaceLabelEnrollsAndRemovesRunningPods(t *testing.T) {
 	s := newScene(t, "nslabel", nil)
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
-	a := s.agent(t, nil)
+	var nsEvents atomic.Int32
+	a := s.agent(t, nil, func(c *kube.Config, _ *kubetest.Mesh) {
+		c.OnEvent = func(typ string) {
+			if typ == "namespace" {
+				nsEvents.Add(1)
+			}
+		}
+	})
 
 	never(t, "pod enrolled without any ambient label", func() bool { return enrolled(a, pod.UID) })
 	patchNamespaceLabels(t, s.ns, map[string]any{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
@@ -81,6 +89,9 @@ func TestNamespaceLabelEnrollsAndRemovesRunningPods(t *testing.T) {
 	patchNamespaceLabels(t, s.ns, map[string]any{enrollment.DataplaneModeLabel: nil})
 	eventually(t, "pod removed after the namespace label is gone", func() bool { return !enrolled(a, pod.UID) })
 	eventually(t, "annotation removed", func() bool { return !hasAnnotation(t, pod) })
+	if n := nsEvents.Load(); n != 2 {
+		t.Errorf("namespace label events = %d; want 2", n)
+	}
 	calls := a.mesh.CallsFor(pod.UID)
 	if len(calls) != 2 || calls[0].Op != kubetest.OpAdd || calls[1].Op != kubetest.OpRemove {
 		t.Errorf("mesh calls = %+v; want add then remove", calls)
