@@ -44,10 +44,10 @@ type Controller struct {
 	podLister             listerscorev1.PodLister
 	nsLister              listerscorev1.NamespaceLister
 
-	queue       workqueue.TypedRateLimitingInterface[string]
-	broadcaster record.EventBroadcaster
-	rec         *reconciler
-	started     atomic.Bool
+	queue   workqueue.TypedRateLimitingInterface[string]
+	writer  *apiWriter
+	rec     *reconciler
+	started atomic.Bool
 }
 
 // New builds a controller; it does no I/O.
@@ -66,12 +66,8 @@ func New(cfg Config, client kubernetes.Interface, mesh Mesh) (*Controller, error
 	c.podLister = c.podFactory.Core().V1().Pods().Lister()
 	c.namespaces = c.nsFactory.Core().V1().Namespaces().Informer()
 	c.nsLister = c.nsFactory.Core().V1().Namespaces().Lister()
-	c.broadcaster = record.NewBroadcaster()
-	w := &apiWriter{
-		client:   client,
-		recorder: c.broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: EventSource, Host: cfg.NodeName}),
-	}
-	c.rec = newReconciler(cfg, mesh, listerStore{c.podLister, c.nsLister}, w)
+	c.writer = &apiWriter{client: client}
+	c.rec = newReconciler(cfg, mesh, listerStore{c.podLister, c.nsLister}, c.writer)
 	return c, nil
 }
 
@@ -113,13 +109,17 @@ func (c *Controller) Run(ctx context.Context) error {
 	if !c.started.Load() {
 		return errors.New("run before the caches are synced (call Start)")
 	}
-	sink := c.broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.client.CoreV1().Events("")})
-	defer c.broadcaster.Shutdown()
+	// The event pipeline starts here, not in New: it runs goroutines.
+	// Events are only recorded by the workers, which start below.
+	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
+	defer broadcaster.Shutdown()
+	sink := broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.client.CoreV1().Events("")})
 	defer sink.Stop()
+	c.writer.recorder = broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: EventSource, Host: c.cfg.NodeName})
 	podReg, err := c.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    c.enqueueObject,
-		UpdateFunc: func(_, obj any) { c.enqueueObject(obj) },
-		DeleteFunc: c.enqueueObject,
+		AddFunc:    func(obj any) { c.cfg.OnEvent("add"); c.enqueueObject(obj) },
+		UpdateFunc: func(_, obj any) { c.cfg.OnEvent("update"); c.enqueueObject(obj) },
+		DeleteFunc: func(obj any) { c.cfg.OnEvent("delete"); c.enqueueObject(obj) },
 	})
 	if err != nil {
 		return fmt.Errorf("add pod handler: %w", err)
@@ -131,6 +131,7 @@ func (c *Controller) Run(ctx context.Context) error {
 			o, ok1 := oldObj.(*corev1.Namespace)
 			n, ok2 := obj.(*corev1.Namespace)
 			if ok1 && ok2 && !maps.Equal(o.Labels, n.Labels) {
+				c.cfg.OnEvent("namespace")
 				c.enqueueNamespace(n)
 			}
 		},
@@ -142,6 +143,17 @@ func (c *Controller) Run(ctx context.Context) error {
 	c.cfg.Logger.Info("kube controller running", "node", c.cfg.NodeName, "repair", c.cfg.Repair.Mode)
 	runWorkers(ctx, c.queue, c.cfg.Workers, c.cfg.Logger, c.rec.reconcile)
 	return nil
+}
+
+// Decide tells whether pod belongs in the mesh, with its namespace read
+// from the cache; the agent's CNI path uses it so that new pods are decided
+// exactly as running ones. Call it after Start.
+func (c *Controller) Decide(pod *corev1.Pod) (enrollment.Decision, error) {
+	ns, err := listerStore{c.podLister, c.nsLister}.namespace(pod.Namespace)
+	if err != nil {
+		return enrollment.Decision{}, fmt.Errorf("namespace of pod %s/%s: %w", pod.Namespace, pod.Name, err)
+	}
+	return enrollment.Decide(c.cfg.Enrollment, pod, ns), nil
 }
 
 // Requeue asks for the pod to be reconciled again, for example when ztunnel

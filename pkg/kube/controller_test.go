@@ -150,3 +150,22 @@ func TestRunsUnredirected(t *testing.T) {
 		})
 	}
 }
+
+func TestDecideReadsTheNamespaceFromTheCache(t *testing.T) {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "ns", Labels: map[string]string{
+		enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient,
+	}}}
+	c, err := New(Config{NodeName: "n1", Enrollment: enrollment.DefaultConfig()}, fake.NewClientset(ns), nopMesh{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := c.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	d, err := c.Decide(testPod())
+	if err != nil || !d.Ambient || d.Reason != enrollment.ReasonNamespaceLabel {
+		t.Errorf("Decide = %+v, %v; want ambient through the namespace label", d, err)
+	}
+}

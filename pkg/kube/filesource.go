@@ -213,6 +213,9 @@ func (s *FileSource) pod(namespace, name string) (*corev1.Pod, error) {
 func (s *FileSource) namespace(name string) (*corev1.Namespace, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.file == nil {
+		return nil, nil
+	}
 	return s.file.Namespaces[name], nil
 }
 

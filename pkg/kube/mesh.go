@@ -14,11 +14,20 @@
 //
 // Start-up follows the contract's order and the agent drives it:
 //
-//	c, _ := kube.New(cfg, client, mesh) // no I/O
-//	c.Start(ctx)                       // informers running, caches synced
-//	snap := c.Snapshot()               // pods annotated enabled on this node
-//	... the agent adopts snap in the dataplane ...
-//	go c.Run(ctx)                      // handlers and workers until ctx ends
+//	c, err := kube.New(cfg, client, mesh) // no I/O
+//	err = c.Start(ctx)                    // informers running, caches synced
+//	snap, err := c.Snapshot()             // pods annotated enabled on this node
+//	... find their netns (pkg/podnetns), adopt them in the dataplane ...
+//	go c.Run(ctx)                         // handlers and workers until ctx ends
+//
+// While it runs, the agent's CNI path decides new pods with c.Decide and
+// calls the Mesh itself; the controller then only publishes the annotation.
+// When ztunnel acks a pending pod, the agent calls c.Requeue.
+//
+// A running pod that should be ambient but is not redirected (it started
+// before the agent was ready, was labelled after it started, or its state
+// was lost) is repaired as RepairConfig says: in place (default), deleted,
+// or labelled, with a Kubernetes Event each time.
 package kube
 
 import (

@@ -30,6 +30,11 @@ type Config struct {
 	Workers int
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// OnEvent, when set, is called by the informer handlers with "add",
+	// "update" or "delete" for each pod event, and "namespace" for each
+	// namespace whose labels changed, for the agent's
+	// nodeagent_reconcile_events_total{type} counter. It must not block.
+	OnEvent func(eventType string)
 }
 
 func (cfg Config) withDefaults() (Config, error) {
@@ -41,6 +46,9 @@ func (cfg Config) withDefaults() (Config, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if cfg.OnEvent == nil {
+		cfg.OnEvent = func(string) {}
 	}
 	var err error
 	cfg.Repair, err = cfg.Repair.withDefaults()

@@ -102,16 +102,26 @@ func Start(ctx context.Context) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	dir, err := os.MkdirTemp("", "kubeapi-")
-	if err != nil {
-		return nil, fmt.Errorf("temp dir: %w", err)
-	}
-	c := &Cluster{dir: dir}
-	if err := c.start(ctx, bins); err != nil {
+	// A free port can be taken by another process between the probe and
+	// the server's bind; such a start fails fast and is tried again.
+	var errs []error
+	for range 3 {
+		dir, err := os.MkdirTemp("", "kubeapi-")
+		if err != nil {
+			return nil, fmt.Errorf("temp dir: %w", err)
+		}
+		c := &Cluster{dir: dir}
+		err = c.start(ctx, bins)
+		if err == nil {
+			return c, nil
+		}
+		errs = append(errs, err)
 		c.Stop()
-		return nil, err
+		if ctx.Err() != nil {
+			break
+		}
 	}
-	return c, nil
+	return nil, errors.Join(errs...)
 }
 
 func (c *Cluster) start(ctx context.Context, bins string) error {
@@ -242,7 +252,7 @@ func (c *Cluster) waitReady(ctx context.Context, timeout time.Duration) error {
 		for _, p := range c.procs {
 			select {
 			case <-p.done:
-				return fmt.Errorf("%s exited before the api server was ready: %v; log: %s", p.name, p.err, c.LogPath(p.name))
+				return fmt.Errorf("%s exited before the api server was ready: %v; log ends:\n%s", p.name, p.err, c.logTail(p.name))
 			default:
 			}
 		}
@@ -259,10 +269,24 @@ func (c *Cluster) waitReady(ctx context.Context, timeout time.Duration) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("api server not ready (log: %s): %w", c.LogPath("kube-apiserver"), ctx.Err())
+			return fmt.Errorf("api server not ready: %w; log ends:\n%s", ctx.Err(), c.logTail("kube-apiserver"))
 		case <-tick.C:
 		}
 	}
+}
+
+// logTail returns the last few lines of a process's log, for errors: the
+// folder is removed when a start fails.
+func (c *Cluster) logTail(name string) string {
+	b, err := os.ReadFile(c.LogPath(name))
+	if err != nil {
+		return err.Error()
+	}
+	const keep = 2048
+	if len(b) > keep {
+		b = b[len(b)-keep:]
+	}
+	return string(b)
 }
 
 // LogPath returns the log file of "etcd" or "kube-apiserver".

@@ -13,6 +13,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 )
 
 // Namespace creates a namespace with a unique name starting with prefix and
@@ -73,10 +74,24 @@ type Status struct {
 // kubelet would, and returns the updated pod.
 func (c *Cluster) SetStatus(tb testing.TB, pod *corev1.Pod, st Status) *corev1.Pod {
 	tb.Helper()
+	var got *corev1.Pod
+	// The agent under test may patch the pod in between: retry on conflict.
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		var err error
+		got, err = c.setStatus(pod, st)
+		return err
+	})
+	if err != nil {
+		tb.Fatalf("update status of pod %s/%s: %v", pod.Namespace, pod.Name, err)
+	}
+	return got
+}
+
+func (c *Cluster) setStatus(pod *corev1.Pod, st Status) (*corev1.Pod, error) {
 	ctx := context.Background()
 	cur, err := c.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
 	if err != nil {
-		tb.Fatalf("get pod %s/%s: %v", pod.Namespace, pod.Name, err)
+		return nil, err
 	}
 	cur.Status.Phase = st.Phase
 	cur.Status.HostIP = "192.0.2.1"
@@ -99,11 +114,7 @@ func (c *Cluster) SetStatus(tb testing.TB, pod *corev1.Pod, st Status) *corev1.P
 			})
 		}
 	}
-	got, err := c.Client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
-	if err != nil {
-		tb.Fatalf("update status of pod %s/%s: %v", pod.Namespace, pod.Name, err)
-	}
-	return got
+	return c.Client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
 }
 
 // RunningPod creates a pod and marks it Running with the given IPs.

@@ -6,8 +6,10 @@ package kubee2e
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net/netip"
 	"slices"
+	"sync/atomic"
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
@@ -27,19 +29,23 @@ func mustJSON(t *testing.T, v any) []byte {
 	return b
 }
 
+// deleting reports whether the pod is gone or being deleted: without a
+// kubelet, a pod deleted with a grace period stays until it expires.
+func deleting(t *testing.T, pod *corev1.Pod) bool {
+	p, ok := getPod(t, pod)
+	return !ok || p.DeletionTimestamp != nil
+}
+
 func TestSnapshotHoldsThisNodesPodsAnnotatedEnabled(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node, other := newNode(), newNode()
-	ns := c.Namespace(t, "snap", ambientLabels)
+	s := newScene(t, "snap", ambientLabels)
 	annotated := func(v string) map[string]string { return map[string]string{enrollment.RedirectionAnnotation: v} }
-	enabled := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "enabled", Node: node, Annotations: annotated("enabled")}, ip(1))
-	pending := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "pending", Node: node, Annotations: annotated("pending")}, ip(2))
-	plain := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "plain", Node: node}, ip(3))
-	c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "elsewhere", Node: other, Annotations: annotated("enabled")}, ip(4))
+	enabled := s.running(t, kubeapi.PodSpec{Name: "enabled", Annotations: annotated("enabled")})
+	pending := s.running(t, kubeapi.PodSpec{Name: "pending", Annotations: annotated("pending")})
+	plain := s.running(t, kubeapi.PodSpec{Name: "plain"})
+	s.running(t, kubeapi.PodSpec{Name: "elsewhere", Node: newNode(), Annotations: annotated("enabled")})
 
 	var snap []*corev1.Pod
-	a := startAgent(t, node, func(m *kubetest.Mesh, pods []*corev1.Pod) {
+	a := s.agent(t, func(m *kubetest.Mesh, pods []*corev1.Pod) {
 		snap = pods
 		for _, p := range pods {
 			m.Adopt(p.UID) // the pinned dataplane state survived
@@ -64,21 +70,28 @@ func TestSnapshotHoldsThisNodesPodsAnnotatedEnabled(t *testing.T) {
 }
 
 func TestNamespaceLabelEnrollsAndRemovesRunningPods(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "nslabel", nil)
-	pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node}, ip(10))
-	a := startAgent(t, node, nil)
+	s := newScene(t, "nslabel", nil)
+	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
+	var nsEvents atomic.Int32
+	a := s.agent(t, nil, func(c *kube.Config, _ *kubetest.Mesh) {
+		c.OnEvent = func(typ string) {
+			if typ == "namespace" {
+				nsEvents.Add(1)
+			}
+		}
+	})
 
 	never(t, "pod enrolled without any ambient label", func() bool { return enrolled(a, pod.UID) })
-	patchNamespaceLabels(t, ns, map[string]any{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
+	patchNamespaceLabels(t, s.ns, map[string]any{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
 	eventually(t, "pod enrolled after the namespace label", func() bool { return enrolled(a, pod.UID) })
 	eventually(t, "annotation enabled through status", func() bool { return annotation(t, pod) == "enabled" })
 
-	patchNamespaceLabels(t, ns, map[string]any{enrollment.DataplaneModeLabel: nil})
+	patchNamespaceLabels(t, s.ns, map[string]any{enrollment.DataplaneModeLabel: nil})
 	eventually(t, "pod removed after the namespace label is gone", func() bool { return !enrolled(a, pod.UID) })
 	eventually(t, "annotation removed", func() bool { return !hasAnnotation(t, pod) })
+	if n := nsEvents.Load(); n != 2 {
+		t.Errorf("namespace label events = %d; want 2", n)
+	}
 	calls := a.mesh.CallsFor(pod.UID)
 	if len(calls) != 2 || calls[0].Op != kubetest.OpAdd || calls[1].Op != kubetest.OpRemove {
 		t.Errorf("mesh calls = %+v; want add then remove", calls)
@@ -86,14 +99,11 @@ func TestNamespaceLabelEnrollsAndRemovesRunningPods(t *testing.T) {
 }
 
 func TestPodLabelNoneOptsOutOfAmbientNamespace(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "optout", ambientLabels)
+	s := newScene(t, "optout", ambientLabels)
 	none := map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeNone}
-	out := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "out", Node: node, Labels: none}, ip(20))
-	in := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "in", Node: node}, ip(21))
-	a := startAgent(t, node, nil)
+	out := s.running(t, kubeapi.PodSpec{Name: "out", Labels: none})
+	in := s.running(t, kubeapi.PodSpec{Name: "in"})
+	a := s.agent(t, nil)
 
 	eventually(t, "unlabelled pod of the ambient namespace enrolled", func() bool { return enrolled(a, in.UID) })
 	never(t, "opted-out pod enrolled", func() bool { return enrolled(a, out.UID) })
@@ -106,15 +116,12 @@ func TestPodLabelNoneOptsOutOfAmbientNamespace(t *testing.T) {
 }
 
 func TestSidecarAndHostNetworkPodsAreNeverEnrolled(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "never", ambientLabels)
-	sidecar := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "sidecar", Node: node, Labels: ambientLabels,
-		Annotations: map[string]string{enrollment.SidecarStatusAnnotation: `{"containers":["istio-proxy"]}`}}, ip(30))
-	host := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "host", Node: node, Labels: ambientLabels, HostNetwork: true}, ip(31))
-	barrier := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "barrier", Node: node}, ip(32))
-	a := startAgent(t, node, nil)
+	s := newScene(t, "never", ambientLabels)
+	sidecar := s.running(t, kubeapi.PodSpec{Name: "sidecar", Labels: ambientLabels,
+		Annotations: map[string]string{enrollment.SidecarStatusAnnotation: `{"containers":["istio-proxy"]}`}})
+	host := s.running(t, kubeapi.PodSpec{Name: "host", Labels: ambientLabels, HostNetwork: true})
+	barrier := s.running(t, kubeapi.PodSpec{Name: "barrier"})
+	a := s.agent(t, nil)
 
 	eventually(t, "barrier pod enrolled", func() bool { return enrolled(a, barrier.UID) })
 	for _, p := range []*corev1.Pod{sidecar, host} {
@@ -126,13 +133,10 @@ func TestSidecarAndHostNetworkPodsAreNeverEnrolled(t *testing.T) {
 }
 
 func TestPodsOfOtherNodesAreIgnored(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "othernode", ambientLabels)
-	elsewhere := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "elsewhere", Node: newNode()}, ip(40))
-	here := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "here", Node: node}, ip(41))
-	a := startAgent(t, node, nil)
+	s := newScene(t, "othernode", ambientLabels)
+	elsewhere := s.running(t, kubeapi.PodSpec{Name: "elsewhere", Node: newNode()})
+	here := s.running(t, kubeapi.PodSpec{Name: "here"})
+	a := s.agent(t, nil)
 
 	eventually(t, "this node's pod enrolled", func() bool { return enrolled(a, here.UID) })
 	never(t, "other node's pod touched", func() bool { return len(a.mesh.CallsFor(elsewhere.UID)) > 0 })
@@ -142,12 +146,9 @@ func TestPodsOfOtherNodesAreIgnored(t *testing.T) {
 }
 
 func TestAnnotationPendingUntilZtunnelAcks(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "pending", ambientLabels)
-	a := startAgent(t, node, nil, func(_ *kube.Config, m *kubetest.Mesh) { m.SetPending(true) })
-	pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node}, ip(50))
+	s := newScene(t, "pending", ambientLabels)
+	a := s.agent(t, nil, func(_ *kube.Config, m *kubetest.Mesh) { m.SetPending(true) })
+	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
 
 	eventually(t, "annotation pending while ztunnel has not acked", func() bool { return annotation(t, pod) == "pending" })
 	a.mesh.Ack(pod.UID)
@@ -156,20 +157,17 @@ func TestAnnotationPendingUntilZtunnelAcks(t *testing.T) {
 }
 
 func TestPodNotYetRunningIsLeftToTheCNIPlugin(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "cni", ambientLabels)
-	a := startAgent(t, node, nil)
-	pod := c.Pod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node})
-	barrier := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "barrier", Node: node}, ip(60))
+	s := newScene(t, "cni", ambientLabels)
+	a := s.agent(t, nil)
+	pod := s.pod(t, kubeapi.PodSpec{Name: "app"})
+	barrier := s.running(t, kubeapi.PodSpec{Name: "barrier"})
 
 	eventually(t, "barrier pod enrolled", func() bool { return enrolled(a, barrier.UID) })
 	never(t, "pending pod enrolled by the controller", func() bool { return len(a.mesh.CallsFor(pod.UID)) > 0 })
 	// The CNI plugin enrolled it (the agent calls the Mesh directly); the
 	// controller only publishes the result.
 	a.mesh.Adopt(pod.UID)
-	c.SetStatus(t, pod, kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{ip(61)}})
+	s.SetStatus(t, pod, kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{s.ip()}})
 	eventually(t, "annotation enabled for the CNI-enrolled pod", func() bool { return annotation(t, pod) == "enabled" })
 	if calls := a.mesh.CallsFor(pod.UID); len(calls) != 0 {
 		t.Errorf("mesh calls for a CNI-enrolled pod = %+v; want none", calls)
@@ -177,35 +175,28 @@ func TestPodNotYetRunningIsLeftToTheCNIPlugin(t *testing.T) {
 }
 
 func TestTerminalPodLeavesTheMesh(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "terminal", ambientLabels)
-	pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "job", Node: node}, ip(70))
-	a := startAgent(t, node, nil)
+	s := newScene(t, "terminal", ambientLabels)
+	pod := s.running(t, kubeapi.PodSpec{Name: "job"})
+	a := s.agent(t, nil)
 	eventually(t, "pod enrolled", func() bool { return enrolled(a, pod.UID) })
 
-	c.SetStatus(t, pod, kubeapi.Status{Phase: corev1.PodSucceeded, IPs: []netip.Addr{ip(70)}})
+	s.SetStatus(t, pod, kubeapi.Status{Phase: corev1.PodSucceeded, IPs: []netip.Addr{s.ip()}})
 	eventually(t, "succeeded pod removed", func() bool { return !enrolled(a, pod.UID) })
 	eventually(t, "annotation removed", func() bool { return !hasAnnotation(t, pod) })
 }
 
 func TestRecreatedPodWithSameNameAndIPIsANewPod(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "reuse", ambientLabels)
-	spec := kubeapi.PodSpec{Namespace: ns.Name, Name: "db-0", Node: node}
-	first := c.RunningPod(t, spec, ip(80))
-	a := startAgent(t, node, nil)
+	s := newScene(t, "reuse", ambientLabels)
+	first := s.running(t, kubeapi.PodSpec{Name: "db-0"})
+	a := s.agent(t, nil)
 	eventually(t, "first pod enrolled", func() bool { return enrolled(a, first.UID) })
 
 	zero := int64(0)
-	if err := c.Client.CoreV1().Pods(ns.Name).Delete(context.Background(), first.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
+	if err := s.Client.CoreV1().Pods(s.ns.Name).Delete(context.Background(), first.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "deleted pod removed by its UID", func() bool { return !enrolled(a, first.UID) })
-	second := c.RunningPod(t, spec, ip(80))
+	second := s.SetStatus(t, s.pod(t, kubeapi.PodSpec{Name: "db-0"}), kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{netip.MustParseAddr(first.Status.PodIP)}})
 	eventually(t, "recreated pod enrolled under its own UID", func() bool { return enrolled(a, second.UID) })
 	eventually(t, "recreated pod annotated", func() bool { return annotation(t, second) == "enabled" })
 
@@ -219,12 +210,9 @@ func TestRecreatedPodWithSameNameAndIPIsANewPod(t *testing.T) {
 }
 
 func TestRepairInPlaceRedirectsPodStartedWhileAgentWasDown(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "repairinplace", ambientLabels)
-	pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node}, ip(90))
-	a := startAgent(t, node, nil)
+	s := newScene(t, "repairinplace", ambientLabels)
+	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
+	a := s.agent(t, nil)
 
 	eventually(t, "pod redirected in place", func() bool { return enrolled(a, pod.UID) })
 	eventually(t, "repair event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairedInPlace) })
@@ -232,14 +220,11 @@ func TestRepairInPlaceRedirectsPodStartedWhileAgentWasDown(t *testing.T) {
 }
 
 func TestRepairDeleteRemovesUnredirectedPod(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "repairdelete", ambientLabels)
-	pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node}, ip(100))
-	a := startAgent(t, node, nil, withRepair(kube.RepairDelete))
+	s := newScene(t, "repairdelete", ambientLabels)
+	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
+	a := s.agent(t, nil, withRepair(kube.RepairDelete))
 
-	eventually(t, "unredirected pod deleted", func() bool { _, ok := getPod(t, pod); return !ok })
+	eventually(t, "unredirected pod deleted", func() bool { return deleting(t, pod) })
 	eventually(t, "delete event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairDeleted) })
 	if calls := a.mesh.CallsFor(pod.UID); len(calls) != 0 {
 		t.Errorf("mesh calls = %+v; want none in delete mode", calls)
@@ -247,12 +232,9 @@ func TestRepairDeleteRemovesUnredirectedPod(t *testing.T) {
 }
 
 func TestRepairLabelMarksUnredirectedPod(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "repairlabel", ambientLabels)
-	pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node}, ip(110))
-	a := startAgent(t, node, nil, withRepair(kube.RepairLabel))
+	s := newScene(t, "repairlabel", ambientLabels)
+	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
+	a := s.agent(t, nil, withRepair(kube.RepairLabel))
 
 	eventually(t, "unredirected pod labelled", func() bool {
 		p, ok := getPod(t, pod)
@@ -263,26 +245,23 @@ func TestRepairLabelMarksUnredirectedPod(t *testing.T) {
 }
 
 func TestRepairNeverTouchesPodsWhoseContainersCompleted(t *testing.T) {
-	t.Parallel()
-	c := requireCluster(t)
-	node := newNode()
-	ns := c.Namespace(t, "completed", ambientLabels)
+	s := newScene(t, "completed", ambientLabels)
 	terminated := func(reason string, code int32) []corev1.ContainerStatus {
 		return []corev1.ContainerStatus{{Name: "app", State: corev1.ContainerState{
 			Terminated: &corev1.ContainerStateTerminated{Reason: reason, ExitCode: code},
 		}}}
 	}
-	completed := c.SetStatus(t, c.Pod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "completed", Node: node}),
-		kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{ip(120)}, Containers: terminated("Completed", 0)})
-	exitZero := c.SetStatus(t, c.Pod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "exit-zero", Node: node}),
-		kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{ip(121)}, Containers: terminated("Whatever", 0)})
-	crashed := c.SetStatus(t, c.Pod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "crashed", Node: node}),
-		kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{ip(122)}, Containers: terminated("Error", 1)})
-	a := startAgent(t, node, nil, withRepair(kube.RepairDelete))
+	completed := s.SetStatus(t, s.pod(t, kubeapi.PodSpec{Name: "completed"}),
+		kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{s.ip()}, Containers: terminated("Completed", 0)})
+	exitZero := s.SetStatus(t, s.pod(t, kubeapi.PodSpec{Name: "exit-zero"}),
+		kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{s.ip()}, Containers: terminated("Whatever", 0)})
+	crashed := s.SetStatus(t, s.pod(t, kubeapi.PodSpec{Name: "crashed"}),
+		kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{s.ip()}, Containers: terminated("Error", 1)})
+	a := s.agent(t, nil, withRepair(kube.RepairDelete))
 
-	eventually(t, "pod with a failed container deleted", func() bool { _, ok := getPod(t, crashed); return !ok })
+	eventually(t, "pod with a failed container deleted", func() bool { return deleting(t, crashed) })
 	for _, p := range []*corev1.Pod{completed, exitZero} {
-		never(t, p.Name+" pod deleted", func() bool { _, ok := getPod(t, p); return !ok })
+		never(t, p.Name+" pod deleted", func() bool { return deleting(t, p) })
 		if r := eventReasons(t, p); len(r) != 0 {
 			t.Errorf("events on %s pod = %v; want none", p.Name, r)
 		}
@@ -290,4 +269,19 @@ func TestRepairNeverTouchesPodsWhoseContainersCompleted(t *testing.T) {
 	if calls := a.mesh.Calls(); len(calls) != 0 {
 		t.Errorf("mesh calls = %+v; want none", calls)
 	}
+}
+
+func TestFailedInPlaceRedirectIsRecordedAndRetried(t *testing.T) {
+	s := newScene(t, "retry", ambientLabels)
+	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
+	a := s.agent(t, nil, func(_ *kube.Config, m *kubetest.Mesh) { m.FailAdd(errors.New("netns not found")) })
+
+	eventually(t, "failure event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairFailed) })
+	eventually(t, "add retried", func() bool { return len(a.mesh.CallsFor(pod.UID)) >= 2 })
+	if hasAnnotation(t, pod) {
+		t.Error("pod annotated although its redirect failed")
+	}
+	a.mesh.FailAdd(nil)
+	eventually(t, "pod enrolled once the mesh recovers", func() bool { return enrolled(a, pod.UID) })
+	eventually(t, "annotation enabled", func() bool { return annotation(t, pod) == "enabled" })
 }

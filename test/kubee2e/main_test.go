@@ -62,9 +62,48 @@ func requireCluster(t *testing.T) *kubeapi.Cluster {
 	return cluster
 }
 
+// scene is one test's node and namespace on the shared API server.
+type scene struct {
+	*kubeapi.Cluster
+	node   string
+	ns     *corev1.Namespace
+	lastIP int
+}
+
+// newScene marks the test parallel and gives it a fresh node name and a
+// namespace (name prefix, labels) of its own.
+func newScene(t *testing.T, prefix string, nsLabels map[string]string) *scene {
+	t.Helper()
+	t.Parallel()
+	c := requireCluster(t)
+	return &scene{Cluster: c, node: newNode(), ns: c.Namespace(t, prefix, nsLabels)}
+}
+
+// ip returns the next pod address of the scene.
+func (s *scene) ip() netip.Addr {
+	s.lastIP++
+	return netip.AddrFrom4([4]byte{10, 244, byte(s.lastIP >> 8), byte(s.lastIP)})
+}
+
+// pod creates a pod in the scene's namespace, on the scene's node unless
+// spec names another.
+func (s *scene) pod(t *testing.T, spec kubeapi.PodSpec) *corev1.Pod {
+	t.Helper()
+	spec.Namespace = s.ns.Name
+	if spec.Node == "" {
+		spec.Node = s.node
+	}
+	return s.Pod(t, spec)
+}
+
+// running creates a pod as pod does and marks it Running with a fresh IP.
+func (s *scene) running(t *testing.T, spec kubeapi.PodSpec) *corev1.Pod {
+	t.Helper()
+	return s.SetStatus(t, s.pod(t, spec), kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{s.ip()}})
+}
+
 // agent is one controller for one node, as the node agent runs it.
 type agent struct {
-	node string
 	mesh *kubetest.Mesh
 	ctrl *kube.Controller
 }
@@ -77,23 +116,22 @@ func withRepair(mode kube.RepairMode) agentOption {
 
 func newNode() string { return "node-" + testenv.RunID() }
 
-// startAgent runs a controller for node in the contract's order: caches
-// synced, snapshot (adopt is called with it), then handlers and workers.
-// It stops when the test ends.
-func startAgent(t *testing.T, node string, adopt func(*kubetest.Mesh, []*corev1.Pod), opts ...agentOption) *agent {
+// agent runs a controller for the scene's node in the contract's order:
+// caches synced, snapshot (adopt is called with it), then handlers and
+// workers. It stops when the test ends.
+func (s *scene) agent(t *testing.T, adopt func(*kubetest.Mesh, []*corev1.Pod), opts ...agentOption) *agent {
 	t.Helper()
-	c := requireCluster(t)
-	a := &agent{node: node, mesh: kubetest.NewMesh()}
+	a := &agent{mesh: kubetest.NewMesh()}
 	cfg := kube.Config{
-		NodeName:   node,
+		NodeName:   s.node,
 		Enrollment: enrollment.DefaultConfig(),
-		Logger:     slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})).With("node", node),
+		Logger:     slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	}
 	for _, o := range opts {
 		o(&cfg, a.mesh)
 	}
 	var err error
-	if a.ctrl, err = kube.New(cfg, c.Client, a.mesh); err != nil {
+	if a.ctrl, err = kube.New(cfg, s.Client, a.mesh); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -207,9 +245,6 @@ func hasEvent(t *testing.T, pod *corev1.Pod, reason string) bool {
 func enrolled(a *agent, uid types.UID) bool { return a.mesh.Redirection(uid) != kube.RedirectionNone }
 
 var ambientLabels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}
-
-// ip returns a distinct test pod address.
-func ip(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 244, byte(i >> 8), byte(i)}) }
 
 func patchLabels(t *testing.T, pod *corev1.Pod, labels map[string]any) {
 	t.Helper()
