@@ -223,8 +223,9 @@ func (c *Cluster) spawn(name, bin string, args ...string) error {
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	// Its own process group, so a terminal's ^C reaches only the test binary,
-	// which then stops it in order.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	// which then stops it in order. No Pdeathsig: it fires when the forking
+	// OS thread exits, and the suites lock threads into netns that do exit.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
 		logf.Close()
 		return fmt.Errorf("start %s: %w", name, err)
