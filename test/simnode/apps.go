@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
-	"testing"
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
@@ -105,7 +104,7 @@ func (a *App) Do(req AppRequest) (AppResponse, error) {
 // the test process that plays the node agent's part.
 type Ztunnel struct {
 	*Proc
-	t       testing.TB
+	t       TB
 	records string
 	zds     *zds.Server
 	mu      sync.Mutex

@@ -26,6 +26,17 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 )
 
+// TB is the part of testing.TB the harness uses, so programs other than
+// tests (the demo) can build a node too.
+type TB interface {
+	Helper()
+	Fatal(args ...any)
+	Fatalf(format string, args ...any)
+	Errorf(format string, args ...any)
+	Cleanup(func())
+	TempDir() string
+}
+
 // Addresses of the simulated network (RFC 2544 benchmarking space).
 var (
 	GatewayV4 = netip.MustParseAddr("198.18.0.1") // node side of every pod veth
@@ -40,7 +51,7 @@ var (
 
 // Node is one simulated node.
 type Node struct {
-	t          testing.TB
+	t          TB
 	ID         string
 	NodeNS     string // netns names (under /run/netns)
 	OutsideNS  string
@@ -53,9 +64,11 @@ type Node struct {
 }
 
 // New builds a node and registers its cleanup.
-func New(t testing.TB) *Node {
+func New(t TB) *Node {
 	t.Helper()
-	testenv.RequireRoot(t)
+	if tb, ok := t.(testing.TB); ok {
+		testenv.RequireRoot(tb)
+	}
 	n := &Node{t: t, ID: testenv.RunID(), nextIP: 10}
 	n.NodeNS = "ae" + n.ID + "-node"
 	n.OutsideNS = "ae" + n.ID + "-out"
@@ -193,19 +206,12 @@ func (n *Node) AddPodWithAddrs(name string, v4, v6 netip.Addr) *Pod {
 	idx := n.nextIP
 	n.nextIP++
 	n.mu.Unlock()
-	p := &Pod{
-		Name: name, Namespace: "default", UID: fmt.Sprintf("%s-0000-4000-8000-%012d", n.ID, idx),
-		NS: "ae" + n.ID + "-" + name, V4: v4, V6: v6,
-		HostVeth: fmt.Sprintf("veth%s%d", n.ID[:4], idx),
-		Cgroup:   filepath.Join(n.CgroupRoot, "pod-"+name),
-	}
+	p := n.AddBarePod(name, "default", fmt.Sprintf("%s-0000-4000-8000-%012d", n.ID, idx))
+	p.V4, p.V6 = v4, v6
+	p.HostVeth = fmt.Sprintf("veth%s%d", n.ID[:4], idx)
 	if p.V4 == GatewayV4 {
 		n.t.Fatal("pod address collides with the gateway")
 	}
-	n.addNetns(p.NS)
-	n.Sysctl(p.NS, "net/ipv6/conf/all/accept_dad", "0")
-	n.Sysctl(p.NS, "net/ipv6/conf/default/accept_dad", "0")
-	n.IP(p.NS, "link", "set", "lo", "up")
 	n.IP(n.NodeNS, "link", "add", p.HostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
 	n.IP(n.NodeNS, "addr", "add", GatewayV4.String()+"/32", "dev", p.HostVeth)
 	n.IP(n.NodeNS, "addr", "add", GatewayV6.String()+"/128", "dev", p.HostVeth, "nodad")
@@ -219,6 +225,20 @@ func (n *Node) AddPodWithAddrs(name string, v4, v6 netip.Addr) *Pod {
 	n.IP(p.NS, "route", "add", "default", "via", GatewayV4.String())
 	n.IP(p.NS, "-6", "route", "add", GatewayV6.String()+"/128", "dev", "eth0")
 	n.IP(p.NS, "-6", "route", "add", "default", "via", GatewayV6.String())
+	return p
+}
+
+// AddBarePod creates a pod's netns (lo up, no interfaces: a CNI plugin
+// adds them) and its cgroup, named pod<uid> as kubelet's cgroupfs driver
+// names it, so /proc scans find the pod's processes.
+func (n *Node) AddBarePod(name, namespace, uid string) *Pod {
+	n.t.Helper()
+	p := &Pod{Name: name, Namespace: namespace, UID: uid, NS: "ae" + n.ID + "-" + name,
+		Cgroup: filepath.Join(n.CgroupRoot, "pod"+uid)}
+	n.addNetns(p.NS)
+	n.Sysctl(p.NS, "net/ipv6/conf/all/accept_dad", "0")
+	n.Sysctl(p.NS, "net/ipv6/conf/default/accept_dad", "0")
+	n.IP(p.NS, "link", "set", "lo", "up")
 	if err := os.Mkdir(p.Cgroup, 0o755); err != nil {
 		n.t.Fatalf("create pod cgroup: %v", err)
 	}
@@ -281,7 +301,7 @@ func (n *Node) AddVirtualInterface(p *Pod, iface string) *VM {
 
 // removeCgroupTree removes a cgroup subtree this test made, ending the
 // processes still in it (they are all this test's own helpers).
-func removeCgroupTree(t testing.TB, root string) {
+func removeCgroupTree(t TB, root string) {
 	var dirs []string
 	_ = filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
 		if err == nil && d.IsDir() {

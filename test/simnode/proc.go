@@ -13,7 +13,6 @@ import (
 	"path/filepath"
 	"sync"
 	"syscall"
-	"testing"
 	"time"
 )
 
@@ -23,7 +22,7 @@ const HelperEnv = "AMBIENT_EBPF_HELPER"
 // Proc is a helper process (the test binary re-executed in a role) running
 // in a netns and cgroup, driven by JSON lines on stdin and stdout.
 type Proc struct {
-	t      testing.TB
+	t      TB
 	cmd    *exec.Cmd
 	in     io.WriteCloser
 	out    *bufio.Scanner
@@ -34,7 +33,7 @@ type Proc struct {
 // StartHelper starts the test binary in role inside netns ns (a name under
 // /run/netns) and cgroup dir (empty: the caller's). extraEnv adds
 // environment. The process is killed by PID at cleanup.
-func StartHelper(t testing.TB, role, ns, cgroup string, extraEnv ...string) *Proc {
+func StartHelper(t TB, role, ns, cgroup string, extraEnv ...string) *Proc {
 	t.Helper()
 	self, err := os.Executable()
 	if err != nil {
@@ -139,7 +138,7 @@ func sleepShort() { time.Sleep(10 * time.Millisecond) }
 
 // Process is a program (not a helper role) running in a netns and cgroup.
 type Process struct {
-	t      testing.TB
+	t      TB
 	cmd    *exec.Cmd
 	done   chan struct{}
 	Output *lockedBuffer
@@ -147,7 +146,7 @@ type Process struct {
 
 // StartProcess runs argv in netns ns and cgroup dir. It is ended by PID at
 // cleanup (SIGTERM, then SIGKILL).
-func StartProcess(t testing.TB, ns, cgroup string, argv ...string) *Process {
+func StartProcess(t TB, ns, cgroup string, argv ...string) *Process {
 	t.Helper()
 	cmd := exec.Command("nsenter", append([]string{"--net=" + NetnsPath(ns), "--"}, argv...)...)
 	p := &Process{t: t, cmd: cmd, done: make(chan struct{}), Output: &lockedBuffer{}}
@@ -203,7 +202,7 @@ func (p *Process) Exited() bool {
 }
 
 // BuildBinary builds a main package of this module into dir.
-func BuildBinary(t testing.TB, dir, pkg string) string {
+func BuildBinary(t TB, dir, pkg string) string {
 	t.Helper()
 	out := filepath.Join(dir, filepath.Base(pkg))
 	cmd := exec.Command("go", "build", "-o", out, pkg)
