@@ -412,8 +412,9 @@ static __always_inline void probe_key_of(struct bpf_sock_ops *skops, struct prob
 {
 	__builtin_memset(key, 0, sizeof(*key));
 	sockops_remote(skops, &key->pod);
-	/* remote_port holds the network-order port in its low 16 bits. */
-	key->pod_port = (__be16)skops->remote_port;
+	/* On little-endian hosts the kernel hands sockops the network-order
+	 * remote port in the upper 16 bits of remote_port. */
+	key->pod_port = (__be16)(skops->remote_port >> 16);
 	key->host_port = bpf_htons((__u16)skops->local_port);
 }
 

@@ -9,7 +9,6 @@ package agente2e
 import (
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -23,7 +22,6 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
-	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
 
@@ -85,29 +83,11 @@ func (n *agentNode) get(path string) (int, string) {
 	if path == "/metrics" {
 		port = "15014"
 	}
-	f, err := os.Open(simnode.NetnsPath(n.NodeNS))
+	code, body, err := simnode.HTTPGet(n.NodeNS, "http://"+net.JoinHostPort("127.0.0.1", port)+path)
 	if err != nil {
 		return 0, err.Error()
 	}
-	defer f.Close()
-	ns, err := sockutil.EnterNetns(f)
-	if err != nil {
-		return 0, err.Error()
-	}
-	defer ns.Close()
-	// The transport dials on its own goroutines: sockets must come from
-	// the thread parked in the node netns.
-	dial := func(ctx context.Context, _, addr string) (net.Conn, error) {
-		return ns.Dial(netip.MustParseAddrPort(addr), sockutil.Opts{}, 2*time.Second)
-	}
-	c := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DisableKeepAlives: true, DialContext: dial}}
-	resp, err := c.Get("http://" + net.JoinHostPort("127.0.0.1", port) + path)
-	if err != nil {
-		return 0, err.Error()
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b)
+	return code, body
 }
 
 // podAdd is the CNI plugin's call for a pod sandbox.

@@ -16,7 +16,9 @@ import (
 	"reflect"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -452,6 +454,27 @@ func TestConformance(t *testing.T) {
 		t.Run(b.name(), func(t *testing.T) {
 			e := newEnv(t, b)
 			if b.name() == "ebpf" {
+				defer t.Run("H1_probe_translations_of_finished_connections_go_away", func(t *testing.T) {
+					deadline := time.Now().Add(5 * time.Second)
+					for {
+						view, err := dataplane.OpenPinned(e.node.BPFFSDir)
+						if err != nil {
+							t.Fatal(err)
+						}
+						d, err := view.Dump()
+						view.Close()
+						if err != nil {
+							t.Fatal(err)
+						}
+						if len(d.ProbeNAT) == 0 {
+							return
+						}
+						if time.Now().After(deadline) {
+							t.Fatalf("%d probe translations left after every probe ended: %+v", len(d.ProbeNAT), d.ProbeNAT[:min(3, len(d.ProbeNAT))])
+						}
+						time.Sleep(50 * time.Millisecond)
+					}
+				})
 				t.Run("no_iptables_or_nftables_rules", func(t *testing.T) {
 					for _, ns := range []string{simnode.NetnsPath(e.node.NodeNS), simnode.NetnsPath(e.node.OutsideNS), e.a.NetnsPath(), e.bpod.NetnsPath()} {
 						if rules := rulesIn(t, ns); rules != "" {

@@ -8,6 +8,9 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
+	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -15,6 +18,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
+	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
 
@@ -146,15 +150,16 @@ func (n *Node) StartZtunnel() *Ztunnel {
 
 // StartZtunnelFor starts the stand-in against an agent's ZDS socket: the
 // agent, not the test, hands it pods. Add and Del are not available.
-func (n *Node) StartZtunnelFor(socketPath string) *Ztunnel {
+func (n *Node) StartZtunnelFor(socketPath string, extraEnv ...string) *Ztunnel {
 	n.t.Helper()
 	z := &Ztunnel{t: n.t, records: filepath.Join(n.t.TempDir(), "ztunnel-records.jsonl")}
-	z.Proc = n.startZtunnelProc(z.records, socketPath)
+	z.Proc = n.startZtunnelProc(z.records, socketPath, extraEnv...)
 	return z
 }
 
-func (n *Node) startZtunnelProc(records, socket string) *Proc {
-	return StartHelper(n.t, RoleZtunnel, n.NodeNS, n.cgroup("ztunnel"), RecordsEnv+"="+records, ZDSSocketEnv+"="+socket)
+func (n *Node) startZtunnelProc(records, socket string, extraEnv ...string) *Proc {
+	env := append([]string{RecordsEnv + "=" + records, ZDSSocketEnv + "=" + socket}, extraEnv...)
+	return StartHelper(n.t, RoleZtunnel, n.NodeNS, n.cgroup("ztunnel"), env...)
 }
 
 func (z *Ztunnel) snapshot() []zds.Workload {
@@ -227,4 +232,36 @@ func (z *Ztunnel) Records() []standin.Record {
 		}
 	}
 	return out
+}
+
+// HTTPGet fetches url from inside netns ns (for an agent's health and
+// metrics endpoints, which live in the node netns).
+func HTTPGet(ns, url string) (int, string, error) {
+	f, err := os.Open(NetnsPath(ns))
+	if err != nil {
+		return 0, "", err
+	}
+	defer f.Close()
+	nsf, err := sockutil.EnterNetns(f)
+	if err != nil {
+		return 0, "", err
+	}
+	defer nsf.Close()
+	// The transport dials on goroutines of its own: sockets must come from
+	// the thread parked in the netns.
+	dial := func(_ context.Context, _, addr string) (net.Conn, error) {
+		ap, err := netip.ParseAddrPort(addr)
+		if err != nil {
+			return nil, err
+		}
+		return nsf.Dial(ap, sockutil.Opts{}, 2*time.Second)
+	}
+	c := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{DisableKeepAlives: true, DialContext: dial}}
+	resp, err := c.Get(url)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), err
 }

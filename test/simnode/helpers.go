@@ -238,7 +238,9 @@ func (a *app) dialMany(req AppRequest) AppResponse {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c, err := a.ns.Dial(req.Addr, sockutil.Opts{Bind: req.Bind}, 5*time.Second)
+			// Generous: hundreds of connections at once on a loaded 2-core
+			// machine; this measures what happened, not how fast.
+			c, err := a.ns.Dial(req.Addr, sockutil.Opts{Bind: req.Bind}, 20*time.Second)
 			if err != nil {
 				results[i].Err = err.Error()
 				return
@@ -256,7 +258,7 @@ func (a *app) dialMany(req AppRequest) AppResponse {
 		go func() {
 			defer wg.Done()
 			defer c.Close()
-			_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+			_ = c.SetDeadline(time.Now().Add(20 * time.Second))
 			if _, err := c.Write([]byte("hello\n")); err != nil {
 				results[i].Err = err.Error()
 				return
@@ -434,7 +436,7 @@ func serveTCP(l net.Listener, name string) {
 		}
 		go func() {
 			defer c.Close()
-			_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+			_ = c.SetDeadline(time.Now().Add(30 * time.Second))
 			r := bufio.NewReader(c)
 			if _, err := r.ReadString('\n'); err != nil {
 				return
@@ -459,12 +461,25 @@ func serveUDP(c *net.UDPConn, name string) {
 // ZDSSocketEnv names the ZDS socket the ztunnel helper connects to.
 const ZDSSocketEnv = "AMBIENT_EBPF_ZDS_SOCKET"
 
+// DNSTableEnv adds name=address entries (comma-separated) to the ztunnel
+// helper's DNS table.
+const DNSTableEnv = "AMBIENT_EBPF_DNS_TABLE"
+
 // runZtunnel is the stand-in taking pods over ZDS, until stdin closes.
 func runZtunnel() error {
 	cfg := standin.Config{DNS: standin.DNS{
 		Table:    map[string]netip.Addr{"*." + KnownDNSSuffix: KnownDNSAnswer},
 		Upstream: netip.AddrPortFrom(OutsideV4, 53),
 	}}
+	for _, entry := range strings.Split(os.Getenv(DNSTableEnv), ",") {
+		if name, addr, ok := strings.Cut(entry, "="); ok {
+			a, err := netip.ParseAddr(addr)
+			if err != nil {
+				return fmt.Errorf("%s: %w", DNSTableEnv, err)
+			}
+			cfg.DNS.Table[name] = a
+		}
+	}
 	if path := os.Getenv(RecordsEnv); path != "" {
 		f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
 		if err != nil {
