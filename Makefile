@@ -116,6 +116,10 @@ IMAGE ?= ghcr.io/ambient-ebpf/ambient-ebpf:dev
 image: ## build the container image (needs docker; deploy/dockerfile_test.go checks the Dockerfile without it)
 	docker build -t $(IMAGE) .
 
+.PHONY: demo
+demo: deps build cni-plugins ## run a self-contained demo node (root): CNI chain, agent, ztunnel stand-in, real traffic
+	$(GO) run ./demo --bin bin --cni-plugins $(CNI_PLUGINS_DIR) --pods demo/pods.yaml
+
 .PHONY: clean
 clean: ## remove build outputs
 	rm -rf bin

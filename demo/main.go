@@ -42,7 +42,7 @@ func main() {
 	plugins := flag.String("cni-plugins", ".cache/cni-plugins/v1.10.0", "directory with the ptp, host-local and loopback plugins")
 	pods := flag.String("pods", "demo/pods.yaml", "the pod file")
 	flag.Parse()
-	os.Exit(run(*bin, *plugins, *pods))
+	os.Exit(run(os.Stdout, *bin, *plugins, *pods))
 }
 
 // fatal carries a Fatal from the harness to run's recover.
@@ -89,7 +89,7 @@ func (r *runner) cleanup() {
 	})
 }
 
-func run(bin, plugins, podsPath string) (code int) {
+func run(out io.Writer, bin, plugins, podsPath string) (code int) {
 	if os.Geteuid() != 0 {
 		fmt.Fprintln(os.Stderr, "demo: run as root (it creates network namespaces, cgroups and BPF programs)")
 		return 2
@@ -99,7 +99,7 @@ func run(bin, plugins, podsPath string) (code int) {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		return 1
 	}
-	r := &runner{tmp: tmp, out: os.Stdout}
+	r := &runner{tmp: tmp, out: out}
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	go func() {
@@ -119,13 +119,14 @@ func run(bin, plugins, podsPath string) (code int) {
 			code = 1
 		}
 	}()
-	d := &demo{r: r, bin: bin, plugins: plugins, podsPath: podsPath}
+	d := &demo{r: r, out: out, bin: bin, plugins: plugins, podsPath: podsPath}
 	d.run()
 	return 0
 }
 
 type demo struct {
 	r                      *runner
+	out                    io.Writer
 	bin, plugins, podsPath string
 	node                   *simnode.Node
 	file                   *standalone.File
@@ -140,7 +141,7 @@ type demo struct {
 	inNode                 func(func() error) error
 }
 
-func (d *demo) step(format string, a ...any) { fmt.Printf("\n== "+format+"\n", a...) }
+func (d *demo) step(format string, a ...any) { fmt.Fprintf(d.out, "\n== "+format+"\n", a...) }
 
 func (d *demo) run() {
 	abs := func(p string) string {
@@ -169,7 +170,7 @@ func (d *demo) run() {
 	}
 	d.r.Cleanup(nodeNS.Close)
 	d.inNode = nodeNS.Do
-	fmt.Printf("node netns %s, outside host %s, pins under %s\n", d.node.NodeNS, simnode.OutsideV4, d.node.BPFFSDir)
+	fmt.Fprintf(d.out, "node netns %s, outside host %s, pins under %s\n", d.node.NodeNS, simnode.OutsideV4, d.node.BPFFSDir)
 
 	d.setupCNI()
 	d.startAgent()
@@ -212,10 +213,10 @@ func (d *demo) startAgent() {
 		"--cni-bin-dir", d.binDir, "--cni-conf-dir", d.confDir, "--cni-plugin-binary", filepath.Join(d.bin, "ambient-ebpf-cni"),
 		"--uninstall-on-exit")
 	d.waitAgent("/readyz", "")
-	fmt.Println("agent ready: the CNI plugin is chained and the agent serves")
+	fmt.Fprintln(d.out, "agent ready: the CNI plugin is chained and the agent serves")
 	d.zt = d.node.StartZtunnelFor(d.zdsSock)
 	d.waitAgent("/metrics", "ztunnel_connected 1")
-	fmt.Println("ztunnel stand-in connected over ZDS (/var/run/ztunnel/ztunnel.sock in production)")
+	fmt.Fprintln(d.out, "ztunnel stand-in connected over ZDS (/var/run/ztunnel/ztunnel.sock in production)")
 }
 
 func (d *demo) waitAgent(path, want string) {
@@ -257,7 +258,7 @@ func (d *demo) addPods() {
 	for _, p := range d.list.Plugins {
 		chain = append(chain, p.Network.Type)
 	}
-	fmt.Printf("conflist %s: %s\n", filepath.Base(files[0]), strings.Join(chain, " -> "))
+	fmt.Fprintf(d.out, "conflist %s: %s\n", filepath.Base(files[0]), strings.Join(chain, " -> "))
 
 	d.pods, d.ambient = map[string]*simnode.Pod{}, map[string]bool{}
 	for _, kp := range d.file.Pods {
@@ -293,7 +294,7 @@ func (d *demo) addPods() {
 		if dec.Ambient {
 			state = "enrolled before its app starts (" + string(dec.Reason) + ")"
 		}
-		fmt.Printf("  %-16s %-15s %-24s %s\n", kp.Namespace+"/"+kp.Name, p.V4, p.V6, state)
+		fmt.Fprintf(d.out, "  %-16s %-15s %-24s %s\n", kp.Namespace+"/"+kp.Name, p.V4, p.V6, state)
 	}
 }
 
@@ -340,7 +341,7 @@ func (d *demo) traffic() {
 			via = "answered by ztunnel's DNS proxy (:15053)"
 		}
 	}
-	fmt.Printf("  %-44s %s -> %s, %s; the app saw the reply come from %s\n", "frontend DNS query to "+server.String(), name, resp.Answer, via, resp.From)
+	fmt.Fprintf(d.out, "  %-44s %s -> %s, %s; the app saw the reply come from %s\n", "frontend DNS query to "+server.String(), name, resp.Answer, via, resp.From)
 }
 
 // show dials dst from app and says who answered, what they saw, and what
@@ -359,10 +360,10 @@ func (d *demo) show(what string, app *simnode.App, dst netip.AddrPort) {
 	if resp.Reply.Peer.Addr() == simnode.ProbeV4 {
 		line += "; the probe arrived from the probe SNAT address"
 	}
-	fmt.Printf("  %-44s %s\n", what, line)
+	fmt.Fprintf(d.out, "  %-44s %s\n", what, line)
 	for _, rec := range d.zt.Records() {
 		if rec.Listener == standin.InboundPort && rec.OrigDst == dst && rec.Peer.Addr() == resp.Local.Addr() {
-			fmt.Printf("  %-44s ztunnel :15006 took it inbound at the destination pod (original destination %s)\n", "", rec.OrigDst)
+			fmt.Fprintf(d.out, "  %-44s ztunnel :15006 took it inbound at the destination pod (original destination %s)\n", "", rec.OrigDst)
 			break
 		}
 	}
@@ -372,12 +373,12 @@ func (d *demo) inspect() {
 	for _, args := range [][]string{{"pods"}, {"stats"}, {"maps"}} {
 		d.step("ambient-ebpf %s   (reads the pins directly)", strings.Join(args, " "))
 		cmd := exec.Command(filepath.Join(d.bin, "ambient-ebpf"), append([]string{"--bpffs", d.node.BPFFSDir}, args...)...)
-		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+		cmd.Stdout, cmd.Stderr = d.out, d.out
 		if err := cmd.Run(); err != nil {
 			d.r.Fatalf("ambient-ebpf %s: %v", args[0], err)
 		}
 	}
-	fmt.Printf("\n(bpftool prints the same maps with BTF field names: bpftool map dump pinned %s/maps/ae_pods)\n", d.node.BPFFSDir)
+	fmt.Fprintf(d.out, "\n(bpftool prints the same maps with BTF field names: bpftool map dump pinned %s/maps/ae_pods)\n", d.node.BPFFSDir)
 }
 
 // teardown removes the pods through the CNI chain and stops the agent,
@@ -393,7 +394,7 @@ func (d *demo) teardown() {
 	if _, err := os.Stat(d.node.BPFFSDir); !errors.Is(err, os.ErrNotExist) {
 		d.r.Fatalf("pins left after the agent's uninstall: %v", err)
 	}
-	fmt.Println("agent stopped; no pins left")
+	fmt.Fprintln(d.out, "agent stopped; no pins left")
 }
 
 func copyFile(src, dst string) error {
