@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -126,14 +127,17 @@ func serveJSON(h handler) error {
 	return sc.Err()
 }
 
-type app struct{ ns *sockutil.Netns }
+type app struct {
+	ns      *sockutil.Netns
+	streams map[string]*bufio.ReadWriter // kept connections by name
+}
 
 func newApp() *app {
 	ns, err := sockutil.EnterNetns(nil)
 	if err != nil {
 		panic(err)
 	}
-	return &app{ns: ns}
+	return &app{ns: ns, streams: map[string]*bufio.ReadWriter{}}
 }
 
 func (a *app) handle(line []byte) any {
@@ -174,6 +178,39 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		return a.dnsQuery(req)
 	case "dial-many":
 		return a.dialMany(req), nil
+	case "listen-echo":
+		l, err := a.ns.Listen(req.Addr, sockutil.Opts{ReusePort: true})
+		if err != nil {
+			return AppResponse{}, err
+		}
+		go serveEcho(l)
+		return AppResponse{Local: sockutil.AddrPort(l.Addr())}, nil
+	case "stream-open":
+		c, err := a.ns.Dial(req.Addr, sockutil.Opts{}, 5*time.Second)
+		if err != nil {
+			return AppResponse{}, err
+		}
+		a.streams[req.Name] = bufio.NewReadWriter(bufio.NewReader(c), bufio.NewWriter(c))
+		return AppResponse{Local: sockutil.AddrPort(c.LocalAddr())}, nil
+	case "stream-echo":
+		rw := a.streams[req.Name]
+		if rw == nil {
+			return AppResponse{}, fmt.Errorf("no stream %q", req.Name)
+		}
+		if _, err := rw.WriteString(req.DNSName + "\n"); err != nil {
+			return AppResponse{}, err
+		}
+		if err := rw.Flush(); err != nil {
+			return AppResponse{}, err
+		}
+		line, err := rw.ReadString('\n')
+		if err != nil {
+			return AppResponse{}, fmt.Errorf("stream %q broke: %w", req.Name, err)
+		}
+		if strings.TrimSpace(line) != req.DNSName {
+			return AppResponse{}, fmt.Errorf("stream %q echoed %q, sent %q", req.Name, line, req.DNSName)
+		}
+		return AppResponse{}, nil
 	case "dial-tcp", "dial-udp":
 		dst := req.Addr
 		if req.Mapped {
@@ -424,6 +461,20 @@ func ping(dst netip.Addr) error {
 		if err == nil && (m.Type == ipv4.ICMPTypeEchoReply || m.Type == ipv6.ICMPTypeEchoReply) {
 			return nil
 		}
+	}
+}
+
+// serveEcho echoes lines back on each connection until it closes.
+func serveEcho(l net.Listener) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			_, _ = io.Copy(c, c)
+		}()
 	}
 }
 

@@ -1,0 +1,108 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package agente2e
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
+)
+
+// The agent is killed with SIGKILL while a redirected TCP stream runs and
+// new connections keep coming; then it starts again. The stream never
+// breaks, every connection meanwhile goes through ztunnel, and the new
+// agent adopts the pod (contract section 6; Kmesh's restart bypass is the
+// failure this guards against).
+func TestAgentSIGKILLKeepsRedirection(t *testing.T) {
+	n := newAgentNode(t, "app")
+	a := n.pods["app"]
+	n.startAgent(t)
+	zt := n.StartZtunnelFor(n.zds)
+	waitFor(t, "ztunnel connected", func() bool {
+		_, body := n.get("/metrics")
+		return strings.Contains(body, "ztunnel_connected 1")
+	})
+	if resp, err := n.podAdd(t, a); err != nil || !resp.GetEnrolled() {
+		t.Fatalf("ADD: %+v, %v", resp, err)
+	}
+
+	out := n.StartOutsideApp()
+	out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
+	if _, err := out.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), 9090)}); err != nil {
+		t.Fatal(err)
+	}
+	app := n.StartApp(a)
+	stream, err := app.Do(simnode.AppRequest{Op: "stream-open", Name: "s", Addr: netip.AddrPortFrom(simnode.OutsideV4, 9090)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec, ok := zt.RecordFor(stream.Local); !ok || rec.Listener != standin.OutboundPort {
+		t.Fatalf("the stream does not go through ztunnel: %+v", rec)
+	}
+
+	// Probe all the time: a new connection every few milliseconds, each
+	// checked for having gone through ztunnel, and the stream kept talking.
+	var (
+		stop     atomic.Bool
+		wg       sync.WaitGroup
+		mu       sync.Mutex
+		failures []string
+		conns    atomic.Int64
+	)
+	fail := func(format string, args ...any) {
+		mu.Lock()
+		failures = append(failures, fmt.Sprintf(format, args...))
+		mu.Unlock()
+	}
+	dst := netip.AddrPortFrom(simnode.OutsideV4, 8080)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 0; !stop.Load(); i++ {
+			resp, err := app.Dial("tcp", simnode.AppRequest{Addr: dst})
+			if err != nil {
+				fail("connection %d: %v", i, err)
+				continue
+			}
+			conns.Add(1)
+			if rec, ok := zt.RecordFor(resp.Local); !ok || rec.OrigDst != dst {
+				fail("connection %d from %s bypassed ztunnel", i, resp.Local)
+			}
+			if _, err := app.Do(simnode.AppRequest{Op: "stream-echo", Name: "s", DNSName: fmt.Sprintf("msg-%d", i)}); err != nil {
+				fail("stream: %v", err)
+				return
+			}
+		}
+	}()
+
+	time.Sleep(300 * time.Millisecond)
+	n.agent.Kill()
+	time.Sleep(time.Second) // no agent at all
+	n.startAgent(t)
+	time.Sleep(500 * time.Millisecond)
+	stop.Store(true)
+	wg.Wait()
+
+	if len(failures) > 0 {
+		t.Errorf("%d failures around the restart (of %d connections), first: %v", len(failures), conns.Load(), failures[:min(5, len(failures))])
+	}
+	if conns.Load() < 10 {
+		t.Errorf("only %d connections were tried", conns.Load())
+	}
+	if got := pinnedPods(t, n.BPFFSDir); len(got) != 1 || got[0].UID != a.UID {
+		t.Errorf("after the restart the pins hold %+v", got)
+	}
+	// The restarted agent knows the pod: its removal works end to end.
+	n.podDel(t, a)
+	if got := pinnedPods(t, n.BPFFSDir); len(got) != 0 {
+		t.Errorf("after DEL the pins hold %+v", got)
+	}
+}
