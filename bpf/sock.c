@@ -447,15 +447,32 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 		bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 }
 
+/*
+ * The socket that filed an entry is the only one that removes it: another
+ * socket of the netns may hold the same local address and port towards a
+ * different peer (ztunnel's upstream connection, for one), and its close
+ * must not take a live redirected connection's original destination.
+ */
 static __always_inline void on_close(struct bpf_sock_ops *skops)
 {
+	struct bpf_sock *sk = skops->sk;
 	struct orig_key key;
 	struct probe_key pk;
+	struct probe_nat *nat;
+	struct ae_addr local;
 
-	orig_key_of_local(skops, &key);
-	bpf_map_delete_elem(&ae_orig_dst, &key);
+	if (!sk)
+		return;
+	if (bpf_sk_storage_get(&ae_sk_dst, sk, 0, 0)) {
+		orig_key_of_local(skops, &key);
+		bpf_map_delete_elem(&ae_orig_dst, &key);
+		return;
+	}
 	probe_key_of(skops, &pk);
-	bpf_map_delete_elem(&ae_probe_nat, &pk);
+	nat = bpf_map_lookup_elem(&ae_probe_nat, &pk);
+	sockops_local(skops, &local);
+	if (nat && addr_eq(&nat->host, &local))
+		bpf_map_delete_elem(&ae_probe_nat, &pk);
 }
 
 /* sockops: TCP socket events below the node's cgroup root. */

@@ -93,7 +93,8 @@ func (a *agent) run(ctx context.Context) error {
 		go a.runInstaller(ctx)
 	}
 
-	kcfg := kube.Config{NodeName: a.cfg.NodeName, Enrollment: a.cfg.Enrollment, Repair: a.cfg.Repair, Logger: log.With("component", "kube")}
+	kcfg := kube.Config{NodeName: a.cfg.NodeName, Enrollment: a.cfg.Enrollment, Repair: a.cfg.Repair, Logger: log.With("component", "kube"),
+		OnEvent: func(typ string) { a.metrics.reconcile.WithLabelValues(typ).Inc() }}
 	m := newMesh(nil, nil, podnetns.New(a.cfg.ProcRoot), a.cfg.Enrollment, log.With("component", "mesh"), a.metrics)
 	zsrv, err := zds.NewServer(zds.Config{SocketPath: a.cfg.ZDSSocket, Snapshot: m.snapshot, Logger: log.With("component", "zds")})
 	if err != nil {

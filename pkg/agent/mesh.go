@@ -206,7 +206,6 @@ func (m *mesh) remove(ctx context.Context, uid, key string) error {
 
 // AddPodToMesh redirects a running pod in place (kube.Mesh).
 func (m *mesh) AddPodToMesh(ctx context.Context, pod *corev1.Pod, opts enrollment.Options) error {
-	m.metrics.reconcile.WithLabelValues("add").Inc()
 	uid := string(pod.UID)
 	mb := &member{uid: uid, namespace: pod.Namespace, name: pod.Name, serviceAccount: pod.Spec.ServiceAccountName}
 	if old := m.member(uid); old != nil && old.netns != "" {
@@ -223,7 +222,6 @@ func (m *mesh) AddPodToMesh(ctx context.Context, pod *corev1.Pod, opts enrollmen
 
 // RemovePodFromMesh removes a pod (kube.Mesh).
 func (m *mesh) RemovePodFromMesh(ctx context.Context, pod *corev1.Pod) error {
-	m.metrics.reconcile.WithLabelValues("remove").Inc()
 	return m.remove(ctx, string(pod.UID), pod.Namespace+"/"+pod.Name)
 }
 

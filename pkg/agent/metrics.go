@@ -37,7 +37,7 @@ func newMetrics() *metrics {
 		pluginRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_plugin_requests_total",
 			Help: "Pod ADD and DEL requests from the CNI plugin, by type and response code."}, []string{"type", "response_code"}),
 		reconcile: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "nodeagent_reconcile_events_total",
-			Help: "Pods added to or removed from the mesh by the controllers, by type."}, []string{"type"}),
+			Help: "Pod and namespace events the controller reconciled, by type (add, update, delete, namespace)."}, []string{"type"}),
 		ztunnel: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ztunnel_connected",
 			Help: "1 while at least one ztunnel is connected over ZDS."}),
 		enrolled: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ambient_ebpf_enrolled_pods",

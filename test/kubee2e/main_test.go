@@ -22,6 +22,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube/kubetest"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -34,6 +35,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	simnode.RunHelper() // the agent tests' helper processes
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	start := time.Now()
 	cluster, clusterErr = kubeapi.Start(ctx)

@@ -204,9 +204,19 @@ func (n *Node) AddPodWithAddrs(name string, v4, v6 netip.Addr) *Pod {
 	n.t.Helper()
 	n.mu.Lock()
 	idx := n.nextIP
+	n.mu.Unlock()
+	return n.AddPodWith(name, "default", fmt.Sprintf("%s-0000-4000-8000-%012d", n.ID, idx), v4, v6)
+}
+
+// AddPodWith creates a dual-stack pod with every identity given (for pods
+// that also exist in a Kubernetes API server).
+func (n *Node) AddPodWith(name, namespace, uid string, v4, v6 netip.Addr) *Pod {
+	n.t.Helper()
+	n.mu.Lock()
+	idx := n.nextIP
 	n.nextIP++
 	n.mu.Unlock()
-	p := n.AddBarePod(name, "default", fmt.Sprintf("%s-0000-4000-8000-%012d", n.ID, idx))
+	p := n.AddBarePod(name, namespace, uid)
 	p.V4, p.V6 = v4, v6
 	p.HostVeth = fmt.Sprintf("veth%s%d", n.ID[:4], idx)
 	if p.V4 == GatewayV4 {

@@ -144,11 +144,14 @@ type Process struct {
 	Output *lockedBuffer
 }
 
-// StartProcess runs argv in netns ns and cgroup dir. It is ended by PID at
-// cleanup (SIGTERM, then SIGKILL).
+// StartProcess runs argv in netns ns ("" for the caller's) and cgroup dir.
+// It is ended by PID at cleanup (SIGTERM, then SIGKILL).
 func StartProcess(t TB, ns, cgroup string, argv ...string) *Process {
 	t.Helper()
-	cmd := exec.Command("nsenter", append([]string{"--net=" + NetnsPath(ns), "--"}, argv...)...)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	if ns != "" {
+		cmd = exec.Command("nsenter", append([]string{"--net=" + NetnsPath(ns), "--"}, argv...)...)
+	}
 	p := &Process{t: t, cmd: cmd, done: make(chan struct{}), Output: &lockedBuffer{}}
 	cmd.Stdout, cmd.Stderr = p.Output, p.Output
 	if cgroup != "" {

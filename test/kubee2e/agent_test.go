@@ -1,0 +1,281 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package kubee2e
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
+)
+
+// agentRun is the real agent binary on a simulated node against the real
+// API server.
+type agentRun struct {
+	t                         *testing.T
+	c                         *kubeapi.Cluster
+	node                      *simnode.Node
+	nodeName, ns              string
+	bin, dir, kubeconfig      string
+	zds, cni, confDir, binDir string
+	health, metrics           string
+	proc                      *simnode.Process
+}
+
+func freePort(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func newAgentRun(t *testing.T, c *kubeapi.Cluster, ns string) *agentRun {
+	r := &agentRun{t: t, c: c, node: simnode.New(t), nodeName: newNode(), ns: ns, dir: t.TempDir()}
+	r.bin = simnode.BuildBinary(t, r.dir, "github.com/ambient-ebpf/ambient-ebpf/cmd/ambient-ebpf-agent")
+	cni := simnode.BuildBinary(t, r.dir, "github.com/ambient-ebpf/ambient-ebpf/cmd/ambient-ebpf-cni")
+	r.zds, r.cni = filepath.Join(r.dir, "ztunnel.sock"), filepath.Join(r.dir, "cni.sock")
+	r.confDir, r.binDir = filepath.Join(r.dir, "net.d"), filepath.Join(r.dir, "bin")
+	for _, d := range []string{r.confDir, r.binDir} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The primary CNI's config, which the installer chains into.
+	if err := os.WriteFile(filepath.Join(r.confDir, "10-primary.conflist"),
+		[]byte(`{"cniVersion": "1.0.0", "name": "primary", "plugins": [{"type": "ptp"}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_ = os.Rename(cni, filepath.Join(r.dir, "ambient-ebpf-cni"))
+	r.kubeconfig = filepath.Join(r.dir, "kubeconfig")
+	kc := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: %q, insecure-skip-tls-verify: true}}]\n"+
+		"users: [{name: u, user: {token: %q}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n",
+		c.Config.Host, c.Config.BearerToken)
+	if err := os.WriteFile(r.kubeconfig, []byte(kc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	token := filepath.Join(r.dir, "token")
+	if err := os.WriteFile(token, []byte(c.Config.BearerToken), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r.health, r.metrics = freePort(t), freePort(t)
+	return r
+}
+
+// start runs the agent in the test's own netns (so it reaches the API
+// server on loopback); it works on the simulated node through --node-netns.
+func (r *agentRun) start(extra ...string) {
+	r.t.Helper()
+	args := append([]string{r.bin, "--kubeconfig", r.kubeconfig, "--node-name", r.nodeName,
+		"--bpffs-dir", r.node.BPFFSDir, "--cgroup-root", r.node.CgroupRoot, "--node-netns", simnode.NetnsPath(r.node.NodeNS),
+		"--zds-socket", r.zds, "--cni-socket", r.cni, "--health-addr", r.health, "--metrics-addr", r.metrics,
+		"--cni-bin-dir", r.binDir, "--cni-conf-dir", r.confDir, "--cni-plugin-binary", filepath.Join(r.dir, "ambient-ebpf-cni"),
+		"--token-path", filepath.Join(r.dir, "token"), "--ca-path", "/dev/null", "--api-server", r.c.Config.Host,
+		"--daemonset-namespace", r.ns, "--daemonset-name", "ambient-ebpf", "--log-level", "debug"}, extra...)
+	r.proc = simnode.StartProcess(r.t, "", "", args...)
+	r.waitFor("agent ready", func() bool { code, _ := r.get(r.health, "/readyz"); return code == http.StatusOK })
+}
+
+func (r *agentRun) get(addr, path string) (int, string) {
+	c := &http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get("http://" + addr + path)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func (r *agentRun) waitFor(what string, cond func() bool) {
+	r.t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) || (r.proc != nil && r.proc.Exited()) {
+			r.t.Fatalf("timed out waiting for %s; agent output:\n%s", what, r.proc.Output.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// pod creates a pod in the API (on this node) and on the simulated node,
+// with the same UID and addresses; running marks it Running.
+func (r *agentRun) pod(name string, running bool, annotations map[string]string) (*corev1.Pod, *simnode.Pod) {
+	r.t.Helper()
+	kp := r.c.Pod(r.t, kubeapi.PodSpec{Namespace: r.ns, Name: name, Node: r.nodeName, Annotations: annotations})
+	idx := len(name) // any two distinct names below get distinct addresses
+	sp := r.node.AddPodWith(name, r.ns, string(kp.UID),
+		netip.AddrFrom4([4]byte{198, 18, 3, byte(10 + idx + int(name[0]))}),
+		netip.MustParseAddr(fmt.Sprintf("fd00:198:18:3::%x", 10+idx+int(name[0]))))
+	if running {
+		kp = r.c.SetStatus(r.t, kp, kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{sp.V4, sp.V6}})
+	}
+	return kp, sp
+}
+
+func (r *agentRun) annotation(kp *corev1.Pod) string {
+	p, err := r.c.Client.CoreV1().Pods(kp.Namespace).Get(context.Background(), kp.Name, metav1.GetOptions{})
+	if err != nil {
+		return "error: " + err.Error()
+	}
+	return p.Annotations[enrollment.RedirectionAnnotation]
+}
+
+func (r *agentRun) pinned() map[string]bool {
+	out := map[string]bool{}
+	view, err := dataplane.OpenPinned(r.node.BPFFSDir)
+	if err != nil {
+		return out
+	}
+	defer view.Close()
+	pods, _ := view.Pods()
+	for _, p := range pods {
+		out[p.Name] = true
+	}
+	return out
+}
+
+// The agent against a real API server, through its whole life: start-up
+// with a snapshot and a pod to repair, a pod through the CNI channel,
+// namespace label off and on, SIGKILL and restart, a stop while its
+// DaemonSet exists (state kept), then uninstall (everything removed).
+func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
+	c := requireCluster(t)
+	ns := c.Namespace(t, "agent", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
+	r := newAgentRun(t, c, ns.Name)
+	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: "ambient-ebpf", Namespace: ns.Name},
+		Spec: appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "x"}},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "x"}},
+				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "x", Image: "x"}}}}}}
+	if _, err := c.Client.AppsV1().DaemonSets(ns.Name).Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	// Before the agent: a pod a previous agent enrolled (annotated), and
+	// one that started while no agent ran (to repair). Their apps run.
+	old, oldNode := r.pod("old", true, map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled})
+	late, lateNode := r.pod("late", true, nil)
+	for _, p := range []*simnode.Pod{oldNode, lateNode} {
+		app := r.node.StartApp(p)
+		app.Listen("tcp", p.Name, netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
+	}
+	zt := r.node.StartZtunnelFor(r.zds)
+	r.start()
+	r.waitFor("snapshot pod enrolled and the late pod repaired", func() bool {
+		p := r.pinned()
+		return p["old"] && p["late"]
+	})
+	r.waitFor("annotations enabled", func() bool {
+		return r.annotation(old) == enrollment.RedirectionEnabled && r.annotation(late) == enrollment.RedirectionEnabled
+	})
+	ev, err := c.Client.CoreV1().Events(ns.Name).List(context.Background(), metav1.ListOptions{})
+	if err != nil || !strings.Contains(fmt.Sprint(ev.Items), "RedirectionRepaired") {
+		t.Errorf("no RedirectionRepaired event for the late pod (%v)", err)
+	}
+	out := r.node.StartOutsideApp()
+	resp, err := out.Dial("tcp", simnode.AppRequest{Addr: netip.AddrPortFrom(lateNode.V4, 8080)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec, ok := zt.RecordFor(resp.Local); !ok || rec.Listener != standin.InboundPort {
+		t.Errorf("inbound to the repaired pod did not go through ztunnel: %+v", rec)
+	}
+
+	// A new pod through the CNI plugin's channel, before its app starts.
+	fresh, freshNode := r.pod("fresh", false, nil)
+	cl, err := events.NewClient(r.cni)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	add, err := cl.PodAdd(context.Background(), &cniv1.PodAddRequest{
+		Pod: &cniv1.Pod{Name: "fresh", Namespace: ns.Name, Uid: string(fresh.UID), Netns: freshNode.NetnsPath(), Interface: "eth0"},
+		Ips: []string{freshNode.V4.String(), freshNode.V6.String()}})
+	if err != nil || !add.GetEnrolled() {
+		t.Fatalf("CNI ADD: %+v, %v", add, err)
+	}
+	r.waitFor("fresh pod annotated", func() bool { return r.annotation(fresh) == enrollment.RedirectionEnabled })
+
+	// Namespace label off: every pod leaves; on again: running pods return.
+	setLabel := func(v *string) {
+		cur, err := c.Client.CoreV1().Namespaces().Get(context.Background(), ns.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v == nil {
+			delete(cur.Labels, enrollment.DataplaneModeLabel)
+		} else {
+			cur.Labels[enrollment.DataplaneModeLabel] = *v
+		}
+		if _, err := c.Client.CoreV1().Namespaces().Update(context.Background(), cur, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	setLabel(nil)
+	r.waitFor("pods removed", func() bool { return len(r.pinned()) == 0 && r.annotation(old) == "" })
+	ambient := enrollment.DataplaneModeAmbient
+	setLabel(&ambient)
+	r.waitFor("running pods enrolled again", func() bool { p := r.pinned(); return p["old"] && p["late"] })
+
+	// SIGKILL, restart: still enrolled, annotations stay.
+	r.proc.Kill()
+	if p := r.pinned(); !p["old"] || !p["late"] {
+		t.Errorf("pins after SIGKILL: %v", p)
+	}
+	r.start()
+	_, metrics := r.get(r.metrics, "/metrics")
+	for _, want := range []string{"istio_cni_install_ready 1", "ambient_ebpf_enrolled_pods", "nodeagent_reconcile_events_total"} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+	if b, err := os.ReadFile(filepath.Join(r.confDir, "10-primary.conflist")); err != nil || !strings.Contains(string(b), "ambient-ebpf-cni") {
+		t.Errorf("the plugin is not chained into the primary conflist: %s %v", b, err)
+	}
+
+	// Stop while the DaemonSet exists (an upgrade): everything stays.
+	if !r.proc.Terminate(15 * time.Second) {
+		t.Errorf("agent did not stop cleanly:\n%s", r.proc.Output.String())
+	}
+	if p := r.pinned(); !p["old"] {
+		t.Errorf("state lost on an upgrade-style stop: %v", p)
+	}
+	// Uninstall: the DaemonSet is gone; the next stop removes everything.
+	if err := c.Client.AppsV1().DaemonSets(ns.Name).Delete(context.Background(), "ambient-ebpf", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	r.start()
+	if !r.proc.Terminate(15 * time.Second) {
+		t.Errorf("agent did not stop cleanly:\n%s", r.proc.Output.String())
+	}
+	if _, err := os.Stat(r.node.BPFFSDir); !os.IsNotExist(err) {
+		t.Errorf("pins left after uninstall: %v", err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(r.confDir, "10-primary.conflist")); strings.Contains(string(b), "ambient-ebpf-cni") {
+		t.Errorf("the plugin is still chained after uninstall: %s", b)
+	}
+	if _, err := os.Stat(filepath.Join(r.binDir, "ambient-ebpf-cni")); !os.IsNotExist(err) {
+		t.Errorf("the plugin binary is still installed after uninstall: %v", err)
+	}
+}
