@@ -61,6 +61,14 @@ test: deps vet ## run every test, kernel suites included (as root); the README's
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport
 	$(GO) test $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
 
+# Knobs: BENCH_REPS, BENCH_DURATION, BENCH_CONC, BENCH_RTTS, BENCH_ENROLL_PODS,
+# BENCH_SCALE_PODS (see test/bench/bench_test.go).
+.PHONY: bench
+bench: ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json and docs/BENCHMARKS.md
+	@mkdir -p bench
+	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md \
+		$(GO) test -count=1 -timeout 15m -run '^TestBench$$' -v ./test/bench
+
 .PHONY: clean
 clean: ## remove build outputs
 	rm -rf bin

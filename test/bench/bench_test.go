@@ -1,0 +1,278 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package bench
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+)
+
+func TestMain(m *testing.M) {
+	RunHelper()
+	os.Exit(m.Run())
+}
+
+// EnableEnv must be 1 for TestBench to run.
+const EnableEnv = "AMBIENT_EBPF_BENCH"
+
+// settings are the knobs of a run, from the environment.
+type settings struct {
+	reps       int           // BENCH_REPS: repetitions per path
+	duration   time.Duration // BENCH_DURATION: one connection-rate or throughput run
+	conc       int           // BENCH_CONC: parallel loops of conn_rate_conc
+	rtts       int           // BENCH_RTTS: round trips per latency run
+	enrollPods int           // BENCH_ENROLL_PODS: pods per path and repetition
+	scalePods  int           // BENCH_SCALE_PODS
+	results    string        // BENCH_RESULTS: path of results.json
+	doc        string        // BENCH_DOC: path of BENCHMARKS.md
+}
+
+func loadSettings() settings {
+	s := settings{reps: 5, duration: 1500 * time.Millisecond, conc: 8, rtts: 3000, enrollPods: 30, scalePods: 1000,
+		results: "../../bench/results.json", doc: "../../docs/BENCHMARKS.md"}
+	envInt := func(key string, v *int) {
+		if n, err := strconv.Atoi(os.Getenv(key)); err == nil && n > 0 {
+			*v = n
+		}
+	}
+	envInt("BENCH_REPS", &s.reps)
+	envInt("BENCH_CONC", &s.conc)
+	envInt("BENCH_RTTS", &s.rtts)
+	envInt("BENCH_ENROLL_PODS", &s.enrollPods)
+	envInt("BENCH_SCALE_PODS", &s.scalePods)
+	if d, err := time.ParseDuration(os.Getenv("BENCH_DURATION")); err == nil && d > 0 {
+		s.duration = d
+	}
+	if v := os.Getenv("BENCH_RESULTS"); v != "" {
+		s.results = v
+	}
+	if v := os.Getenv("BENCH_DOC"); v != "" {
+		s.doc = v
+	}
+	return s
+}
+
+// TestBench runs every measurement on one simulated node and writes
+// bench/results.json and the table of docs/BENCHMARKS.md. It fails only on
+// errors (including a meshed path that did not go through ztunnel), never
+// on a number.
+func TestBench(t *testing.T) {
+	if os.Getenv(EnableEnv) != "1" {
+		t.Skipf("benchmarks run with %s=1 (make bench)", EnableEnv)
+	}
+	s := loadSettings()
+	e := newEnv(t, s)
+	res := &Results{Machine: describeMachine(), Notes: map[string]string{}, Config: map[string]string{
+		"repetitions":       strconv.Itoa(s.reps),
+		"run duration":      s.duration.String(),
+		"concurrent loops":  strconv.Itoa(s.conc),
+		"round trips":       strconv.Itoa(s.rtts),
+		"enrollments":       fmt.Sprintf("%d pods per path and repetition", s.enrollPods),
+		"scale pods":        strconv.Itoa(s.scalePods),
+		"traffic":           "IPv4, client pod to server pod on the same node; meshed: both pods enrolled (outbound and inbound capture, two stand-in relays)",
+		"ztunnel stand-in":  "test/ztunnel/standin (Go, io.Copy relay), one process serving both meshed paths",
+		"enrollment timing": "ebpf: dataplane.Enroll in the agent process (the CNI/agent hop is not included); iptables: istio-cni's rules applied with iptables-restore, ip rule/route and ipset (test/reference)",
+	}}
+	start := time.Now()
+	e.traffic(res)
+	slog.Info("traffic done", "elapsed", time.Since(start).Round(time.Second))
+	e.profile(res)
+	e.enrollment(res)
+	slog.Info("enrollment done", "elapsed", time.Since(start).Round(time.Second))
+	e.scale(res)
+	slog.Info("scale done", "elapsed", time.Since(start).Round(time.Second))
+	res.Config["total bench time"] = time.Since(start).Round(time.Second).String()
+
+	if err := writeJSON(s.results, res); err != nil {
+		t.Fatalf("write results: %v", err)
+	}
+	if err := writeDoc(s.doc, res); err != nil {
+		t.Fatalf("write doc: %v", err)
+	}
+	t.Logf("results in %s and %s:\n%s", s.results, s.doc, markdown(res))
+}
+
+// env is the simulated node of a run: a client and a server pod per path,
+// the ztunnel stand-in serving the iptables and the eBPF pods, and the
+// agent owning the dataplane.
+type env struct {
+	t     *testing.T
+	s     settings
+	node  *simnode.Node
+	ipt   reference.Iptables
+	agent *simnode.Proc
+	zt    *simnode.Proc
+	dpCfg dataplane.Config
+	paths map[string]*path
+	light *lightPods // pods without apps, for enrollment and scale
+}
+
+// path is one of direct, iptables, ebpf: a client pod running the load
+// generator and a server pod.
+type path struct {
+	name           string
+	client, server *simnode.Pod
+	gen            *simnode.Proc
+	echo, sink     string // server addresses
+}
+
+func newEnv(t *testing.T, s settings) *env {
+	n := simnode.New(t)
+	e := &env{t: t, s: s, node: n, paths: map[string]*path{}}
+	e.dpCfg = dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
+	for _, name := range allPaths {
+		e.paths[name] = &path{name: name, client: n.AddPod(name + "-c"), server: n.AddPod(name + "-s")}
+	}
+	e.ipt.Setup(t, n)
+	e.agent = simnode.StartHelper(t, roleAgent, n.NodeNS, e.cgroup("agent"))
+	if err := call(e.agent, agentRequest{Op: "new", Config: e.dpCfg}, nil); err != nil {
+		t.Fatalf("load dataplane: %v", err)
+	}
+	e.zt = simnode.StartHelper(t, roleZtunnel, n.NodeNS, e.cgroup("ztunnel"))
+	e.light = newLightPods(t, n)
+
+	for _, name := range allPaths {
+		p := e.paths[name]
+		for _, pod := range []*simnode.Pod{p.client, p.server} {
+			switch name {
+			case pathIptables:
+				e.ztAdd(pod)
+				e.ipt.Enroll(t, pod, reference.Opts{})
+			case pathEBPF:
+				e.ztAdd(pod)
+				if _, err := e.enroll([]*simnode.Pod{pod}); err != nil {
+					t.Fatalf("enroll %s: %v", pod.Name, err)
+				}
+			}
+		}
+		srv := simnode.StartHelper(t, roleServer, p.server.NS, p.server.Cgroup)
+		if err := call(srv, serverRequest{Op: "listen"}, nil); err != nil {
+			t.Fatalf("start server in %s: %v", p.server.Name, err)
+		}
+		p.gen = simnode.StartHelper(t, roleClient, p.client.NS, p.client.Cgroup)
+		p.echo = fmt.Sprintf("%s:%d", p.server.V4, echoPort)
+		p.sink = fmt.Sprintf("%s:%d", p.server.V4, sinkPort)
+	}
+	return e
+}
+
+// cgroup makes a cgroup below the node's root for a helper outside the
+// pods; the node's cleanup removes it and ends what runs in it.
+func (e *env) cgroup(name string) string {
+	cg := filepath.Join(e.node.CgroupRoot, name)
+	if err := os.Mkdir(cg, 0o755); err != nil {
+		e.t.Fatal(err)
+	}
+	return cg
+}
+
+func (e *env) ztAdd(p *simnode.Pod) {
+	if err := call(e.zt, ztunnelRequest{Op: "add", UID: p.UID, Netns: p.NetnsPath()}, nil); err != nil {
+		e.t.Fatalf("ztunnel add %s: %v", p.Name, err)
+	}
+}
+
+func dpPod(p *simnode.Pod) dataplane.Pod {
+	return dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs()}
+}
+
+// enroll enrolls pods one after the other through the agent.
+func (e *env) enroll(pods []*simnode.Pod) (enrollResult, error) {
+	req := agentRequest{Op: "enroll"}
+	for _, p := range pods {
+		req.Pods = append(req.Pods, dpPod(p))
+	}
+	var res enrollResult
+	err := call(e.agent, req, &res)
+	return res, err
+}
+
+func (e *env) remove(pods []*simnode.Pod) error {
+	req := agentRequest{Op: "remove"}
+	for _, p := range pods {
+		req.UIDs = append(req.UIDs, p.UID)
+	}
+	return call(e.agent, req, nil)
+}
+
+func (e *env) ztCounts() ztunnelCounts {
+	var c ztunnelCounts
+	if err := call(e.zt, ztunnelRequest{Op: "counts"}, &c); err != nil {
+		e.t.Fatalf("ztunnel counts: %v", err)
+	}
+	return c
+}
+
+func (e *env) dpStats(p *simnode.Pod) dataplane.Stats {
+	var st dataplane.Stats
+	if err := call(e.agent, agentRequest{Op: "stats", UIDs: []string{p.UID}}, &st); err != nil {
+		e.t.Fatalf("dataplane stats of %s: %v", p.Name, err)
+	}
+	return st
+}
+
+// cpuTime is a process's user+system CPU time so far.
+func cpuTime(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// Fields after the command's closing parenthesis; utime and stime
+	// are fields 14 and 15 of the line, in clock ticks (100 Hz).
+	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * 10 * time.Millisecond
+}
+
+// run is one measurement on one path, with proof of the path taken.
+type run struct {
+	loadResult
+	ztCPU time.Duration // the stand-in's CPU time during the run
+}
+
+// measure runs req on the path's load generator and checks that the
+// connections took the path: through the stand-in (both hops) for the
+// meshed paths, redirected by the dataplane for ebpf, and never through
+// the stand-in for direct. A mismatch is an error, not a number.
+func (e *env) measure(p *path, req loadRequest) run {
+	e.t.Helper()
+	before := e.ztCounts()
+	var dpBefore dataplane.Stats
+	if p.name == pathEBPF {
+		dpBefore = e.dpStats(p.client)
+	}
+	cpu0 := cpuTime(e.zt.PID())
+	var r run
+	if err := call(p.gen, req, &r.loadResult); err != nil {
+		e.t.Fatalf("%s %s on %s: %v", req.Op, req.Addr, p.name, err)
+	}
+	r.ztCPU = cpuTime(e.zt.PID()) - cpu0
+	after := e.ztCounts()
+	out, in, errs := after.Outbound-before.Outbound, after.Inbound-before.Inbound, after.Errors-before.Errors
+	switch {
+	case errs != 0:
+		e.t.Fatalf("%s on %s: the stand-in failed %d connections", req.Op, p.name, errs)
+	case p.name == pathDirect && (out != 0 || in != 0):
+		e.t.Fatalf("%s on direct: %d outbound and %d inbound connections went through the stand-in", req.Op, out, in)
+	case p.name != pathDirect && (out < r.Conns || in < r.Conns):
+		e.t.Fatalf("%s on %s: %d connections, but the stand-in saw %d outbound and %d inbound", req.Op, p.name, r.Conns, out, in)
+	}
+	if p.name == pathEBPF {
+		if got := e.dpStats(p.client).OutboundRedirects - dpBefore.OutboundRedirects; got < uint64(r.Conns) {
+			e.t.Fatalf("%s on ebpf: %d connections, but the dataplane redirected %d", req.Op, r.Conns, got)
+		}
+	}
+	return r
+}
