@@ -10,6 +10,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"time"
@@ -23,14 +24,16 @@ import (
 // agent owns the dataplane in a process of its own, in the node netns,
 // as the node agent would: its RSS is the dataplane's cost.
 type agent struct {
-	dp *dataplane.Dataplane
+	dp      *dataplane.Dataplane
+	profile *os.File // a CPU profile being written
 }
 
 type agentRequest struct {
-	Op     string           `json:"op"` // new, enroll, remove, stats, mem, progs, uninstall
+	Op     string           `json:"op"` // new, enroll, remove, stats, mem, progs, uninstall, pprof-start, pprof-stop
 	Config dataplane.Config `json:"config,omitzero"`
 	Pods   []dataplane.Pod  `json:"pods,omitempty"`
 	UIDs   []string         `json:"uids,omitempty"`
+	Path   string           `json:"path,omitempty"` // pprof-start: where the CPU profile goes
 }
 
 // enrollResult times each Enroll call, from the request to redirection
@@ -60,6 +63,16 @@ func (a *agent) handle(line []byte) (any, error) {
 	req, err := decode[agentRequest](line)
 	if err != nil {
 		return nil, err
+	}
+	switch req.Op {
+	case "pprof-start":
+		if a.profile, err = os.Create(req.Path); err != nil {
+			return nil, err
+		}
+		return nil, pprof.StartCPUProfile(a.profile)
+	case "pprof-stop":
+		pprof.StopCPUProfile()
+		return nil, a.profile.Close()
 	}
 	if req.Op != "new" && a.dp == nil {
 		return nil, errors.New("no dataplane loaded")

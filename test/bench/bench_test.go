@@ -36,6 +36,11 @@ type settings struct {
 	scalePods  int           // BENCH_SCALE_PODS
 	results    string        // BENCH_RESULTS: path of results.json
 	doc        string        // BENCH_DOC: path of BENCHMARKS.md
+	// BENCH_EXPOSE_COLLISIONS=1 has the server close connections first
+	// and leaves both pods of a path the same ephemeral port range, which
+	// exposes the eBPF path's 4-tuple collisions (docs/BENCHMARKS.md):
+	// the run then fails.
+	exposeCollisions bool
 }
 
 func loadSettings() settings {
@@ -54,6 +59,7 @@ func loadSettings() settings {
 	if d, err := time.ParseDuration(os.Getenv("BENCH_DURATION")); err == nil && d > 0 {
 		s.duration = d
 	}
+	s.exposeCollisions = os.Getenv("BENCH_EXPOSE_COLLISIONS") == "1"
 	if v := os.Getenv("BENCH_RESULTS"); v != "" {
 		s.results = v
 	}
@@ -81,6 +87,7 @@ func TestBench(t *testing.T) {
 		"enrollments":       fmt.Sprintf("%d pods per path and repetition", s.enrollPods),
 		"scale pods":        strconv.Itoa(s.scalePods),
 		"traffic":           "IPv4, client pod to server pod on the same node; meshed: both pods enrolled (outbound and inbound capture, two stand-in relays)",
+		"connection close":  map[bool]string{false: "client first; tcp_tw_reuse=1 in the pods; ephemeral ports 32768-46999 in client pods, 47000-60999 in server pods (see below)", true: "server first, shared ephemeral port range (BENCH_EXPOSE_COLLISIONS=1)"}[s.exposeCollisions],
 		"ztunnel stand-in":  "test/ztunnel/standin (Go, io.Copy relay), one process serving both meshed paths",
 		"enrollment timing": "ebpf: dataplane.Enroll in the agent process (the CNI/agent hop is not included); iptables: istio-cni's rules applied with iptables-restore, ip rule/route and ipset (test/reference)",
 	}}
@@ -132,7 +139,20 @@ func newEnv(t *testing.T, s settings) *env {
 	e := &env{t: t, s: s, node: n, paths: map[string]*path{}}
 	e.dpCfg = dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
 	for _, name := range allPaths {
-		e.paths[name] = &path{name: name, client: n.AddPod(name + "-c"), server: n.AddPod(name + "-s")}
+		p := &path{name: name, client: n.AddPod(name + "-c"), server: n.AddPod(name + "-s")}
+		e.paths[name] = p
+		for _, pod := range []*simnode.Pod{p.client, p.server} {
+			// Thousands of connections a second leave ports in
+			// TIME_WAIT on the connecting sides; reuse them (after 1 s)
+			// as busy proxies and clients do.
+			n.Sysctl(pod.NS, "net/ipv4/tcp_tw_reuse", "1")
+		}
+		if !s.exposeCollisions {
+			// Disjoint ephemeral ports for the two ends: see
+			// docs/BENCHMARKS.md, "4-tuple collisions on the eBPF path".
+			n.Sysctl(p.client.NS, "net/ipv4/ip_local_port_range", "32768 46999")
+			n.Sysctl(p.server.NS, "net/ipv4/ip_local_port_range", "47000 60999")
+		}
 	}
 	e.ipt.Setup(t, n)
 	e.agent = simnode.StartHelper(t, roleAgent, n.NodeNS, e.cgroup("agent"))
@@ -248,6 +268,7 @@ type run struct {
 // the stand-in for direct. A mismatch is an error, not a number.
 func (e *env) measure(p *path, req loadRequest) run {
 	e.t.Helper()
+	req.ServerCloses = e.s.exposeCollisions
 	before := e.ztCounts()
 	var dpBefore dataplane.Stats
 	if p.name == pathEBPF {
@@ -256,14 +277,14 @@ func (e *env) measure(p *path, req loadRequest) run {
 	cpu0 := cpuTime(e.zt.PID())
 	var r run
 	if err := call(p.gen, req, &r.loadResult); err != nil {
-		e.t.Fatalf("%s %s on %s: %v", req.Op, req.Addr, p.name, err)
+		e.t.Fatalf("%s %s on %s: %v (the stand-in's latest failure: %s)", req.Op, req.Addr, p.name, err, e.ztCounts().LastError)
 	}
 	r.ztCPU = cpuTime(e.zt.PID()) - cpu0
 	after := e.ztCounts()
 	out, in, errs := after.Outbound-before.Outbound, after.Inbound-before.Inbound, after.Errors-before.Errors
 	switch {
 	case errs != 0:
-		e.t.Fatalf("%s on %s: the stand-in failed %d connections", req.Op, p.name, errs)
+		e.t.Fatalf("%s on %s: the stand-in failed %d connections, the latest: %s", req.Op, p.name, errs, after.LastError)
 	case p.name == pathDirect && (out != 0 || in != 0):
 		e.t.Fatalf("%s on direct: %d outbound and %d inbound connections went through the stand-in", req.Op, out, in)
 	case p.name != pathDirect && (out < r.Conns || in < r.Conns):

@@ -20,8 +20,8 @@ import (
 // messages whose first byte says what the server does after answering.
 const (
 	msgSize   = 64
-	opClose   = 'c' // answer, then close: the server closes first, so the
-	opKeep    = 'k' // client's ephemeral ports never sit in TIME_WAIT
+	opClose   = 'c' // answer, then close (the server closes first)
+	opKeep    = 'k' // answer and wait for more, or for the client to close
 	bulkChunk = 128 << 10
 )
 
@@ -116,6 +116,9 @@ type loadRequest struct {
 	Duration time.Duration `json:"duration,omitempty"` // conn, bulk
 	Conc     int           `json:"conc,omitempty"`     // conn: parallel loops
 	Count    int           `json:"count,omitempty"`    // rr: round trips
+	// ServerCloses makes the server close each connection of op conn
+	// first; by default the client closes first.
+	ServerCloses bool `json:"serverCloses,omitempty"`
 }
 
 // loadResult is what the client measured.
@@ -157,7 +160,7 @@ func connLoop(req loadRequest) (loadResult, error) {
 		wg.Go(func() {
 			buf := make([]byte, msgSize)
 			for time.Now().Before(deadline) {
-				if err := oneConn(req.Addr, buf); err != nil {
+				if err := oneConn(req.Addr, buf, req.ServerCloses); err != nil {
 					once.Do(func() { firstErr = err })
 					return
 				}
@@ -173,19 +176,26 @@ func connLoop(req loadRequest) (loadResult, error) {
 	return res, nil
 }
 
-func oneConn(addr string, buf []byte) error {
+// oneConn connects, sends one request, reads the response and closes.
+func oneConn(addr string, buf []byte, serverCloses bool) error {
 	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-	buf[0] = opClose
+	buf[0] = opKeep
+	if serverCloses {
+		buf[0] = opClose
+	}
 	if _, err := c.Write(buf); err != nil {
 		return fmt.Errorf("write: %w", err)
 	}
 	if _, err := io.ReadFull(c, buf); err != nil {
 		return fmt.Errorf("read response: %w", err)
+	}
+	if !serverCloses {
+		return nil
 	}
 	// Wait for the server's FIN, so the server side closes first.
 	if n, err := c.Read(buf); n != 0 || !errors.Is(err, io.EOF) {

@@ -6,6 +6,8 @@ package bench
 import (
 	"fmt"
 	"os"
+	"os/exec"
+	"regexp"
 	"strings"
 	"time"
 )
@@ -58,4 +60,35 @@ func (e *env) profile(res *Results) {
 	}
 	res.Notes["bpf program stats (one ebpf conn_rate_seq run)"] = fmt.Sprintf("%d connections at %s conn/s; all programs %.1f us per connection, stand-in %.0f us CPU per connection; %s",
 		r.Conns, num(rate(r)), us(perConn), float64(r.ztCPU.Microseconds())/float64(max(r.Conns, 1)), strings.Join(parts, "; "))
+}
+
+// pprofTop summarizes a CPU profile of this test binary (the helpers are
+// the same executable) with `go tool pprof`: the heaviest functions by
+// cumulative time, as "share name" pairs. A profile it cannot read gives
+// the reason instead: a benchmark fails only on errors of the thing measured.
+func pprofTop(profile string, n int, match *regexp.Regexp) string {
+	self, err := os.Executable()
+	if err != nil {
+		return "no profile: " + err.Error()
+	}
+	out, err := exec.Command("go", "tool", "pprof", "-top", "-cum", "-nodecount=200", self, profile).Output()
+	if err != nil {
+		return "no profile: " + err.Error()
+	}
+	var parts []string
+	for l := range strings.Lines(string(out)) {
+		f := strings.Fields(l)
+		// flat flat% sum% cum cum% name...
+		if len(f) < 6 || !strings.HasSuffix(f[4], "%") || !match.MatchString(f[5]) {
+			continue
+		}
+		parts = append(parts, f[4]+" "+f[5])
+		if len(parts) == n {
+			break
+		}
+	}
+	if len(parts) == 0 {
+		return "no samples"
+	}
+	return strings.Join(parts, "; ")
 }

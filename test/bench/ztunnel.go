@@ -24,6 +24,7 @@ type ztunnel struct {
 // listener.
 type recordCounter struct {
 	outbound, inbound, errors atomic.Int64
+	lastError                 atomic.Value // string: the latest failed record
 }
 
 // ztunnelCounts is a snapshot of the counters.
@@ -31,6 +32,8 @@ type ztunnelCounts struct {
 	Outbound int64 `json:"outbound"` // connections accepted on :15001
 	Inbound  int64 `json:"inbound"`  // on :15006
 	Errors   int64 `json:"errors"`   // connections it could not relay
+	// LastError is the record of the latest connection it could not relay.
+	LastError string `json:"lastError,omitempty"`
 }
 
 var (
@@ -42,6 +45,7 @@ func (r *recordCounter) Write(p []byte) (int, error) {
 	switch {
 	case bytes.Contains(p, []byte(`"error":`)):
 		r.errors.Add(1)
+		r.lastError.Store(string(p))
 	case bytes.Contains(p, outboundTag):
 		r.outbound.Add(1)
 	case bytes.Contains(p, inboundTag):
@@ -75,7 +79,9 @@ func (z *ztunnel) handle(line []byte) (any, error) {
 		defer f.Close()
 		return nil, z.proxy.AddPod(req.UID, f)
 	case "counts":
-		return ztunnelCounts{Outbound: z.rec.outbound.Load(), Inbound: z.rec.inbound.Load(), Errors: z.rec.errors.Load()}, nil
+		c := ztunnelCounts{Outbound: z.rec.outbound.Load(), Inbound: z.rec.inbound.Load(), Errors: z.rec.errors.Load()}
+		c.LastError, _ = z.rec.lastError.Load().(string)
+		return c, nil
 	}
 	return nil, fmt.Errorf("unknown op %q", req.Op)
 }
