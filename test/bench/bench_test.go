@@ -87,7 +87,7 @@ func TestBench(t *testing.T) {
 		"enrollments":       fmt.Sprintf("%d pods per path and repetition", s.enrollPods),
 		"scale pods":        strconv.Itoa(s.scalePods),
 		"traffic":           "IPv4, client pod to server pod on the same node; meshed: both pods enrolled (outbound and inbound capture, two stand-in relays)",
-		"connection close":  map[bool]string{false: "client first; tcp_tw_reuse=1 in the pods; ephemeral ports 32768-46999 in client pods, 47000-60999 in server pods (see below)", true: "server first, shared ephemeral port range (BENCH_EXPOSE_COLLISIONS=1)"}[s.exposeCollisions],
+		"connection close":  map[bool]string{false: "client first; tcp_tw_reuse=1 in the pods, no TIME_WAIT in server pods (tcp_max_tw_buckets=0); ephemeral ports 32768-46999 in client pods, 47000-60999 in server pods (see below)", true: "server first, shared ephemeral port range (BENCH_EXPOSE_COLLISIONS=1)"}[s.exposeCollisions],
 		"ztunnel stand-in":  "test/ztunnel/standin (Go, io.Copy relay), one process serving both meshed paths",
 		"enrollment timing": "ebpf: dataplane.Enroll in the agent process (the CNI/agent hop is not included); iptables: istio-cni's rules applied with iptables-restore, ip rule/route and ipset (test/reference)",
 	}}
@@ -130,8 +130,8 @@ type env struct {
 type path struct {
 	name           string
 	client, server *simnode.Pod
-	gen            *simnode.Proc
-	echo, sink     string // server addresses
+	gen, srv       *simnode.Proc // load generator, server
+	echo, sink     string        // server addresses
 }
 
 func newEnv(t *testing.T, s settings) *env {
@@ -147,7 +147,14 @@ func newEnv(t *testing.T, s settings) *env {
 			// as busy proxies and clients do.
 			n.Sysctl(pod.NS, "net/ipv4/tcp_tw_reuse", "1")
 		}
+		// The stand-in binds its inbound upstream sockets to the client's
+		// address with port 0; with the server pod's port range full of
+		// TIME_WAIT sockets that bind's port search dominated the
+		// stand-in (perf: inet_csk_get_port, bhash2 conflict checks) and
+		// meshed rates fell from one repetition to the next. Only the
+		// stand-in's sockets close first in a server pod.
 		if !s.exposeCollisions {
+			n.Sysctl(p.server.NS, "net/ipv4/tcp_max_tw_buckets", "0")
 			// Disjoint ephemeral ports for the two ends: see
 			// docs/BENCHMARKS.md, "4-tuple collisions on the eBPF path".
 			n.Sysctl(p.client.NS, "net/ipv4/ip_local_port_range", "32768 46999")
@@ -176,8 +183,8 @@ func newEnv(t *testing.T, s settings) *env {
 				}
 			}
 		}
-		srv := simnode.StartHelper(t, roleServer, p.server.NS, p.server.Cgroup)
-		if err := call(srv, serverRequest{Op: "listen"}, nil); err != nil {
+		p.srv = simnode.StartHelper(t, roleServer, p.server.NS, p.server.Cgroup)
+		if err := call(p.srv, serverRequest{Op: "listen"}, nil); err != nil {
 			t.Fatalf("start server in %s: %v", p.server.Name, err)
 		}
 		p.gen = simnode.StartHelper(t, roleClient, p.client.NS, p.client.Cgroup)
@@ -260,6 +267,10 @@ func cpuTime(pid int) time.Duration {
 type run struct {
 	loadResult
 	ztCPU time.Duration // the stand-in's CPU time during the run
+	// cpu is the CPU time of the client, the server and the stand-in
+	// during the run, system calls (and the packet processing they
+	// run) included.
+	cpu time.Duration
 }
 
 // measure runs req on the path's load generator and checks that the
@@ -274,12 +285,22 @@ func (e *env) measure(p *path, req loadRequest) run {
 	if p.name == pathEBPF {
 		dpBefore = e.dpStats(p.client)
 	}
-	cpu0 := cpuTime(e.zt.PID())
+	procs := []*simnode.Proc{e.zt, p.gen, p.srv}
+	cpu0 := make([]time.Duration, len(procs))
+	for i, pr := range procs {
+		cpu0[i] = cpuTime(pr.PID())
+	}
 	var r run
 	if err := call(p.gen, req, &r.loadResult); err != nil {
 		e.t.Fatalf("%s %s on %s: %v (the stand-in's latest failure: %s)", req.Op, req.Addr, p.name, err, e.ztCounts().LastError)
 	}
-	r.ztCPU = cpuTime(e.zt.PID()) - cpu0
+	for i, pr := range procs {
+		d := cpuTime(pr.PID()) - cpu0[i]
+		if pr == e.zt {
+			r.ztCPU = d
+		}
+		r.cpu += d
+	}
 	after := e.ztCounts()
 	out, in, errs := after.Outbound-before.Outbound, after.Inbound-before.Inbound, after.Errors-before.Errors
 	switch {

@@ -23,12 +23,15 @@ func (e *env) traffic(res *Results) {
 	seq, conc := map[string][]float64{}, map[string][]float64{}
 	p50, p90, p99 := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	tput := map[string][]float64{}
-	ztPerConn := map[string][]float64{}
+	ztPerConn, cpuPerConn := map[string][]float64{}, map[string][]float64{}
 	for rep := range s.reps {
 		for _, name := range allPaths {
 			p := e.paths[name]
 			r := e.measure(p, loadRequest{Op: "conn", Addr: p.echo, Duration: s.duration})
 			seq[name] = append(seq[name], rate(r))
+			if r.Conns > 0 {
+				cpuPerConn[name] = append(cpuPerConn[name], us(r.cpu)/float64(r.Conns))
+			}
 			if r.Conns > 0 && name != pathDirect {
 				ztPerConn[name] = append(ztPerConn[name], float64(r.ztCPU.Microseconds())/float64(r.Conns))
 			}
@@ -55,6 +58,7 @@ func (e *env) traffic(res *Results) {
 	res.Figures = append(res.Figures,
 		newFigure("conn_rate_seq", "conn/s", "higher", ">= 1.3x iptables", seq),
 		newFigure("conn_rate_conc", "conn/s", "higher", ">= 1.3x iptables", conc),
+		newFigure("conn_cpu_us", "us CPU/conn", "lower", "", cpuPerConn),
 		newFigure("rr_latency_p50", "us", "lower", "<= 0.8x iptables", p50),
 		newFigure("rr_latency_p90", "us", "lower", "", p90),
 		newFigure("rr_latency_p99", "us", "lower", "<= 0.8x iptables", p99),
