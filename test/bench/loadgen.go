@@ -123,9 +123,13 @@ type loadRequest struct {
 
 // loadResult is what the client measured.
 type loadResult struct {
-	Conns   int64         `json:"conns,omitempty"` // connections completed
-	Elapsed time.Duration `json:"elapsed"`
-	Bytes   uint64        `json:"bytes,omitempty"`
+	Conns int64 `json:"conns,omitempty"` // connections completed
+	// Failures counts connections of op conn that failed; FirstError is
+	// the first failure.
+	Failures   int64         `json:"failures,omitempty"`
+	FirstError string        `json:"firstError,omitempty"`
+	Elapsed    time.Duration `json:"elapsed"`
+	Bytes      uint64        `json:"bytes,omitempty"`
 	// Round-trip times of op rr, sorted.
 	RTTs []time.Duration `json:"rtts,omitempty"`
 }
@@ -147,10 +151,12 @@ func (c *client) handle(line []byte) (any, error) {
 }
 
 // connLoop runs Conc loops of connect + request + response + close for
-// Duration; any failed connection fails the measurement.
+// Duration. A failed connection is counted and the loop goes on; a loop
+// whose connections mostly fail stops, and so does the run when none
+// succeeded at all.
 func connLoop(req loadRequest) (loadResult, error) {
 	conc := max(req.Conc, 1)
-	var n atomic.Int64
+	var ok, failed atomic.Int64
 	var firstErr error
 	var once sync.Once
 	var wg sync.WaitGroup
@@ -162,16 +168,22 @@ func connLoop(req loadRequest) (loadResult, error) {
 			for time.Now().Before(deadline) {
 				if err := oneConn(req.Addr, buf, req.ServerCloses); err != nil {
 					once.Do(func() { firstErr = err })
-					return
+					if f := failed.Add(1); f > 100 && f > ok.Load() {
+						return
+					}
+					continue
 				}
-				n.Add(1)
+				ok.Add(1)
 			}
 		})
 	}
 	wg.Wait()
-	res := loadResult{Conns: n.Load(), Elapsed: time.Since(start)}
+	res := loadResult{Conns: ok.Load(), Failures: failed.Load(), Elapsed: time.Since(start)}
 	if firstErr != nil {
-		return res, fmt.Errorf("after %d connections: %w", res.Conns, firstErr)
+		res.FirstError = firstErr.Error()
+	}
+	if res.Conns == 0 && firstErr != nil {
+		return res, fmt.Errorf("no connection succeeded: %w", firstErr)
 	}
 	return res, nil
 }
