@@ -64,7 +64,7 @@ test: deps vet ## run every test, kernel suites included (as root); the README's
 # Knobs: BENCH_REPS, BENCH_DURATION, BENCH_CONC, BENCH_RTTS, BENCH_ENROLL_PODS,
 # BENCH_SCALE_PODS (see test/bench/bench_test.go).
 .PHONY: bench
-bench: ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json and docs/BENCHMARKS.md
+bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json and docs/BENCHMARKS.md
 	@mkdir -p bench
 	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md \
 		$(GO) test -count=1 -timeout 15m -run '^TestBench$$' -v ./test/bench
