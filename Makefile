@@ -120,6 +120,14 @@ image: ## build the container image (needs docker; deploy/dockerfile_test.go che
 demo: deps build cni-plugins ## run a self-contained demo node (root): CNI chain, agent, ztunnel stand-in, real traffic
 	$(GO) run ./demo --bin bin --cni-plugins $(CNI_PLUGINS_DIR) --pods demo/pods.yaml
 
+# Knobs: BENCH_REPS, BENCH_DURATION, BENCH_CONC, BENCH_RTTS, BENCH_ENROLL_PODS,
+# BENCH_SCALE_PODS (see test/bench/bench_test.go).
+.PHONY: bench
+bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json and docs/BENCHMARKS.md
+	@mkdir -p bench
+	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md \
+		$(GO) test -count=1 -timeout 15m -run '^TestBench$$' -v ./test/bench
+
 .PHONY: clean
 clean: ## remove build outputs
 	rm -rf bin

@@ -1,0 +1,218 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+)
+
+// agent owns the dataplane in a process of its own, in the node netns,
+// as the node agent would: its RSS is the dataplane's cost.
+type agent struct {
+	dp      *dataplane.Dataplane
+	profile *os.File // a CPU profile being written
+}
+
+type agentRequest struct {
+	Op     string           `json:"op"` // new, enroll, remove, stats, mem, progs, uninstall, pprof-start, pprof-stop
+	Config dataplane.Config `json:"config,omitzero"`
+	Pods   []dataplane.Pod  `json:"pods,omitempty"`
+	UIDs   []string         `json:"uids,omitempty"`
+	Path   string           `json:"path,omitempty"` // pprof-start: where the CPU profile goes
+}
+
+// enrollResult times each Enroll call, from the request to redirection
+// in place (Enroll returns once the pod's netns entry is written).
+type enrollResult struct {
+	Latencies []time.Duration `json:"latencies"`
+	Total     time.Duration   `json:"total"`
+}
+
+// memResult is the agent's memory: resident set now and at its peak, and
+// the kernel memory charged to the pinned maps.
+type memResult struct {
+	RSSBytes  int64 `json:"rssBytes"`
+	HWMBytes  int64 `json:"hwmBytes"`
+	MapBytes  int64 `json:"mapBytes"`
+	MapsCount int   `json:"mapsCount"`
+}
+
+// progStat is one BPF program's run count and time (kernel.bpf_stats_enabled).
+type progStat struct {
+	Name    string        `json:"name"`
+	Runs    uint64        `json:"runs"`
+	Runtime time.Duration `json:"runtime"`
+}
+
+func (a *agent) handle(line []byte) (any, error) {
+	req, err := decode[agentRequest](line)
+	if err != nil {
+		return nil, err
+	}
+	switch req.Op {
+	case "pprof-start":
+		if a.profile, err = os.Create(req.Path); err != nil {
+			return nil, err
+		}
+		return nil, pprof.StartCPUProfile(a.profile)
+	case "pprof-stop":
+		pprof.StopCPUProfile()
+		return nil, a.profile.Close()
+	}
+	if req.Op != "new" && a.dp == nil {
+		return nil, errors.New("no dataplane loaded")
+	}
+	switch req.Op {
+	case "new":
+		a.dp, err = dataplane.New(req.Config)
+		return nil, err
+	case "enroll":
+		res := enrollResult{Latencies: make([]time.Duration, 0, len(req.Pods))}
+		start := time.Now()
+		for _, p := range req.Pods {
+			t0 := time.Now()
+			if err := a.dp.Enroll(context.Background(), p); err != nil {
+				return nil, err
+			}
+			res.Latencies = append(res.Latencies, time.Since(t0))
+		}
+		res.Total = time.Since(start)
+		return res, nil
+	case "remove":
+		for _, uid := range req.UIDs {
+			if err := a.dp.Remove(context.Background(), uid); err != nil {
+				return nil, err
+			}
+		}
+		return nil, nil
+	case "stats":
+		return a.dp.Stats(req.UIDs[0])
+	case "mem":
+		return a.mem(req.Config.BPFFSDir)
+	case "progs":
+		return progStats(req.Config.BPFFSDir)
+	case "uninstall":
+		err := a.dp.Uninstall()
+		a.dp = nil
+		return nil, err
+	}
+	return nil, fmt.Errorf("unknown op %q", req.Op)
+}
+
+// close leaves the node clean when the benchmark ends early.
+func (a *agent) close() {
+	if a.dp != nil {
+		_ = a.dp.Uninstall()
+	}
+}
+
+func (a *agent) mem(bpffs string) (memResult, error) {
+	var m memResult
+	status, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return m, err
+	}
+	m.RSSBytes = statusKiB(string(status), "VmRSS:") << 10
+	m.HWMBytes = statusKiB(string(status), "VmHWM:") << 10
+	err = filepath.WalkDir(filepath.Join(bpffs, "maps"), func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		mp, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			return fmt.Errorf("open map %s: %w", path, err)
+		}
+		defer mp.Close()
+		info, err := mp.Info()
+		if err != nil {
+			return fmt.Errorf("map %s: %w", path, err)
+		}
+		memlock, ok := info.Memlock()
+		if !ok {
+			return fmt.Errorf("map %s: the kernel reports no memlock", path)
+		}
+		m.MapBytes += int64(memlock)
+		m.MapsCount++
+		return nil
+	})
+	return m, err
+}
+
+// statusKiB reads a "Key:   123 kB" line of /proc/<pid>/status.
+func statusKiB(status, key string) int64 {
+	for l := range strings.Lines(status) {
+		if rest, ok := strings.CutPrefix(l, key); ok {
+			v, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
+			return v
+		}
+	}
+	return 0
+}
+
+// progStats sums run counts and times per program name over every link
+// pinned under bpffs.
+func progStats(bpffs string) ([]progStat, error) {
+	byName := map[string]*progStat{}
+	var order []string
+	seen := map[ebpf.ProgramID]bool{}
+	err := filepath.WalkDir(bpffs, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() || strings.Contains(path, "/maps/") {
+			return err
+		}
+		l, err := link.LoadPinnedLink(path, nil)
+		if err != nil {
+			return fmt.Errorf("open link %s: %w", path, err)
+		}
+		defer l.Close()
+		info, err := l.Info()
+		if err != nil {
+			return fmt.Errorf("link %s: %w", path, err)
+		}
+		if seen[info.Program] {
+			return nil
+		}
+		seen[info.Program] = true
+		prog, err := ebpf.NewProgramFromID(info.Program)
+		if err != nil {
+			return fmt.Errorf("program of %s: %w", path, err)
+		}
+		defer prog.Close()
+		pi, err := prog.Info()
+		if err != nil {
+			return fmt.Errorf("program of %s: %w", path, err)
+		}
+		s := byName[pi.Name]
+		if s == nil {
+			s = &progStat{Name: pi.Name}
+			byName[pi.Name] = s
+			order = append(order, pi.Name)
+		}
+		st, err := prog.Stats()
+		if err != nil {
+			return fmt.Errorf("program of %s: %w", path, err)
+		}
+		s.Runs += st.RunCount
+		s.Runtime += st.Runtime
+		return nil
+	})
+	out := make([]progStat, 0, len(order))
+	for _, name := range order {
+		out = append(out, *byName[name])
+	}
+	return out, err
+}
