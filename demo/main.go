@@ -135,7 +135,7 @@ type demo struct {
 	cni                    *libcni.CNIConfig
 	list                   *libcni.NetworkConfigList
 	confDir, binDir, sock  string
-	zdsSock                string
+	zdsSock, inspectSock   string
 	agent                  *simnode.Process
 	zt                     *simnode.Ztunnel
 	inNode                 func(func() error) error
@@ -205,11 +205,11 @@ func (d *demo) setupCNI() {
 func (d *demo) startAgent() {
 	d.step("the agent (standalone: pods from %s), and ztunnel connecting over ZDS", filepath.Base(d.podsPath))
 	dir := d.r.TempDir()
-	d.zdsSock, d.sock = filepath.Join(dir, "ztunnel.sock"), filepath.Join(dir, "cni.sock")
+	d.zdsSock, d.sock, d.inspectSock = filepath.Join(dir, "ztunnel.sock"), filepath.Join(dir, "cni.sock"), filepath.Join(dir, "inspect.sock")
 	d.agent = simnode.StartProcess(d.r, d.node.NodeNS, "", filepath.Join(d.bin, "ambient-ebpf-agent"),
 		"--standalone-pods", d.podsPath, "--node-name", "demo-node",
 		"--bpffs-dir", d.node.BPFFSDir, "--cgroup-root", d.node.CgroupRoot, "--node-netns", simnode.NetnsPath(d.node.NodeNS),
-		"--zds-socket", d.zdsSock, "--cni-socket", d.sock, "--proc-root", "/proc",
+		"--zds-socket", d.zdsSock, "--cni-socket", d.sock, "--inspect-socket", filepath.Join(dir, "inspect.sock"), "--proc-root", "/proc",
 		"--cni-bin-dir", d.binDir, "--cni-conf-dir", d.confDir, "--cni-plugin-binary", filepath.Join(d.bin, "ambient-ebpf-cni"),
 		"--uninstall-on-exit")
 	d.waitAgent("/readyz", "")
@@ -370,9 +370,9 @@ func (d *demo) show(what string, app *simnode.App, dst netip.AddrPort) {
 }
 
 func (d *demo) inspect() {
-	for _, args := range [][]string{{"pods"}, {"stats"}, {"maps"}} {
-		d.step("ambient-ebpf %s   (reads the pins directly)", strings.Join(args, " "))
-		cmd := exec.Command(filepath.Join(d.bin, "ambient-ebpf"), append([]string{"--bpffs", d.node.BPFFSDir}, args...)...)
+	for _, args := range [][]string{{"status"}, {"pods"}, {"stats"}, {"maps"}} {
+		d.step("ambient-ebpf %s", strings.Join(args, " "))
+		cmd := exec.Command(filepath.Join(d.bin, "ambient-ebpf"), append([]string{"--bpffs", d.node.BPFFSDir, "--inspect-socket", d.inspectSock}, args...)...)
 		cmd.Stdout, cmd.Stderr = d.out, d.out
 		if err := cmd.Run(); err != nil {
 			d.r.Fatalf("ambient-ebpf %s: %v", args[0], err)

@@ -58,9 +58,10 @@ type agent struct {
 	log     *slog.Logger
 	metrics *metrics
 
-	client  kubernetes.Interface
-	inst    *install.Installer
-	serving atomic.Bool
+	client   kubernetes.Interface
+	inst     *install.Installer
+	serving  atomic.Bool
+	features map[string]bool // kernel features of the data path, for the CLI
 }
 
 func (a *agent) ready() (bool, string) {
@@ -139,6 +140,10 @@ func (a *agent) run(ctx context.Context) error {
 	cniDone := make(chan error, 1)
 	go func() { cniDone <- events.Serve(ctx, a.cfg.CNISocket, m) }()
 	go a.watchZtunnel(ctx, m)
+	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m})
+	if err != nil {
+		return a.shutdown(dp, err)
+	}
 	// 6. Ready.
 	a.serving.Store(true)
 	log.Info("agent ready", "node", a.cfg.NodeName, "enrolled", m.count(), "zds", a.cfg.ZDSSocket, "cni", a.cfg.CNISocket)
@@ -156,6 +161,8 @@ func (a *agent) run(ctx context.Context) error {
 		runErr = fmt.Errorf("health server stopped: %w", err)
 	case err := <-metricsDone:
 		runErr = fmt.Errorf("metrics server stopped: %w", err)
+	case err := <-inspectDone:
+		runErr = fmt.Errorf("inspection server stopped: %w", err)
 	}
 	a.serving.Store(false)
 	cancel()

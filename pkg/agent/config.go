@@ -32,8 +32,9 @@ type Config struct {
 	// Repair is what to do with an ambient pod that runs unredirected.
 	Repair kube.RepairConfig
 
-	ZDSSocket string
-	CNISocket string
+	ZDSSocket     string
+	CNISocket     string
+	InspectSocket string
 	// ProcRoot is scanned to find running pods' netns (host /proc).
 	ProcRoot string
 
@@ -71,6 +72,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.CNISocket == "" {
 		c.CNISocket = events.DefaultSocketPath
+	}
+	if c.InspectSocket == "" {
+		c.InspectSocket = DefaultInspectSocket
 	}
 	if c.ProcRoot == "" {
 		c.ProcRoot = DefaultProcRoot

@@ -27,6 +27,7 @@ type Flags struct {
 	bpffs, cgroupRoot, nodeNetns                string
 	probeV4, probeV6                            string
 	zdsSocket, cniSocket, procRoot              string
+	inspectSocket                               string
 	healthAddr, metricsAddr                     string
 	cniBinDirs                                  listFlag
 	cniConfDir, cniConfName, pluginBinary       string
@@ -61,6 +62,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.probeV6, "probe-snat-v6", dataplane.DefaultProbeV6.String(), "host-probe SNAT address (IPv6)")
 	fs.StringVar(&f.zdsSocket, "zds-socket", "", "ZDS socket ztunnel connects to (default /var/run/ztunnel/ztunnel.sock)")
 	fs.StringVar(&f.cniSocket, "cni-socket", "", "socket the CNI plugin calls (default /var/run/ambient-ebpf/cni.sock)")
+	fs.StringVar(&f.inspectSocket, "inspect-socket", "", "socket the CLI asks (default "+DefaultInspectSocket+")")
 	fs.StringVar(&f.procRoot, "proc-root", DefaultProcRoot, "the host's /proc, scanned for running pods' netns")
 	fs.StringVar(&f.healthAddr, "health-addr", DefaultHealthAddr, "address of /healthz and /readyz")
 	fs.StringVar(&f.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address of /metrics")
@@ -101,7 +103,7 @@ func (f *Flags) Config() (Config, error) {
 	c := Config{
 		Logger:   log,
 		NodeName: f.nodeName, Kubeconfig: f.kubeconfig, StandalonePods: f.standalone,
-		ZDSSocket: f.zdsSocket, CNISocket: f.cniSocket, ProcRoot: f.procRoot,
+		ZDSSocket: f.zdsSocket, CNISocket: f.cniSocket, InspectSocket: f.inspectSocket, ProcRoot: f.procRoot,
 		HealthAddr: f.healthAddr, MetricsAddr: f.metricsAddr,
 		DaemonSetNamespace: f.dsNamespace, DaemonSetName: f.dsName, UninstallOnExit: f.uninstallOnExit,
 	}

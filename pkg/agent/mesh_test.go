@@ -89,11 +89,15 @@ func (s *fakeSource) Lookup(_ context.Context, namespace, name string) (*corev1.
 	return p, s.ns[namespace], nil
 }
 
-func (s *fakeSource) Requeue(namespace, name string) { s.requeued = append(s.requeued, namespace+"/"+name) }
+func (s *fakeSource) Requeue(namespace, name string) {
+	s.requeued = append(s.requeued, namespace+"/"+name)
+}
 
 type fakeFinder struct{}
 
-func (fakeFinder) Find(types.UID) (podnetns.NetNS, error) { return podnetns.NetNS{Path: "/proc/1/ns/net"}, nil }
+func (fakeFinder) Find(types.UID) (podnetns.NetNS, error) {
+	return podnetns.NetNS{Path: "/proc/1/ns/net"}, nil
+}
 
 func newTestMesh(conns int) (*mesh, *fakeDataplane, *fakeZtunnel, *fakeSource) {
 	dp := &fakeDataplane{enrolled: map[string]dataplane.Pod{}}

@@ -6,86 +6,91 @@ package cli
 import (
 	"context"
 	"fmt"
-	"net/http"
+	"maps"
+	"slices"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 )
 
 // agentOptions say where the agent answers.
 type agentOptions struct {
-	healthURL string
+	inspectSocket string
 }
 
 func (a *agentOptions) addFlags(cmd *cobra.Command) {
-	cmd.PersistentFlags().StringVar(&a.healthURL, "health-url", "http://127.0.0.1:8000", "the agent's health endpoint")
+	cmd.PersistentFlags().StringVar(&a.inspectSocket, "inspect-socket", "/var/run/ambient-ebpf/inspect.sock", "the agent's inspection socket")
 }
 
 // Status is what `ambient-ebpf status` reports.
 type Status struct {
-	Agent        AgentHealth `json:"agent"`
-	Installed    bool        `json:"installed"`
-	EnrolledPods int         `json:"enrolledPods"`
-	PinError     string      `json:"pinError,omitempty"`
+	// Agent is the running agent's view; nil when it does not answer.
+	Agent      *inspectv1.StatusResponse `json:"agent,omitempty"`
+	AgentError string                    `json:"agentError,omitempty"`
+	// Pinned is what the pins say, agent or not.
+	Installed  bool   `json:"installed"`
+	PinnedPods int    `json:"pinnedPods"`
+	PinError   string `json:"pinError,omitempty"`
 }
 
-// AgentHealth is the agent's /healthz and /readyz.
-type AgentHealth struct {
-	Alive bool   `json:"alive"`
-	Ready bool   `json:"ready"`
-	Error string `json:"error,omitempty"`
-}
-
-func probe(ctx context.Context, url string) (bool, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+func askAgent(ctx context.Context, socket string) (*inspectv1.StatusResponse, error) {
+	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		return false, err
+		return nil, err
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return false, err
-	}
-	resp.Body.Close()
-	return resp.StatusCode == http.StatusOK, nil
+	defer conn.Close()
+	return inspectv1.NewInspectClient(conn).Status(ctx, &inspectv1.StatusRequest{})
 }
 
 func statusCommand(o *options) *cobra.Command {
 	return &cobra.Command{
 		Use:   "status",
-		Short: "Agent health, enrolled pod count and the data path in use",
+		Short: "Agent readiness, ztunnel connections, enrolled pods and kernel features in use",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), 3*time.Second)
 			defer cancel()
 			var st Status
-			alive, err := probe(ctx, o.agent.healthURL+"/healthz")
-			st.Agent.Alive = alive
-			if err != nil {
-				st.Agent.Error = err.Error()
+			if resp, err := askAgent(ctx, o.agent.inspectSocket); err != nil {
+				st.AgentError = fmt.Sprintf("agent not reachable on %s: %v", o.agent.inspectSocket, err)
 			} else {
-				st.Agent.Ready, _ = probe(ctx, o.agent.healthURL+"/readyz")
+				st.Agent = resp
 			}
 			if p, err := o.open(); err != nil {
 				st.PinError = err.Error()
 			} else {
 				st.Installed = true
 				if pods, err := p.Pods(); err == nil {
-					st.EnrolledPods = len(pods)
+					st.PinnedPods = len(pods)
 				}
 				p.Close()
 			}
 			return o.emit(cmd.OutOrStdout(), st, func(w *tabwriter.Writer) {
-				fmt.Fprintf(w, "agent alive\t%v\n", st.Agent.Alive)
-				fmt.Fprintf(w, "agent ready\t%v\n", st.Agent.Ready)
-				if st.Agent.Error != "" {
-					fmt.Fprintf(w, "agent error\t%s\n", st.Agent.Error)
+				if a := st.Agent; a != nil {
+					ready := "yes"
+					if !a.Ready {
+						ready = "no: " + a.NotReadyReason
+					}
+					fmt.Fprintf(w, "agent ready\t%s\n", ready)
+					fmt.Fprintf(w, "node\t%s (pods from %s)\n", a.Node, a.Source)
+					fmt.Fprintf(w, "ztunnel connections\t%d\n", a.ZtunnelConnections)
+					fmt.Fprintf(w, "enrolled pods\t%d (%d pending ztunnel)\n", a.EnrolledPods, a.PendingPods)
+					for _, f := range slices.Sorted(maps.Keys(a.Features)) {
+						fmt.Fprintf(w, "kernel feature %s\t%v\n", f, a.Features[f])
+					}
+				} else {
+					fmt.Fprintf(w, "agent\t%s\n", st.AgentError)
 				}
 				fmt.Fprintf(w, "data path pinned\t%v\n", st.Installed)
 				if st.PinError != "" {
 					fmt.Fprintf(w, "pin error\t%s\n", st.PinError)
 				}
-				fmt.Fprintf(w, "enrolled pods\t%d\n", st.EnrolledPods)
+				fmt.Fprintf(w, "pinned pods\t%d\n", st.PinnedPods)
 			})
 		},
 	}

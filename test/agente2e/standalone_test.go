@@ -7,6 +7,7 @@
 package agente2e
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net"
@@ -19,6 +20,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -62,7 +64,8 @@ func (n *agentNode) startAgent(t *testing.T, extra ...string) {
 	t.Helper()
 	args := append([]string{n.bin, "--standalone-pods", n.podFile, "--node-name", "node-1",
 		"--bpffs-dir", n.BPFFSDir, "--cgroup-root", n.CgroupRoot, "--node-netns", simnode.NetnsPath(n.NodeNS),
-		"--zds-socket", n.zds, "--cni-socket", n.cni, "--install-cni=false", "--log-level", "debug"}, extra...)
+		"--zds-socket", n.zds, "--cni-socket", n.cni, "--inspect-socket", filepath.Join(n.dir, "inspect.sock"),
+		"--install-cni=false", "--log-level", "debug"}, extra...)
 	n.agent = simnode.StartProcess(t, n.NodeNS, "", args...)
 	deadline := time.Now().Add(20 * time.Second)
 	for {
@@ -187,6 +190,17 @@ func TestAgentEnrollsThroughCNIAndZDS(t *testing.T) {
 		t.Errorf("outbound connection did not go through ztunnel: %+v", rec)
 	}
 
+	var status bytes.Buffer
+	cmd := cli.NewCommand(&status)
+	cmd.SetArgs([]string{"--bpffs", n.BPFFSDir, "--inspect-socket", filepath.Join(n.dir, "inspect.sock"), "-o", "json", "status"})
+	if err := cmd.Execute(); err != nil {
+		t.Fatalf("ambient-ebpf status: %v", err)
+	}
+	for _, want := range []string{`"ready": true`, `"ztunnel_connections": 1`, `"enrolled_pods": 1`, `"pinnedPods": 1`} {
+		if !strings.Contains(status.String(), want) {
+			t.Errorf("status lacks %s:\n%s", want, status.String())
+		}
+	}
 	if code, _ := n.get("/healthz"); code != http.StatusOK {
 		t.Errorf("/healthz = %d", code)
 	}

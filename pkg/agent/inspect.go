@@ -1,0 +1,63 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package agent
+
+import (
+	"context"
+	"fmt"
+
+	"google.golang.org/grpc"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
+)
+
+// DefaultInspectSocket is where the agent answers the CLI.
+const DefaultInspectSocket = "/var/run/ambient-ebpf/inspect.sock"
+
+type inspector struct {
+	inspectv1.UnimplementedInspectServer
+	a *agent
+	m *mesh
+}
+
+func (i *inspector) Status(context.Context, *inspectv1.StatusRequest) (*inspectv1.StatusResponse, error) {
+	ready, why := i.a.ready()
+	resp := &inspectv1.StatusResponse{
+		Ready: ready, NotReadyReason: why, ZtunnelConnections: int32(i.m.zt.Connections()),
+		Node: i.a.cfg.NodeName, Source: "kubernetes", BpffsDir: i.a.cfg.Dataplane.BPFFSDir,
+		Features: i.a.features,
+	}
+	if i.a.cfg.StandalonePods != "" {
+		resp.Source = "pod file " + i.a.cfg.StandalonePods
+	}
+	i.m.mu.Lock()
+	for _, mb := range i.m.members {
+		resp.EnrolledPods++
+		if mb.state == kube.RedirectionPending {
+			resp.PendingPods++
+		}
+	}
+	i.m.mu.Unlock()
+	return resp, nil
+}
+
+// serveInspect serves the inspection API on a root-only unix socket until
+// ctx ends.
+func serveInspect(ctx context.Context, path string, srv inspectv1.InspectServer) (<-chan error, error) {
+	ln, err := events.Listen(path)
+	if err != nil {
+		return nil, fmt.Errorf("inspection socket: %w", err)
+	}
+	g := grpc.NewServer()
+	inspectv1.RegisterInspectServer(g, srv)
+	done := make(chan error, 1)
+	go func() { done <- g.Serve(ln) }()
+	go func() {
+		<-ctx.Done()
+		g.Stop()
+	}()
+	return done, nil
+}
