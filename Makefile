@@ -91,6 +91,7 @@ build: ## build all binaries into bin/
 vet: ## go vet and gofmt
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt needed"; exit 1; }
 	$(GO) vet ./...
+	$(GO) vet -tags bench ./test/bench
 
 .PHONY: kube-bins
 kube-bins: $(KUBE_BINS)/kube-apiserver $(KUBE_BINS)/etcd ## build kube-apiserver and etcd into .cache/kube/<version> once (cold: ~15 min)
@@ -126,7 +127,7 @@ demo: deps build cni-plugins ## run a self-contained demo node (root): CNI chain
 bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json and docs/BENCHMARKS.md
 	@mkdir -p bench
 	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md \
-		$(GO) test -count=1 -timeout 15m -run '^TestBench$$' -v ./test/bench
+		$(GO) test -tags bench -count=1 -timeout 15m -run '^TestBench$$' -v ./test/bench
 
 .PHONY: clean
 clean: ## remove build outputs

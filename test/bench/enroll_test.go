@@ -1,6 +1,8 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
+//go:build bench
+
 package bench
 
 import (

@@ -12,6 +12,8 @@
 // netns, and an agent that owns the dataplane, so its memory is its own.
 // Each helper gets one JSON request per measurement and answers with the
 // numbers, so the protocol costs nothing while the clock runs.
+//go:build bench
+
 package bench
 
 import (
