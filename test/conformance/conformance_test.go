@@ -264,13 +264,13 @@ func scenarios() []scenario {
 			got := e.observeDNS(e.appD.Do(simnode.AppRequest{Op: "dns", Addr: server, DNSName: name, Proto: "udp"}))
 			return got, Outcome{Answer: simnode.OutsideDNSAnswer, ReplyFrom: server}
 		}},
-		{"R14_virtual_interface_outbound", []family{v4}, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
-			dst := netip.AddrPortFrom(simnode.OutsideV4, appPort)
+		{"R14_virtual_interface_outbound", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			dst := netip.AddrPortFrom(f.pick(simnode.OutsideV4, simnode.OutsideV6), appPort)
 			resp, err := e.appVM.Dial("tcp", simnode.AppRequest{Addr: dst})
 			got := e.observe(resp, err)
 			// The VM's connection is the pod's outbound traffic: ztunnel
 			// carries it from the pod's address.
-			return got, Outcome{Server: "outside", ServerPeer: e.e.V4, ServerAddr: dst,
+			return got, Outcome{Server: "outside", ServerPeer: f.pick(e.e.V4, e.e.V6), ServerAddr: dst,
 				Ztunnel: &ZtunnelSaw{Listener: standin.OutboundPort, OrigDst: dst, From: "SO_ORIGINAL_DST"}}
 		}},
 		{"H1_host_probe_snat", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {

@@ -290,14 +290,17 @@ type VM struct {
 	NS    string // netns name
 	Iface string // the interface's name inside the pod
 	Addr  netip.Addr
+	Addr6 netip.Addr
 }
 
 // AddVirtualInterface gives the pod a virtual interface leading to a VM
 // host of its own; the pod routes for it.
 func (n *Node) AddVirtualInterface(p *Pod, iface string) *VM {
 	n.t.Helper()
-	v := &VM{NS: p.NS + "-vm", Iface: iface, Addr: netip.MustParseAddr("198.18.200.2")}
+	v := &VM{NS: p.NS + "-vm", Iface: iface, Addr: netip.MustParseAddr("198.18.200.2"), Addr6: netip.MustParseAddr("fd00:198:18:200::2")}
 	n.addNetns(v.NS)
+	n.Sysctl(v.NS, "net/ipv6/conf/all/accept_dad", "0")
+	n.Sysctl(v.NS, "net/ipv6/conf/default/accept_dad", "0")
 	n.IP(v.NS, "link", "set", "lo", "up")
 	n.IP(p.NS, "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", v.NS)
 	n.IP(p.NS, "addr", "add", "198.18.200.1/24", "dev", iface)
@@ -305,7 +308,11 @@ func (n *Node) AddVirtualInterface(p *Pod, iface string) *VM {
 	n.IP(v.NS, "addr", "add", v.Addr.String()+"/24", "dev", "eth0")
 	n.IP(v.NS, "link", "set", "eth0", "up")
 	n.IP(v.NS, "route", "add", "default", "via", "198.18.200.1")
+	n.IP(p.NS, "addr", "add", "fd00:198:18:200::1/64", "dev", iface, "nodad")
+	n.IP(v.NS, "addr", "add", v.Addr6.String()+"/64", "dev", "eth0", "nodad")
+	n.IP(v.NS, "-6", "route", "add", "default", "via", "fd00:198:18:200::1")
 	n.Sysctl(p.NS, "net/ipv4/ip_forward", "1")
+	n.Sysctl(p.NS, "net/ipv6/conf/all/forwarding", "1")
 	return v
 }
 
