@@ -259,10 +259,18 @@ func (a *agent) reconcileAtStart(ctx context.Context, m *mesh, src podSource, sn
 			continue
 		}
 		mb.netns = ns.Path
+		// Re-applied in place; its state stays enabled: ztunnel had it
+		// and gets it again in the snapshot of its next connection, so
+		// the annotation does not flap through pending on a restart.
 		d := enrollment.Decide(a.cfg.Enrollment, pod, nil)
-		if err := m.add(ctx, mb, podIPs(pod), "", d.Options, false); err != nil {
+		if err := m.dp.Enroll(ctx, dataplane.Pod{UID: uid, Namespace: pod.Namespace, Name: pod.Name, Netns: mb.netns,
+			IPs: podIPs(pod), Options: dpOptions(d.Options)}); err != nil {
 			a.log.Error("re-enrolling snapshot pod failed", "pod", pod.Namespace+"/"+pod.Name, "error", err)
+			if _, ok := adopted[uid]; !ok {
+				continue
+			}
 		}
+		m.keep(mb)
 	}
 	for uid, p := range adopted {
 		if seen[uid] {

@@ -4,16 +4,12 @@
 package agente2e
 
 import (
-	"fmt"
 	"net/netip"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
-	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
 
 // The agent is killed with SIGKILL while a redirected TCP stream runs and
@@ -40,62 +36,21 @@ func TestAgentSIGKILLKeepsRedirection(t *testing.T) {
 		t.Fatal(err)
 	}
 	app := n.StartApp(a)
-	stream, err := app.Do(simnode.AppRequest{Op: "stream-open", Name: "s", Addr: netip.AddrPortFrom(simnode.OutsideV4, 9090)})
+	probe, err := simnode.StartTrafficProbe(app, zt, netip.AddrPortFrom(simnode.OutsideV4, 9090), netip.AddrPortFrom(simnode.OutsideV4, 8080))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rec, ok := zt.RecordFor(stream.Local); !ok || rec.Listener != standin.OutboundPort {
-		t.Fatalf("the stream does not go through ztunnel: %+v", rec)
-	}
-
-	// Probe all the time: a new connection every few milliseconds, each
-	// checked for having gone through ztunnel, and the stream kept talking.
-	var (
-		stop     atomic.Bool
-		wg       sync.WaitGroup
-		mu       sync.Mutex
-		failures []string
-		conns    atomic.Int64
-	)
-	fail := func(format string, args ...any) {
-		mu.Lock()
-		failures = append(failures, fmt.Sprintf(format, args...))
-		mu.Unlock()
-	}
-	dst := netip.AddrPortFrom(simnode.OutsideV4, 8080)
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for i := 0; !stop.Load(); i++ {
-			resp, err := app.Dial("tcp", simnode.AppRequest{Addr: dst})
-			if err != nil {
-				fail("connection %d: %v", i, err)
-				continue
-			}
-			conns.Add(1)
-			if rec, ok := zt.RecordFor(resp.Local); !ok || rec.OrigDst != dst {
-				fail("connection %d from %s bypassed ztunnel", i, resp.Local)
-			}
-			if _, err := app.Do(simnode.AppRequest{Op: "stream-echo", Name: "s", DNSName: fmt.Sprintf("msg-%d", i)}); err != nil {
-				fail("stream: %v", err)
-				return
-			}
-		}
-	}()
-
 	time.Sleep(300 * time.Millisecond)
 	n.agent.Kill()
 	time.Sleep(time.Second) // no agent at all
 	n.startAgent(t)
 	time.Sleep(500 * time.Millisecond)
-	stop.Store(true)
-	wg.Wait()
-
+	conns, failures := probe.Stop()
 	if len(failures) > 0 {
-		t.Errorf("%d failures around the restart (of %d connections), first: %v", len(failures), conns.Load(), failures[:min(5, len(failures))])
+		t.Errorf("%d failures around the restart (of %d connections), first: %v", len(failures), conns, failures[:min(5, len(failures))])
 	}
-	if conns.Load() < 10 {
-		t.Errorf("only %d connections were tried", conns.Load())
+	if conns < 10 {
+		t.Errorf("only %d connections were tried", conns)
 	}
 	if got := pinnedPods(t, n.BPFFSDir); len(got) != 1 || got[0].UID != a.UID {
 		t.Errorf("after the restart the pins hold %+v", got)

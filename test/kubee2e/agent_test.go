@@ -176,9 +176,11 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 	// one that started while no agent ran (to repair). Their apps run.
 	old, oldNode := r.pod("old", true, map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled})
 	late, lateNode := r.pod("late", true, nil)
+	var lateApp *simnode.App
 	for _, p := range []*simnode.Pod{oldNode, lateNode} {
 		app := r.node.StartApp(p)
 		app.Listen("tcp", p.Name, netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
+		lateApp = app
 	}
 	zt := r.node.StartZtunnelFor(r.zds)
 	r.start()
@@ -238,12 +240,30 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 	setLabel(&ambient)
 	r.waitFor("running pods enrolled again", func() bool { p := r.pinned(); return p["old"] && p["late"] })
 
-	// SIGKILL, restart: still enrolled, annotations stay.
+	// SIGKILL while a redirected stream runs and connections keep coming;
+	// restart: nothing bypasses ztunnel, the stream never breaks.
+	if _, err := out.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), 9090)}); err != nil {
+		t.Fatal(err)
+	}
+	out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
+	probe, err := simnode.StartTrafficProbe(lateApp, zt, netip.AddrPortFrom(simnode.OutsideV4, 9090), netip.AddrPortFrom(simnode.OutsideV4, 8080))
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond)
 	r.proc.Kill()
 	if p := r.pinned(); !p["old"] || !p["late"] {
 		t.Errorf("pins after SIGKILL: %v", p)
 	}
+	time.Sleep(time.Second)
 	r.start()
+	time.Sleep(500 * time.Millisecond)
+	if conns, failures := probe.Stop(); len(failures) > 0 || conns < 10 {
+		t.Errorf("around the SIGKILL restart: %d connections, failures %v", conns, failures[:min(5, len(failures))])
+	}
+	if r.annotation(old) != enrollment.RedirectionEnabled || r.annotation(late) != enrollment.RedirectionEnabled {
+		t.Errorf("annotations after the restart: %q %q", r.annotation(old), r.annotation(late))
+	}
 	_, metrics := r.get(r.metrics, "/metrics")
 	for _, want := range []string{"istio_cni_install_ready 1", "ambient_ebpf_enrolled_pods", "nodeagent_reconcile_events_total"} {
 		if !strings.Contains(metrics, want) {
