@@ -32,6 +32,7 @@ type Flags struct {
 	cniBinDirs                                  listFlag
 	cniConfDir, cniConfName, pluginBinary       string
 	cniKubeconfig, tokenPath, caPath, apiServer string
+	hostRoot                                    string
 	installCNI                                  bool
 	excluded                                    string
 	dnsCapture                                  bool
@@ -71,7 +72,8 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.cniConfDir, "cni-conf-dir", "/host/etc/cni/net.d", "host CNI configuration directory")
 	fs.StringVar(&f.cniConfName, "cni-conf-name", "", "write this own conflist instead of chaining into the primary CNI's")
 	fs.StringVar(&f.pluginBinary, "cni-plugin-binary", "/usr/local/bin/ambient-ebpf-cni", "the plugin binary to install")
-	fs.StringVar(&f.cniKubeconfig, "cni-kubeconfig", "", "host path of the plugin's kubeconfig (default <cni-conf-dir>/ambient-ebpf-cni.kubeconfig)")
+	fs.StringVar(&f.cniKubeconfig, "cni-kubeconfig", "", "where the agent writes the plugin's kubeconfig (default <cni-conf-dir>/ambient-ebpf-cni.kubeconfig)")
+	fs.StringVar(&f.hostRoot, "host-root", "/host", "where host directories are mounted; stripped from paths the plugin reads on the host")
 	fs.StringVar(&f.tokenPath, "token-path", "/var/run/secrets/kubernetes.io/serviceaccount/token", "service-account token the plugin's kubeconfig carries")
 	fs.StringVar(&f.caPath, "ca-path", "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt", "API server CA for the plugin's kubeconfig")
 	fs.StringVar(&f.apiServer, "api-server", "", "API server URL as the host sees it (default from KUBERNETES_SERVICE_HOST/PORT)")
@@ -153,6 +155,9 @@ func (f *Flags) Config() (Config, error) {
 			ic.KubeconfigPath = f.cniKubeconfig
 			if ic.KubeconfigPath == "" {
 				ic.KubeconfigPath = f.cniConfDir + "/ambient-ebpf-cni.kubeconfig"
+			}
+			if f.hostRoot != "" && strings.HasPrefix(ic.KubeconfigPath, f.hostRoot+"/") {
+				ic.KubeconfigHostPath = strings.TrimPrefix(ic.KubeconfigPath, f.hostRoot)
 			}
 			ic.TokenPath, ic.CAPath, ic.APIServer = f.tokenPath, f.caPath, f.apiServer
 			if ic.APIServer == "" {

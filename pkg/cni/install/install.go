@@ -56,6 +56,10 @@ type Config struct {
 	// KubeconfigPath is where the plugin's kubeconfig is written (host path,
 	// passed to the plugin as "kubeconfig"). Empty: no kubeconfig (standalone).
 	KubeconfigPath string
+	// KubeconfigHostPath is the same file as the plugin on the host sees it,
+	// when the agent sees host directories elsewhere (a container mounting
+	// /etc/cni/net.d at /host/etc/cni/net.d). Empty: KubeconfigPath.
+	KubeconfigHostPath string
 	// APIServer is the API server URL as the host sees it.
 	APIServer string
 	// TokenPath and CAPath are the agent's service-account token and CA.
@@ -132,6 +136,9 @@ func (i *Installer) install(ctx context.Context) error {
 func (i *Installer) entry() (map[string]any, error) {
 	s := i.cfg.Plugin
 	s.Kubeconfig = i.cfg.KubeconfigPath
+	if i.cfg.KubeconfigHostPath != "" {
+		s.Kubeconfig = i.cfg.KubeconfigHostPath
+	}
 	raw, err := json.Marshal(s)
 	if err != nil {
 		return nil, fmt.Errorf("encode plugin settings: %w", err)

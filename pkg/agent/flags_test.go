@@ -1,0 +1,54 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package agent
+
+import (
+	"flag"
+	"slices"
+	"testing"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
+)
+
+func parse(t *testing.T, args ...string) (Config, error) {
+	t.Helper()
+	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
+	f := NewFlags(fs)
+	if err := fs.Parse(append([]string{"--cgroup-root", "/sys/fs/cgroup"}, args...)); err != nil {
+		t.Fatal(err)
+	}
+	return f.Config()
+}
+
+func TestFlagsBuildTheConfig(t *testing.T) {
+	c, err := parse(t, "--node-name", "n1", "--excluded-namespaces", "kube-system, istio-system", "--repair-mode", "delete",
+		"--cni-conf-dir", "/host/etc/cni/net.d")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(c.Enrollment.ExcludedNamespaces, []string{"kube-system", "istio-system"}) {
+		t.Errorf("excluded namespaces %v", c.Enrollment.ExcludedNamespaces)
+	}
+	if c.Repair.Mode != kube.RepairDelete {
+		t.Errorf("repair mode %q", c.Repair.Mode)
+	}
+	if c.Install == nil || c.Install.KubeconfigPath != "/host/etc/cni/net.d/ambient-ebpf-cni.kubeconfig" ||
+		c.Install.KubeconfigHostPath != "/etc/cni/net.d/ambient-ebpf-cni.kubeconfig" {
+		t.Errorf("plugin kubeconfig: %+v", c.Install)
+	}
+}
+
+func TestFlagsRefuseBadValues(t *testing.T) {
+	for name, args := range map[string][]string{
+		"repair mode": {"--repair-mode", "sometimes"},
+		"probe v4":    {"--probe-snat-v4", "not-an-ip"},
+		"log level":   {"--log-level", "loud"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			if _, err := parse(t, append([]string{"--node-name", "n1"}, args...)...); err == nil {
+				t.Errorf("%v accepted", args)
+			}
+		})
+	}
+}
