@@ -94,7 +94,7 @@ func (c *Config) setDefaults() error {
 	if c.Install != nil && c.Install.Log == nil {
 		c.Install.Log = c.Logger
 	}
-	if c.StandalonePods != "" && c.Repair.Mode != "" && c.Repair.Mode != kube.RepairInPlace {
+	if c.StandalonePods != "" && c.Repair.Mode != "" && c.Repair.Mode != kube.RepairInPlace && c.Repair.Mode != kube.RepairOff {
 		return fmt.Errorf("repair mode %q needs the Kubernetes API; the pod file allows only in-place repair", c.Repair.Mode)
 	}
 	return nil

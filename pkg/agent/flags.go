@@ -79,7 +79,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.apiServer, "api-server", "", "API server URL as the host sees it (default from KUBERNETES_SERVICE_HOST/PORT)")
 	fs.StringVar(&f.excluded, "excluded-namespaces", "kube-system", "comma-separated namespaces whose pods are never enrolled")
 	fs.BoolVar(&f.dnsCapture, "dns-capture", true, "capture DNS to ztunnel's proxy (per pod: ambient.istio.io/dns-capture)")
-	fs.StringVar(&f.repairMode, "repair-mode", "repair", "unredirected running ambient pods: repair (in place), delete, label")
+	fs.StringVar(&f.repairMode, "repair-mode", "repair", "unredirected running ambient pods: repair (in place), delete, label or off")
 	fs.StringVar(&f.dsNamespace, "daemonset-namespace", os.Getenv("POD_NAMESPACE"), "the agent's DaemonSet namespace (uninstall check)")
 	fs.StringVar(&f.dsName, "daemonset-name", "", "the agent's DaemonSet; while it exists, shutdown keeps all state")
 	fs.BoolVar(&f.uninstallOnExit, "uninstall-on-exit", false, "remove everything on shutdown (standalone nodes, the demo)")
@@ -136,8 +136,10 @@ func (f *Flags) Config() (Config, error) {
 		c.Repair.Mode = kube.RepairDelete
 	case "label":
 		c.Repair.Mode = kube.RepairLabel
+	case "off":
+		c.Repair.Mode = kube.RepairOff
 	default:
-		return c, fmt.Errorf("--repair-mode %q: want repair, delete or label", f.repairMode)
+		return c, fmt.Errorf("--repair-mode %q: want repair, delete, label or off", f.repairMode)
 	}
 	if f.installCNI {
 		bins := []string(f.cniBinDirs)

@@ -28,6 +28,8 @@ const (
 	// RepairLabel only labels the pod, for an operator or another
 	// controller to act on; the pod stays unredirected.
 	RepairLabel RepairMode = "label"
+	// RepairOff leaves such pods alone.
+	RepairOff RepairMode = "off"
 )
 
 // Istio's label for pods its repair controller found broken.
@@ -61,10 +63,10 @@ func (rc RepairConfig) withDefaults() (RepairConfig, error) {
 		rc.LabelKey, rc.LabelValue = DefaultRepairLabelKey, DefaultRepairLabelValue
 	}
 	switch rc.Mode {
-	case RepairInPlace, RepairDelete, RepairLabel:
+	case RepairInPlace, RepairDelete, RepairLabel, RepairOff:
 		return rc, nil
 	}
-	return rc, fmt.Errorf("kube controller config: repair mode %q, want %s, %s or %s", rc.Mode, RepairInPlace, RepairDelete, RepairLabel)
+	return rc, fmt.Errorf("kube controller config: repair mode %q, want %s, %s, %s or %s", rc.Mode, RepairInPlace, RepairDelete, RepairLabel, RepairOff)
 }
 
 // runsUnredirected reports whether the pod has a container that runs, or
