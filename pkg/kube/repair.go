@@ -88,8 +88,8 @@ func runsUnredirected(pod *corev1.Pod) bool {
 
 // repair acts on a running ambient pod the dataplane does not redirect.
 func (r *reconciler) repair(ctx context.Context, pod *corev1.Pod, d enrollment.Decision) error {
-	if pod.DeletionTimestamp != nil || !runsUnredirected(pod) {
-		return nil // going away already, or done with its work
+	if r.cfg.Repair.Mode == RepairOff || pod.DeletionTimestamp != nil || !runsUnredirected(pod) {
+		return nil // repair is off, the pod is going away already, or done with its work
 	}
 	key := pod.Namespace + "/" + pod.Name
 	log := r.log.With("pod", key, "uid", pod.UID, "mode", r.cfg.Repair.Mode, "reason", d.Reason)
