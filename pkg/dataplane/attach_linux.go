@@ -241,7 +241,7 @@ func (d *Dataplane) hostInterface(p *Pod, podIndex, peerIndex int) (string, erro
 		return "", fmt.Errorf("open node netns %s: %w", d.cfg.NodeNetns, err)
 	}
 	defer ns.Close()
-	h, err := netlink.NewHandleAt(ns)
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
 	if err != nil {
 		return "", fmt.Errorf("netlink in node netns: %w", err)
 	}
