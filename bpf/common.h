@@ -18,6 +18,12 @@
 
 #define AE_MAX_PODS 8192
 
+/* Kernel features the loader found (struct ae_config.flags). Branches on
+ * them are dead code on kernels without the feature, so the verifier never
+ * sees a helper the kernel does not have. */
+#define AE_CFG_NETNS_COOKIE_SOCKOPS (1U << 0) /* Linux 5.15 */
+#define AE_CFG_NETNS_COOKIE_SOCKOPT (1U << 1) /* Linux 5.15 */
+
 struct ae_addr {
 	__u8 b[16];
 } __attribute__((aligned(4))); /* compared as four 32-bit words */
@@ -99,7 +105,7 @@ struct ae_config {
 	__u32 ztunnel_mark;
 	__u32 mark_mask;
 	__u32 return_mark; /* R10/R14: routed to the pod's local table */
-	__u32 pad;
+	__u32 flags;       /* AE_CFG_*: what the running kernel offers */
 	__u16 outbound_port;
 	__u16 inbound_port;
 	__u16 hbone_port;

@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -26,7 +25,7 @@ const (
 	fwmarkAcceptKey = "/proc/sys/net/ipv4/tcp_fwmark_accept"
 )
 
-// attachment is one TCX link of a pod, pinned as pods/<uid>/<pin>.
+// attachment is one TC program of a pod, pinned as pods/<uid>/<pin>.
 type attachment struct {
 	pin    string
 	netns  string // path of the netns the interface is in
@@ -40,7 +39,7 @@ func (a attachment) String() string {
 	if a.attach == ebpf.AttachTCXEgress {
 		dir = "egress"
 	}
-	return fmt.Sprintf("tcx %s on %s", dir, a.iface)
+	return fmt.Sprintf("tc %s on %s", dir, a.iface)
 }
 
 // plan lists the links a pod needs.
@@ -62,45 +61,13 @@ func (d *Dataplane) plan(p *Pod, hostIf string) []attachment {
 	return atts
 }
 
-// attach creates and pins one link. TCX appends it after programs other
-// software attached, which keep working (chain, never replace).
-func (d *Dataplane) attach(uid string, a attachment) (link.Link, error) {
-	var l link.Link
-	err := inNetns(a.netns, func() error {
-		ifi, err := net.InterfaceByName(a.iface)
-		if err != nil {
-			return fmt.Errorf("find interface %s: %w", a.iface, err)
-		}
-		l, err = link.AttachTCX(link.TCXOptions{Interface: ifi.Index, Program: a.prog, Attach: a.attach})
-		if err != nil {
-			return fmt.Errorf("attach %s: %w", a, err)
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, err
-	}
+// attach attaches and pins one program; see tcHooks for how.
+func (d *Dataplane) attach(uid string, a attachment) (tcProgram, error) {
 	dir := podDir(d.cfg, uid)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		l.Close()
 		return nil, fmt.Errorf("create pod pin directory: %w", err)
 	}
-	pin := filepath.Join(dir, a.pin)
-	if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
-		l.Close()
-		return nil, fmt.Errorf("replace pin %s: %w", pin, err)
-	}
-	if err := l.Pin(pin); err != nil {
-		l.Close()
-		return nil, fmt.Errorf("pin %s: %w", a, err)
-	}
-	return l, nil
-}
-
-// dropLink unpins and closes a link, which detaches its program.
-func dropLink(l link.Link) {
-	_ = l.Unpin()
-	l.Close()
+	return d.hooks.attach(a, filepath.Join(dir, a.pin))
 }
 
 // podNetnsState is what enrollment changes inside the pod netns besides
@@ -114,11 +81,11 @@ type podNetnsState struct {
 
 // setupPodNetns reads the pod's netns cookie and veth peer and installs
 // the return path. It is idempotent.
-func setupPodNetns(p *Pod, hasV6 bool) (podNetnsState, error) {
+func (d *Dataplane) setupPodNetns(p *Pod, hasV6 bool) (podNetnsState, error) {
 	var st podNetnsState
 	err := inNetns(p.Netns, func() error {
 		var err error
-		if st.cookie, err = currentNetnsCookie(); err != nil {
+		if st.cookie, err = d.netnsCookie(); err != nil {
 			return err
 		}
 		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)

@@ -23,7 +23,7 @@ type sockAeConfig struct {
 	ZtunnelMark  uint32
 	MarkMask     uint32
 	ReturnMark   uint32
-	Pad          uint32
+	Flags        uint32
 	OutboundPort uint16
 	InboundPort  uint16
 	HbonePort    uint16
@@ -112,6 +112,7 @@ type sockProbeNat struct {
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	sockMapAeNetns         = "ae_netns"
+	sockMapAeNsq           = "ae_nsq"
 	sockMapAeOrigDst       = "ae_orig_dst"
 	sockMapAePodMeta       = "ae_pod_meta"
 	sockMapAePods          = "ae_pods"
@@ -123,6 +124,7 @@ const (
 	sockProgAeGetpeername4 = "ae_getpeername4"
 	sockProgAeGetpeername6 = "ae_getpeername6"
 	sockProgAeGetsockopt   = "ae_getsockopt"
+	sockProgAeNetnsQuery   = "ae_netns_query"
 	sockProgAeRecvmsg4     = "ae_recvmsg4"
 	sockProgAeRecvmsg6     = "ae_recvmsg6"
 	sockProgAeSendmsg4     = "ae_sendmsg4"
@@ -178,6 +180,7 @@ type sockProgramSpecs struct {
 	AeGetpeername4 *ebpf.ProgramSpec `ebpf:"ae_getpeername4"`
 	AeGetpeername6 *ebpf.ProgramSpec `ebpf:"ae_getpeername6"`
 	AeGetsockopt   *ebpf.ProgramSpec `ebpf:"ae_getsockopt"`
+	AeNetnsQuery   *ebpf.ProgramSpec `ebpf:"ae_netns_query"`
 	AeRecvmsg4     *ebpf.ProgramSpec `ebpf:"ae_recvmsg4"`
 	AeRecvmsg6     *ebpf.ProgramSpec `ebpf:"ae_recvmsg6"`
 	AeSendmsg4     *ebpf.ProgramSpec `ebpf:"ae_sendmsg4"`
@@ -190,6 +193,7 @@ type sockProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type sockMapSpecs struct {
 	AeNetns    *ebpf.MapSpec `ebpf:"ae_netns"`
+	AeNsq      *ebpf.MapSpec `ebpf:"ae_nsq"`
 	AeOrigDst  *ebpf.MapSpec `ebpf:"ae_orig_dst"`
 	AePodMeta  *ebpf.MapSpec `ebpf:"ae_pod_meta"`
 	AePods     *ebpf.MapSpec `ebpf:"ae_pods"`
@@ -226,6 +230,7 @@ func (o *sockObjects) Close() error {
 // It can be passed to loadSockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type sockMaps struct {
 	AeNetns    *ebpf.Map `ebpf:"ae_netns"`
+	AeNsq      *ebpf.Map `ebpf:"ae_nsq"`
 	AeOrigDst  *ebpf.Map `ebpf:"ae_orig_dst"`
 	AePodMeta  *ebpf.Map `ebpf:"ae_pod_meta"`
 	AePods     *ebpf.Map `ebpf:"ae_pods"`
@@ -237,6 +242,7 @@ type sockMaps struct {
 func (m *sockMaps) Close() error {
 	return _SockClose(
 		m.AeNetns,
+		m.AeNsq,
 		m.AeOrigDst,
 		m.AePodMeta,
 		m.AePods,
@@ -262,6 +268,7 @@ type sockPrograms struct {
 	AeGetpeername4 *ebpf.Program `ebpf:"ae_getpeername4"`
 	AeGetpeername6 *ebpf.Program `ebpf:"ae_getpeername6"`
 	AeGetsockopt   *ebpf.Program `ebpf:"ae_getsockopt"`
+	AeNetnsQuery   *ebpf.Program `ebpf:"ae_netns_query"`
 	AeRecvmsg4     *ebpf.Program `ebpf:"ae_recvmsg4"`
 	AeRecvmsg6     *ebpf.Program `ebpf:"ae_recvmsg6"`
 	AeSendmsg4     *ebpf.Program `ebpf:"ae_sendmsg4"`
@@ -276,6 +283,7 @@ func (p *sockPrograms) Close() error {
 		p.AeGetpeername4,
 		p.AeGetpeername6,
 		p.AeGetsockopt,
+		p.AeNetnsQuery,
 		p.AeRecvmsg4,
 		p.AeRecvmsg6,
 		p.AeSendmsg4,

@@ -23,7 +23,7 @@ type tcAeConfig struct {
 	ZtunnelMark  uint32
 	MarkMask     uint32
 	ReturnMark   uint32
-	Pad          uint32
+	Flags        uint32
 	OutboundPort uint16
 	InboundPort  uint16
 	HbonePort    uint16
