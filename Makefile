@@ -13,7 +13,11 @@ export BPF2GO_CC BPF2GO_STRIP BPF2GO_CFLAGS
 
 # Packages whose go:generate lines run bpf2go.
 GEN_PKGS  := ./pkg/dataplane/...
-APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler
+APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler \
+	qemu-system-x86 busybox-static cpio kmod xz-utils
+# Kernels `make test-kernels` runs the kernel suites on: the host's, then
+# Debian's cloud kernels under qemu (see hack/vmtest/vmtest.sh).
+VMTEST_KERNELS ?= host 5.10 6.1 6.12
 CACHE     := $(CURDIR)/.cache
 GOTESTFLAGS ?= -race -count=1 -timeout 40m
 # Under CI=true a skipped test fails the run.
@@ -60,6 +64,10 @@ vet: ## go vet and gofmt
 test: deps vet ## run every test, kernel suites included (as root); the README's test command
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport
 	$(GO) test $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
+
+.PHONY: test-kernels
+test-kernels: deps ## run the kernel suites on the host kernel and, under qemu, on Debian's 5.10, 6.1 and 6.12
+	CACHE=$(CACHE) GO=$(GO) hack/vmtest/vmtest.sh $(VMTEST_KERNELS)
 
 .PHONY: clean
 clean: ## remove build outputs

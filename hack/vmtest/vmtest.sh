@@ -79,6 +79,7 @@ run_host() {
 # their shared libraries, the test binaries.
 build_base() {
 	local base=$work/base bin lib
+	[ -e "$work/base.cpio" ] && return
 	mkdir -p "$base"/{bin,sbin,usr/bin,usr/sbin,lib,lib64,etc,proc,sys,dev,tmp,run,tests}
 	cp /bin/busybox "$base/bin/busybox"
 	ln -s busybox "$base/bin/sh"
@@ -166,14 +167,31 @@ run_vm() {
 
 [ $# -gt 0 ] || set -- host 5.10 6.1 6.12
 build_tests
-failed=()
+for k in "$@"; do
+	# Downloads one at a time: kernels of one suite share an apt directory.
+	[ "$k" = host ] || { build_base; "$here/fetch-kernel.sh" "$vcache" "$k" >/dev/null; }
+done
+# Kernels run VMTEST_JOBS at a time (one vCPU each); each one's report is
+# printed whole, in the order given.
+jobs=${VMTEST_JOBS:-2}
+running=0
 for k in "$@"; do
 	if [ "$k" = host ]; then
-		run_host || failed+=(host)
+		run_host >"$work/log.$k" 2>&1 &
 	else
-		[ -e "$work/base.cpio" ] || build_base
-		run_vm "$k" || failed+=("$k")
+		run_vm "$k" >"$work/log.$k" 2>&1 &
 	fi
+	echo $! >"$work/pid.$k"
+	running=$((running + 1))
+	if [ "$running" -ge "$jobs" ]; then
+		wait -n || true
+		running=$((running - 1))
+	fi
+done
+failed=()
+for k in "$@"; do
+	wait "$(cat "$work/pid.$k")" || failed+=("$k")
+	cat "$work/log.$k"
 done
 if [ ${#failed[@]} -gt 0 ]; then
 	log "failed on: ${failed[*]}"

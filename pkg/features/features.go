@@ -15,6 +15,10 @@ import (
 	"strings"
 )
 
+// MinimumKernel is the oldest Linux release the data path runs on: the
+// oldest one tested; every Required feature is older (README: Compatibility).
+const MinimumKernel = "5.10"
+
 // Feature is one probed kernel capability.
 type Feature struct {
 	// Name is short and stable: it is logged and shown by the CLI.
