@@ -23,6 +23,7 @@
  * sees a helper the kernel does not have. */
 #define AE_CFG_NETNS_COOKIE_SOCKOPS (1U << 0) /* Linux 5.15 */
 #define AE_CFG_NETNS_COOKIE_SOCKOPT (1U << 1) /* Linux 5.15 */
+#define AE_CFG_SK_ASSIGN_REUSEPORT  (1U << 2) /* Linux 6.5: tc's bpf_sk_assign takes reuseport listeners */
 
 struct ae_addr {
 	__u8 b[16];
@@ -71,6 +72,15 @@ struct orig_key {
 	struct ae_addr addr;
 	__be16 port;
 	__u16 pad[3];
+};
+
+/* Key of ae_steer: a new inbound flow, as TC and sk_lookup both see it. */
+struct steer_key {
+	struct ae_addr saddr;
+	struct ae_addr daddr;
+	__be16 sport;
+	__be16 dport;
+	__u32 pad;
 };
 
 /* Per-pod counters in ae_stats (per CPU, indexed by slot). */

@@ -35,11 +35,13 @@ type attachment struct {
 }
 
 func (a attachment) String() string {
-	dir := "ingress"
-	if a.attach == ebpf.AttachTCXEgress {
-		dir = "egress"
+	switch a.attach {
+	case ebpf.AttachSkLookup:
+		return "sk_lookup in " + a.netns
+	case ebpf.AttachTCXEgress:
+		return "tc egress on " + a.iface
 	}
-	return fmt.Sprintf("tc %s on %s", dir, a.iface)
+	return "tc ingress on " + a.iface
 }
 
 // plan lists the links a pod needs.
@@ -54,6 +56,10 @@ func (d *Dataplane) plan(p *Pod, hostIf string) []attachment {
 	for _, v := range p.Options.RerouteInterfaces {
 		atts = append(atts, in("reroute_"+v, v, d.tc.AePodReroute))
 	}
+	if d.bpfFlags&flagSkAssignReuseport == 0 {
+		// Before 6.5: inbound flows reach ztunnel through sk_lookup.
+		atts = append(atts, attachment{pin: "sk_lookup", netns: p.Netns, attach: ebpf.AttachSkLookup, prog: d.tc.AePodSteer})
+	}
 	atts = append(atts,
 		attachment{pin: "host_egress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: d.tc.AeHostEgress},
 		attachment{pin: "host_ingress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXIngress, prog: d.tc.AeHostIngress},
@@ -67,7 +73,16 @@ func (d *Dataplane) attach(uid string, a attachment) (tcProgram, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create pod pin directory: %w", err)
 	}
-	return d.hooks.attach(a, filepath.Join(dir, a.pin))
+	return d.hooksFor(a).attach(a, filepath.Join(dir, a.pin))
+}
+
+// hooksFor picks how a is attached: sk_lookup by a netns link, TC
+// programs as chosen in New.
+func (d *Dataplane) hooksFor(a attachment) tcHooks {
+	if a.attach == ebpf.AttachSkLookup {
+		return netnsHooks{}
+	}
+	return d.hooks
 }
 
 // podNetnsState is what enrollment changes inside the pod netns besides

@@ -112,14 +112,19 @@ func (d *Dataplane) pickMechanisms() {
 	if features.HasNetnsCookieSockopt() {
 		d.bpfFlags |= flagNetnsCookieSockopt
 	}
+	if features.HasSkAssignReuseport() {
+		d.bpfFlags |= flagSkAssignReuseport
+	}
 	d.log.Info("dataplane mechanisms", "tcx", features.HasTCX(), "so_netns_cookie", features.HasSONetnsCookie(),
-		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt())
+		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt(),
+		"sk_assign_reuseport", features.HasSkAssignReuseport())
 }
 
 // ae_cfg.flags bits (AE_CFG_* in bpf/common.h).
 const (
 	flagNetnsCookieSockops = 1 << 0
 	flagNetnsCookieSockopt = 1 << 1
+	flagSkAssignReuseport  = 1 << 2
 )
 
 // attachNetnsQuery attaches ae_netns_query to the agent's own cgroup where
@@ -186,7 +191,9 @@ func (d *Dataplane) load() error {
 		// Classic tc programs carry no attach type; kernels before TCX
 		// refuse one they do not know.
 		for _, p := range tcSpec.Programs {
-			p.AttachType = ebpf.AttachNone
+			if p.Type == ebpf.SchedCLS {
+				p.AttachType = ebpf.AttachNone
+			}
 		}
 	}
 	if err := tcSpec.LoadAndAssign(&d.tc, opts); err != nil {

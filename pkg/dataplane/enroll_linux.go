@@ -324,7 +324,7 @@ func (d *Dataplane) adoptLinks(st *podState, netnsOf func(cookie uint64) string)
 		if _, err := os.Stat(pin); err != nil {
 			continue
 		}
-		l, err := d.hooks.adopt(a, pin)
+		l, err := d.hooksFor(a).adopt(a, pin)
 		if err != nil {
 			d.log.Warn("adopted pod has an unusable program", "pod", st.Namespace+"/"+st.Name, "uid", st.UID, "pin", a.pin, "error", err)
 			continue

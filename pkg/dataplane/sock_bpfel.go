@@ -107,6 +107,15 @@ type sockProbeNat struct {
 	LastSeenNs uint64
 }
 
+type sockSteerKey struct {
+	_     structs.HostLayout
+	Saddr sockAeAddr
+	Daddr sockAeAddr
+	Sport uint16
+	Dport uint16
+	Pad   uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -119,6 +128,7 @@ const (
 	sockMapAeProbeNat      = "ae_probe_nat"
 	sockMapAeSkDst         = "ae_sk_dst"
 	sockMapAeStats         = "ae_stats"
+	sockMapAeSteer         = "ae_steer"
 	sockProgAeConnect4     = "ae_connect4"
 	sockProgAeConnect6     = "ae_connect6"
 	sockProgAeGetpeername4 = "ae_getpeername4"
@@ -200,6 +210,7 @@ type sockMapSpecs struct {
 	AeProbeNat *ebpf.MapSpec `ebpf:"ae_probe_nat"`
 	AeSkDst    *ebpf.MapSpec `ebpf:"ae_sk_dst"`
 	AeStats    *ebpf.MapSpec `ebpf:"ae_stats"`
+	AeSteer    *ebpf.MapSpec `ebpf:"ae_steer"`
 }
 
 // sockVariableSpecs contains global variables before they are loaded into the kernel.
@@ -237,6 +248,7 @@ type sockMaps struct {
 	AeProbeNat *ebpf.Map `ebpf:"ae_probe_nat"`
 	AeSkDst    *ebpf.Map `ebpf:"ae_sk_dst"`
 	AeStats    *ebpf.Map `ebpf:"ae_stats"`
+	AeSteer    *ebpf.Map `ebpf:"ae_steer"`
 }
 
 func (m *sockMaps) Close() error {
@@ -249,6 +261,7 @@ func (m *sockMaps) Close() error {
 		m.AeProbeNat,
 		m.AeSkDst,
 		m.AeStats,
+		m.AeSteer,
 	)
 }
 

@@ -123,6 +123,27 @@ func (tcxHooks) count(netnsPath, iface string, attach ebpf.AttachType) (int, err
 	return n, err
 }
 
+// netnsHooks attaches sk_lookup programs to a netns with a bpf_link
+// (Linux 5.9); pinned and adopted like a TCX link.
+type netnsHooks struct{ tcxHooks }
+
+func (netnsHooks) attach(a attachment, pin string) (tcProgram, error) {
+	ns, err := os.Open(a.netns)
+	if err != nil {
+		return nil, fmt.Errorf("open netns: %w", err)
+	}
+	defer ns.Close()
+	l, err := link.AttachNetNs(int(ns.Fd()), a.prog)
+	if err != nil {
+		return nil, fmt.Errorf("attach %s: %w", a, err)
+	}
+	if err := replacePin(pin, l); err != nil {
+		l.Close()
+		return nil, err
+	}
+	return tcxProgram{l}, nil
+}
+
 // Our classic tc filters are recognised by priority, handle and name
 // together; no other filter is ever replaced or deleted. The priority is
 // high (runs late), so filters other software put first keep running
@@ -298,7 +319,9 @@ func (f *tcFilter) detach() error {
 
 func (f *tcFilter) Close() error { return f.prog.Close() }
 
+// isNoSuchInterface reports the errors of an interface that is gone:
+// net.InterfaceByName's (a *net.OpError) or the kernel's ENODEV.
 func isNoSuchInterface(err error) bool {
 	var nerr *net.OpError
-	return errors.As(err, &nerr) || errors.Is(err, unix.ENODEV)
+	return errors.As(err, &nerr) && nerr.Op == "route" || errors.Is(err, unix.ENODEV)
 }

@@ -51,9 +51,11 @@ func All() []Feature {
 		{"cgroup_getpeername", "5.8", "getpeername hooks: a redirected socket names its original peer", true, HasCgroupGetpeername},
 		{"sk_storage_sock_addr", "5.8", "connect hooks: keep the original destination with the socket", true, HasSkStorageSockAddr},
 		{"sk_storage_sockops", "5.8", "sockops: file the original destination for SO_ORIGINAL_DST", true, HasSkStorageSockops},
+		{"sk_lookup", "5.9", "pod netns: hand inbound flows to ztunnel's reuseport listeners where tc cannot", true, HasSkLookup},
 		{"so_netns_cookie", "5.14", "read a pod's netns cookie with getsockopt; older: a cgroup bind hook reports it", false, HasSONetnsCookie},
 		{"netns_cookie_sockops", "5.15", "sockops: scope SO_ORIGINAL_DST entries by netns; older: by address only", false, HasNetnsCookieSockops},
 		{"netns_cookie_sockopt", "5.15", "getsockopt: scope SO_ORIGINAL_DST lookups by netns; older: by address only", false, HasNetnsCookieSockopt},
+		{"sk_assign_reuseport", "6.5", "tc hands inbound flows to ztunnel's reuseport listeners itself; older: through sk_lookup", false, HasSkAssignReuseport},
 		{"tcx", "6.6", "TC programs as TCX links; older: classic tc (clsact qdisc, cls_bpf filter)", false, HasTCX},
 	}
 }

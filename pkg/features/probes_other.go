@@ -11,6 +11,8 @@ func missing() bool { return false }
 var (
 	HasTCX                 = missing
 	HasSkAssign            = missing
+	HasSkLookup            = missing
+	HasSkAssignReuseport   = missing
 	HasNetnsCookieSockAddr = missing
 	HasCgroupGetpeername   = missing
 	HasSkStorageSockAddr   = missing
