@@ -128,7 +128,12 @@ build_modules() {
 	cp "$kdir/lib/modules/$rel"/modules.{order,builtin}* "$mroot/lib/modules/$rel/" 2>/dev/null || true
 	# The package leaves modules.dep to its postinst; make it once.
 	[ -e "$kdir/lib/modules/$rel/modules.dep" ] || depmod -b "$kdir" "$rel"
-	for m in $modules; do
+	# Every nftables expression and xtables extension too: iptables-nft
+	# asks for them by alias, which busybox's modprobe does not resolve.
+	local all
+	all="$modules $(find "$kdir/lib/modules/$rel/kernel/net" -name 'nft_*.ko*' -o -name 'xt_*.ko*' |
+		sed -E 's|.*/||; s|\.ko(\.[a-z]+)?$||' | sort)"
+	for m in $all; do
 		modprobe -d "$kdir" -S "$rel" --show-depends "$m" 2>/dev/null | awk '$1 == "insmod" {print $2}'
 	done | sort -u | while read -r f; do
 		local dst=$mroot${f#"$kdir"}
@@ -140,7 +145,7 @@ build_modules() {
 		esac
 	done
 	depmod -b "$mroot" "$rel"
-	echo "$modules" | tr ' ' '\n' | grep . >"$mroot/etc/vmtest-modules"
+	echo "$all" | tr ' ' '\n' | grep . >"$mroot/etc/vmtest-modules"
 	(cd "$mroot" && find . | cpio -o -H newc --quiet) >"$out"
 }
 

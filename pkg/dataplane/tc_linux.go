@@ -208,6 +208,17 @@ func (a attachment) setFilter(prog *ebpf.Program) error {
 		if err := h.QdiscAdd(qdisc); err != nil && !errors.Is(err, unix.EEXIST) {
 			return fmt.Errorf("add clsact qdisc to %s: %w", a.iface, err)
 		}
+		// Replacing goes by priority and handle: make sure what sits
+		// there, if anything, is ours.
+		filters, err := listFilters(ifindex, tcParent(a.attach))
+		if err != nil {
+			return err
+		}
+		for _, bf := range filters {
+			if bf.Priority == tcFilterPriority && bf.Handle == tcFilterHandle && !a.ours(bf) {
+				return fmt.Errorf("attach %s: tc filter priority %#x handle %#x is taken by %q", a, tcFilterPriority, tcFilterHandle, bf.Name)
+			}
+		}
 		if err := h.FilterReplace(a.filter(ifindex, prog)); err != nil {
 			return fmt.Errorf("attach %s: %w", a, err)
 		}
@@ -286,6 +297,11 @@ func listFilters(ifindex int, parent uint32) ([]*netlink.BpfFilter, error) {
 	return out, nil
 }
 
+// ours reports whether bf is the filter a attached.
+func (a attachment) ours(bf *netlink.BpfFilter) bool {
+	return bf.Priority == tcFilterPriority && bf.Handle == tcFilterHandle && bf.Name == a.filterName()
+}
+
 // detach deletes our filter (matched by priority, handle and name; the
 // qdisc and other filters stay), then the pin. An interface that is gone
 // took the filter with it.
@@ -298,7 +314,7 @@ func (f *tcFilter) detach() error {
 				return err
 			}
 			for _, bf := range filters {
-				if bf.Priority == tcFilterPriority && bf.Handle == tcFilterHandle && bf.Name == f.a.filterName() {
+				if f.a.ours(bf) {
 					if err := netlink.FilterDel(bf); err != nil && !errors.Is(err, unix.ENOENT) {
 						return fmt.Errorf("delete tc filter %s: %w", f.a, err)
 					}
