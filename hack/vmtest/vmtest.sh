@@ -10,6 +10,7 @@
 # ends with "vmtest <release>: N passed, N failed, N skipped"; the script
 # fails when any kernel fails, hangs or panics (no exit marker).
 #
+# VMTEST_RUN (a -test.run pattern) narrows the run, for debugging.
 # CI is passed into the guest, so the suites keep CI=true semantics
 # there: only documented kernel-floor skips (see the README's
 # Compatibility table) are allowed, every other skip fails.
@@ -161,7 +162,7 @@ run_vm() {
 	timeout --foreground -k 10 "$VMTEST_TIMEOUT" qemu-system-x86_64 -accel tcg -cpu max -smp 1 -m 1G \
 		-nodefaults -no-reboot -display none \
 		-kernel "$kdir/boot/vmlinuz-$rel" -initrd "$work/initrd.$rel.gz" \
-		-append "console=ttyS0 panic=-1 quiet loglevel=4 CI=${CI:-}" \
+		-append "console=ttyS0 panic=-1 quiet loglevel=4 CI=${CI:-} VMTEST_RUN=${VMTEST_RUN:-}" \
 		-serial "file:$console" -serial "file:$results" </dev/null || log "$rel: qemu exited with $?"
 	if ! summarize "$rel" <"$results"; then
 		log "$rel: last console lines:"

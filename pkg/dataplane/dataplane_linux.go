@@ -112,12 +112,15 @@ func (d *Dataplane) pickMechanisms() {
 	if features.HasNetnsCookieSockopt() {
 		d.bpfFlags |= flagNetnsCookieSockopt
 	}
-	if features.HasSkAssignReuseport() {
+	// tc's bpf_sk_assign takes reuseport listeners (all of ztunnel's are)
+	// since 6.5. That cannot be probed by loading a program, and kernel
+	// BTF misleads (Debian's 6.1 has the 6.5 helper function names), so
+	// it is inferred from TCX (6.6): without TCX, sk_lookup hands over.
+	if features.HasTCX() {
 		d.bpfFlags |= flagSkAssignReuseport
 	}
 	d.log.Info("dataplane mechanisms", "tcx", features.HasTCX(), "so_netns_cookie", features.HasSONetnsCookie(),
-		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt(),
-		"sk_assign_reuseport", features.HasSkAssignReuseport())
+		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt())
 }
 
 // ae_cfg.flags bits (AE_CFG_* in bpf/common.h).

@@ -55,8 +55,7 @@ func All() []Feature {
 		{"so_netns_cookie", "5.14", "read a pod's netns cookie with getsockopt; older: a cgroup bind hook reports it", false, HasSONetnsCookie},
 		{"netns_cookie_sockops", "5.15", "sockops: scope SO_ORIGINAL_DST entries by netns; older: by address only", false, HasNetnsCookieSockops},
 		{"netns_cookie_sockopt", "5.15", "getsockopt: scope SO_ORIGINAL_DST lookups by netns; older: by address only", false, HasNetnsCookieSockopt},
-		{"sk_assign_reuseport", "6.5", "tc hands inbound flows to ztunnel's reuseport listeners itself; older: through sk_lookup", false, HasSkAssignReuseport},
-		{"tcx", "6.6", "TC programs as TCX links; older: classic tc (clsact qdisc, cls_bpf filter)", false, HasTCX},
+		{"tcx", "6.6", "TC programs as TCX links, inbound hand-over by tc bpf_sk_assign; older: classic tc (clsact qdisc, cls_bpf filter) and hand-over by sk_lookup", false, HasTCX},
 	}
 }
 

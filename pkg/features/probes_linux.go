@@ -10,7 +10,6 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
-	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/features"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
@@ -25,18 +24,6 @@ var HasTCX = sync.OnceValue(func() bool { return probeTCX() == nil })
 
 // HasSkLookup reports sk_lookup programs (Linux 5.9).
 var HasSkLookup = sync.OnceValue(func() bool { return features.HaveProgramType(ebpf.SkLookup) == nil })
-
-// HasSkAssignReuseport reports that tc's bpf_sk_assign takes reuseport
-// listeners (Linux 6.5). The change cannot be seen by loading a program; it
-// brought the kernel function inet_lookup_reuseport, which BTF shows.
-var HasSkAssignReuseport = sync.OnceValue(func() bool {
-	spec, err := btf.LoadKernelSpec()
-	if err != nil {
-		return false
-	}
-	var fn *btf.Func
-	return spec.TypeByName("inet_lookup_reuseport", &fn) == nil
-})
 
 // HasSkAssign reports bpf_sk_assign in TC programs (Linux 5.7).
 var HasSkAssign = sync.OnceValue(func() bool { return helper(ebpf.SchedCLS, asm.FnSkAssign) })

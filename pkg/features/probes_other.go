@@ -12,7 +12,6 @@ var (
 	HasTCX                 = missing
 	HasSkAssign            = missing
 	HasSkLookup            = missing
-	HasSkAssignReuseport   = missing
 	HasNetnsCookieSockAddr = missing
 	HasCgroupGetpeername   = missing
 	HasSkStorageSockAddr   = missing
