@@ -23,7 +23,8 @@
  * sees a helper the kernel does not have. */
 #define AE_CFG_NETNS_COOKIE_SOCKOPS (1U << 0) /* Linux 5.15 */
 #define AE_CFG_NETNS_COOKIE_SOCKOPT (1U << 1) /* Linux 5.15 */
-#define AE_CFG_SK_ASSIGN_REUSEPORT  (1U << 2) /* Linux 6.5: tc's bpf_sk_assign takes reuseport listeners */
+#define AE_CFG_SK_ASSIGN_REUSEPORT  (1U << 2) /* Linux 6.5: tc's bpf_sk_assign takes reuseport
+                                                * listeners; set where TCX (6.6) is */
 
 struct ae_addr {
 	__u8 b[16];

@@ -3,7 +3,9 @@
 
 /*
  * TC programs (TCX, chained: traffic that is not ours goes on to the next
- * program).
+ * program). Kernels without TCX (before 6.6) run them as classic tc
+ * filters in direct-action mode, where TCX_NEXT (-1) is TC_ACT_UNSPEC: the
+ * next filter runs, as with TCX.
  *
  * Inside the pod netns:
  *   ae_pod_ingress    on the pod's interface: inbound capture (R5-R7).
@@ -14,7 +16,8 @@
  *   ae_host_egress / ae_host_ingress: host-probe SNAT (H1-H3).
  *
  * R5: a TCP flow to an enrolled pod's IP that no socket owns yet is handed
- * to ztunnel's :15006 listener with bpf_sk_assign. No packet is rewritten:
+ * to ztunnel's :15006 listener with bpf_sk_assign (on kernels without TCX:
+ * through ae_pod_steer, see steer()). No packet is rewritten:
  * the accepted socket's local address is the original destination, which
  * is what ztunnel reads when SO_ORIGINAL_DST has nothing to say.
  * R6: :15008 (HBONE) and R7: flows from the probe SNAT address pass.

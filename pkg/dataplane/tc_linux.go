@@ -127,6 +127,10 @@ func (tcxHooks) count(netnsPath, iface string, attach ebpf.AttachType) (int, err
 // (Linux 5.9); pinned and adopted like a TCX link.
 type netnsHooks struct{ tcxHooks }
 
+func (netnsHooks) count(string, string, ebpf.AttachType) (int, error) {
+	return 0, errors.New("sk_lookup is no tc hook")
+}
+
 func (netnsHooks) attach(a attachment, pin string) (tcProgram, error) {
 	ns, err := os.Open(a.netns)
 	if err != nil {
