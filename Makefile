@@ -13,7 +13,11 @@ export BPF2GO_CC BPF2GO_STRIP BPF2GO_CFLAGS
 
 # Packages whose go:generate lines run bpf2go.
 GEN_PKGS  := ./pkg/dataplane/...
-APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler
+APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler \
+	qemu-system-x86 busybox-static cpio kmod xz-utils
+# Kernels `make test-kernels` runs the kernel suites on: the host's, then
+# Debian's cloud kernels under qemu (see hack/vmtest/vmtest.sh).
+VMTEST_KERNELS ?= host 5.10 6.1 6.12
 CACHE     := $(CURDIR)/.cache
 GOTESTFLAGS ?= -race -count=1 -timeout 40m
 # Protobuf code generators, pinned; installed into $(CACHE)/bin by `make proto-tools`.
@@ -128,6 +132,10 @@ bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/resu
 	@mkdir -p bench
 	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md \
 		$(GO) test -tags bench -count=1 -timeout 15m -run '^TestBench$$' -v ./test/bench
+
+.PHONY: test-kernels
+test-kernels: deps ## run the kernel suites on the host kernel and, under qemu, on Debian's 5.10, 6.1 and 6.12
+	CACHE=$(CACHE) GO=$(GO) hack/vmtest/vmtest.sh $(VMTEST_KERNELS)
 
 .PHONY: clean
 clean: ## remove build outputs

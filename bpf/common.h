@@ -18,6 +18,14 @@
 
 #define AE_MAX_PODS 8192
 
+/* Kernel features the loader found (struct ae_config.flags). Branches on
+ * them are dead code on kernels without the feature, so the verifier never
+ * sees a helper the kernel does not have. */
+#define AE_CFG_NETNS_COOKIE_SOCKOPS (1U << 0) /* Linux 5.15 */
+#define AE_CFG_NETNS_COOKIE_SOCKOPT (1U << 1) /* Linux 5.15 */
+#define AE_CFG_SK_ASSIGN_REUSEPORT  (1U << 2) /* Linux 6.5: tc's bpf_sk_assign takes reuseport
+                                                * listeners; set where TCX (6.6) is */
+
 struct ae_addr {
 	__u8 b[16];
 } __attribute__((aligned(4))); /* compared as four 32-bit words */
@@ -67,6 +75,15 @@ struct orig_key {
 	__u16 pad[3];
 };
 
+/* Key of ae_steer: a new inbound flow, as TC and sk_lookup both see it. */
+struct steer_key {
+	struct ae_addr saddr;
+	struct ae_addr daddr;
+	__be16 sport;
+	__be16 dport;
+	__u32 pad;
+};
+
 /* Per-pod counters in ae_stats (per CPU, indexed by slot). */
 struct pod_stats {
 	__u64 outbound_redirects;  /* R1: connects sent to :15001 */
@@ -99,7 +116,7 @@ struct ae_config {
 	__u32 ztunnel_mark;
 	__u32 mark_mask;
 	__u32 return_mark; /* R10/R14: routed to the pod's local table */
-	__u32 pad;
+	__u32 flags;       /* AE_CFG_*: what the running kernel offers */
 	__u16 outbound_port;
 	__u16 inbound_port;
 	__u16 hbone_port;

@@ -83,4 +83,18 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ae_probe_nat SEC(".maps");
 
+/* Flows handed to ztunnel's listeners through sk_lookup, on kernels whose
+ * tc bpf_sk_assign refuses reuseport listeners (before 6.5; ztunnel's are
+ * all SO_REUSEPORT). The TC program files the listener under the flow, the
+ * pod's sk_lookup program assigns it and deletes the entry. An entry whose
+ * SYN never reached the lookup stays until the tuple is reused or the
+ * listener closes (sockmaps drop closed sockets). */
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, 65536);
+	__type(key, struct steer_key);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_steer SEC(".maps");
+
 #endif /* AMBIENT_MAPS_H */

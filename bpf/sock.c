@@ -398,10 +398,45 @@ static __always_inline void sockops_remote(struct bpf_sock_ops *skops, struct ae
 		  skops->remote_ip6[2], skops->remote_ip6[3]);
 }
 
+/*
+ * bpf_get_netns_cookie() reached sockops and sockopt programs in Linux
+ * 5.15. Before that, ae_orig_dst entries are scoped by the client's address
+ * alone (netns cookie 0): pod IPs are unique on a node, so only a client
+ * redirected from loopback (a pod without an address of the destination's
+ * family) could meet another pod's. The branch not taken is dead code the
+ * verifier never checks, so older kernels never see the helper. Both
+ * sides must agree, so both follow the sockopt flag's answer.
+ */
+static __always_inline __u64 sockops_netns_cookie(struct bpf_sock_ops *skops)
+{
+	if ((ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPS) && (ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPT))
+		return bpf_get_netns_cookie(skops);
+	return 0;
+}
+
+static __always_inline __u64 sockopt_netns_cookie(struct bpf_sockopt *ctx)
+{
+	if ((ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPS) && (ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPT))
+		return bpf_get_netns_cookie(ctx);
+	return 0;
+}
+
+/*
+ * Whether ztunnel's socket is in an enrolled pod. Without netns cookies
+ * (before 5.15) every ztunnel socket counts: the answer is then the
+ * socket's own local address, which ztunnel falls back to anyway.
+ */
+static __always_inline bool netns_enrolled(__u64 cookie)
+{
+	if (!(ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPT))
+		return true;
+	return bpf_map_lookup_elem(&ae_netns, &cookie) != NULL;
+}
+
 static __always_inline void orig_key_of_local(struct bpf_sock_ops *skops, struct orig_key *key)
 {
 	__builtin_memset(key, 0, sizeof(*key));
-	key->netns_cookie = bpf_get_netns_cookie(skops);
+	key->netns_cookie = sockops_netns_cookie(skops);
 	sockops_local(skops, &key->addr);
 	/* sockops gives the local port in host byte order. */
 	key->port = bpf_htons((__u16)skops->local_port);
@@ -517,16 +552,16 @@ static __always_inline bool lookup_orig_dst(struct bpf_sockopt *ctx, struct orig
 
 	if (!sk || (sk->family != AF_INET && sk->family != AF_INET6))
 		return false;
-	cookie = bpf_get_netns_cookie(ctx);
-	key.netns_cookie = cookie;
 	sock_remote(sk, &key.addr);
 	key.port = (__be16)sk->dst_port;
+	cookie = sockopt_netns_cookie(ctx);
+	key.netns_cookie = cookie;
 	od = bpf_map_lookup_elem(&ae_orig_dst, &key);
 	if (od) {
 		*out = *od;
 		return true;
 	}
-	if (!mark_is_ztunnel(sk->mark) || !bpf_map_lookup_elem(&ae_netns, &cookie))
+	if (!mark_is_ztunnel(sk->mark) || !netns_enrolled(cookie))
 		return false;
 	/* bpf_sock.src_port is in host byte order. */
 	if (sk->src_port == ae_cfg.outbound_port || sk->src_port == ae_cfg.inbound_port ||
@@ -597,4 +632,32 @@ int ae_getsockopt(struct bpf_sockopt *ctx)
 	if (ctx->optlen > PAGE_SIZE_)
 		ctx->optlen = 0;
 	return 1;
+}
+
+/*
+ * Linux before 5.14 has no SO_NETNS_COOKIE, and before 5.12 a netns gets
+ * its cookie only when a BPF program first asks. The agent learns a pod's
+ * cookie there by binding a socket it made in the pod's netns and marked
+ * with an ae_nsq entry; this hook (attached to the agent's own cgroup, only
+ * on such kernels) writes the cookie into that entry.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u64);
+} ae_nsq SEC(".maps");
+
+/* cgroup/bind4: the agent's netns cookie query (see ae_nsq). */
+SEC("cgroup/bind4")
+int ae_netns_query(struct bpf_sock_addr *ctx)
+{
+	__u64 *cookie;
+
+	if (!ctx->sk)
+		return SYS_PROCEED;
+	cookie = bpf_sk_storage_get(&ae_nsq, ctx->sk, 0, 0);
+	if (cookie)
+		*cookie = bpf_get_netns_cookie(ctx);
+	return SYS_PROCEED;
 }

@@ -3,7 +3,9 @@
 
 /*
  * TC programs (TCX, chained: traffic that is not ours goes on to the next
- * program).
+ * program). Kernels without TCX (before 6.6) run them as classic tc
+ * filters in direct-action mode, where TCX_NEXT (-1) is TC_ACT_UNSPEC: the
+ * next filter runs, as with TCX.
  *
  * Inside the pod netns:
  *   ae_pod_ingress    on the pod's interface: inbound capture (R5-R7).
@@ -14,7 +16,8 @@
  *   ae_host_egress / ae_host_ingress: host-probe SNAT (H1-H3).
  *
  * R5: a TCP flow to an enrolled pod's IP that no socket owns yet is handed
- * to ztunnel's :15006 listener with bpf_sk_assign. No packet is rewritten:
+ * to ztunnel's :15006 listener with bpf_sk_assign (on kernels without TCX:
+ * through ae_pod_steer, see steer()). No packet is rewritten:
  * the accepted socket's local address is the original destination, which
  * is what ztunnel reads when SO_ORIGINAL_DST has nothing to say.
  * R6: :15008 (HBONE) and R7: flows from the probe SNAT address pass.
@@ -139,6 +142,23 @@ static __always_inline bool owned_by_socket(struct __sk_buff *skb, struct flow *
 	return owned;
 }
 
+/*
+ * Before 6.5, tc's bpf_sk_assign refuses reuseport listeners, and all of
+ * ztunnel's are. The flow is filed in ae_steer instead, for the pod's
+ * sk_lookup program, which runs when the SYN looks for a listener and
+ * whose bpf_sk_assign does the reuseport selection.
+ */
+static __always_inline int steer(struct flow *f, struct bpf_sock *sk)
+{
+	struct steer_key key = {};
+
+	key.saddr = f->saddr;
+	key.daddr = f->daddr;
+	key.sport = f->sport;
+	key.dport = f->dport;
+	return bpf_map_update_elem(&ae_steer, &key, sk, BPF_ANY);
+}
+
 /* Hands the flow to the listener on `port` in this netns. */
 static __always_inline int assign_to_listener(struct __sk_buff *skb, struct flow *f, __u16 port)
 {
@@ -159,7 +179,10 @@ static __always_inline int assign_to_listener(struct __sk_buff *skb, struct flow
 		bpf_sk_release(sk);
 		return -1;
 	}
-	err = bpf_sk_assign(skb, sk, 0);
+	if (ae_cfg.flags & AE_CFG_SK_ASSIGN_REUSEPORT)
+		err = bpf_sk_assign(skb, sk, 0);
+	else
+		err = steer(f, sk);
 	bpf_sk_release(sk);
 	return err;
 }
@@ -380,4 +403,46 @@ SEC("tcx/ingress")
 int ae_host_ingress(struct __sk_buff *skb)
 {
 	return unsnat_probe(skb);
+}
+
+/*
+ * Kernels before 6.5: the other half of steer(). The flow's entry names
+ * the listener; a flow whose listener cannot be assigned is dropped (fail
+ * closed), any other lookup goes on as usual.
+ */
+static __always_inline int steer_lookup(struct bpf_sk_lookup *ctx)
+{
+	struct steer_key key = {};
+	struct bpf_sock *sk;
+	int err;
+
+	if (ctx->protocol != IPPROTO_TCP_)
+		return SK_PASS;
+	if (ctx->family == AF_INET) {
+		addr_set_v4(&key.saddr, ctx->remote_ip4);
+		addr_set_v4(&key.daddr, ctx->local_ip4);
+	} else {
+		__u32 r[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
+		__u32 l[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
+
+		addr_set_v6(&key.saddr, r);
+		addr_set_v6(&key.daddr, l);
+	}
+	key.sport = ctx->remote_port;
+	/* local_port is in host byte order. */
+	key.dport = bpf_htons((__u16)ctx->local_port);
+	sk = bpf_map_lookup_elem(&ae_steer, &key);
+	if (!sk)
+		return SK_PASS;
+	err = bpf_sk_assign(ctx, sk, 0);
+	bpf_sk_release(sk);
+	bpf_map_delete_elem(&ae_steer, &key);
+	return err ? SK_DROP : SK_PASS;
+}
+
+/* sk_lookup in the pod netns (kernels before 6.5 only). */
+SEC("sk_lookup")
+int ae_pod_steer(struct bpf_sk_lookup *ctx)
+{
+	return steer_lookup(ctx);
 }

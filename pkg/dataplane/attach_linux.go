@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -26,7 +25,7 @@ const (
 	fwmarkAcceptKey = "/proc/sys/net/ipv4/tcp_fwmark_accept"
 )
 
-// attachment is one TCX link of a pod, pinned as pods/<uid>/<pin>.
+// attachment is one TC program of a pod, pinned as pods/<uid>/<pin>.
 type attachment struct {
 	pin    string
 	netns  string // path of the netns the interface is in
@@ -36,11 +35,13 @@ type attachment struct {
 }
 
 func (a attachment) String() string {
-	dir := "ingress"
-	if a.attach == ebpf.AttachTCXEgress {
-		dir = "egress"
+	switch a.attach {
+	case ebpf.AttachSkLookup:
+		return "sk_lookup in " + a.netns
+	case ebpf.AttachTCXEgress:
+		return "tc egress on " + a.iface
 	}
-	return fmt.Sprintf("tcx %s on %s", dir, a.iface)
+	return "tc ingress on " + a.iface
 }
 
 // plan lists the links a pod needs.
@@ -55,6 +56,10 @@ func (d *Dataplane) plan(p *Pod, hostIf string) []attachment {
 	for _, v := range p.Options.RerouteInterfaces {
 		atts = append(atts, in("reroute_"+v, v, d.tc.AePodReroute))
 	}
+	if d.bpfFlags&flagSkAssignReuseport == 0 {
+		// Before 6.5: inbound flows reach ztunnel through sk_lookup.
+		atts = append(atts, attachment{pin: "sk_lookup", netns: p.Netns, attach: ebpf.AttachSkLookup, prog: d.tc.AePodSteer})
+	}
 	atts = append(atts,
 		attachment{pin: "host_egress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: d.tc.AeHostEgress},
 		attachment{pin: "host_ingress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXIngress, prog: d.tc.AeHostIngress},
@@ -62,45 +67,22 @@ func (d *Dataplane) plan(p *Pod, hostIf string) []attachment {
 	return atts
 }
 
-// attach creates and pins one link. TCX appends it after programs other
-// software attached, which keep working (chain, never replace).
-func (d *Dataplane) attach(uid string, a attachment) (link.Link, error) {
-	var l link.Link
-	err := inNetns(a.netns, func() error {
-		ifi, err := net.InterfaceByName(a.iface)
-		if err != nil {
-			return fmt.Errorf("find interface %s: %w", a.iface, err)
-		}
-		l, err = link.AttachTCX(link.TCXOptions{Interface: ifi.Index, Program: a.prog, Attach: a.attach})
-		if err != nil {
-			return fmt.Errorf("attach %s: %w", a, err)
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, err
-	}
+// attach attaches and pins one program; see tcHooks for how.
+func (d *Dataplane) attach(uid string, a attachment) (tcProgram, error) {
 	dir := podDir(d.cfg, uid)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		l.Close()
 		return nil, fmt.Errorf("create pod pin directory: %w", err)
 	}
-	pin := filepath.Join(dir, a.pin)
-	if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
-		l.Close()
-		return nil, fmt.Errorf("replace pin %s: %w", pin, err)
-	}
-	if err := l.Pin(pin); err != nil {
-		l.Close()
-		return nil, fmt.Errorf("pin %s: %w", a, err)
-	}
-	return l, nil
+	return d.hooksFor(a).attach(a, filepath.Join(dir, a.pin))
 }
 
-// dropLink unpins and closes a link, which detaches its program.
-func dropLink(l link.Link) {
-	_ = l.Unpin()
-	l.Close()
+// hooksFor picks how a is attached: sk_lookup by a netns link, TC
+// programs as chosen in New.
+func (d *Dataplane) hooksFor(a attachment) tcHooks {
+	if a.attach == ebpf.AttachSkLookup {
+		return netnsHooks{}
+	}
+	return d.hooks
 }
 
 // podNetnsState is what enrollment changes inside the pod netns besides
@@ -114,11 +96,11 @@ type podNetnsState struct {
 
 // setupPodNetns reads the pod's netns cookie and veth peer and installs
 // the return path. It is idempotent.
-func setupPodNetns(p *Pod, hasV6 bool) (podNetnsState, error) {
+func (d *Dataplane) setupPodNetns(p *Pod, hasV6 bool) (podNetnsState, error) {
 	var st podNetnsState
 	err := inNetns(p.Netns, func() error {
 		var err error
-		if st.cookie, err = currentNetnsCookie(); err != nil {
+		if st.cookie, err = d.netnsCookie(); err != nil {
 			return err
 		}
 		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
@@ -241,7 +223,7 @@ func (d *Dataplane) hostInterface(p *Pod, podIndex, peerIndex int) (string, erro
 		return "", fmt.Errorf("open node netns %s: %w", d.cfg.NodeNetns, err)
 	}
 	defer ns.Close()
-	h, err := netlink.NewHandleAt(ns)
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
 	if err != nil {
 		return "", fmt.Errorf("netlink in node netns: %w", err)
 	}

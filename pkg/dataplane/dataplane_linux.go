@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 )
 
@@ -23,6 +24,12 @@ import (
 type Dataplane struct {
 	cfg Config
 	log *slog.Logger
+
+	// Mechanisms picked from the kernel's features, once, in New.
+	hooks       tcHooks                // TCX links or classic tc filters
+	netnsCookie func() (uint64, error) // of the calling thread's netns
+	bpfFlags    uint32                 // ae_cfg.flags
+	nsQuery     link.Link              // ae_netns_query, where SO_NETNS_COOKIE is missing
 
 	mu        sync.Mutex
 	sock      sockObjects
@@ -36,7 +43,7 @@ type podState struct {
 	EnrolledPod
 	netnsPath   string
 	savedFwmark uint32
-	links       map[string]link.Link // by pin name; adopted pins that could not be loaded are missing
+	links       map[string]tcProgram // by pin name; adopted pins that could not be loaded are missing
 }
 
 // nodeHook is one of the node-wide cgroup attachments.
@@ -68,8 +75,16 @@ func New(cfg Config) (*Dataplane, error) {
 		}
 	}
 
+	if err := features.CheckRequired(); err != nil {
+		return nil, err
+	}
 	d := &Dataplane{cfg: cfg, log: cfg.Logger, pods: map[string]*podState{}}
+	d.pickMechanisms()
 	if err := d.load(); err != nil {
+		return nil, err
+	}
+	if err := d.attachNetnsQuery(); err != nil {
+		d.closeObjects()
 		return nil, err
 	}
 	if err := d.attachNodeHooks(); err != nil {
@@ -83,6 +98,56 @@ func New(cfg Config) (*Dataplane, error) {
 	return d, nil
 }
 
+// pickMechanisms chooses, from the kernel's features, how TC programs are
+// attached, how netns cookies are read and which helpers the programs may
+// call (see the README's Compatibility table).
+func (d *Dataplane) pickMechanisms() {
+	d.hooks, d.netnsCookie = pickTCHooks(), soNetnsCookie
+	if !features.HasSONetnsCookie() {
+		d.netnsCookie = d.queryNetnsCookie
+	}
+	if features.HasNetnsCookieSockops() {
+		d.bpfFlags |= flagNetnsCookieSockops
+	}
+	if features.HasNetnsCookieSockopt() {
+		d.bpfFlags |= flagNetnsCookieSockopt
+	}
+	// tc's bpf_sk_assign takes reuseport listeners (all of ztunnel's are)
+	// since 6.5. That cannot be probed by loading a program, and kernel
+	// BTF misleads (Debian's 6.1 has the 6.5 helper function names), so
+	// it is inferred from TCX (6.6): without TCX, sk_lookup hands over.
+	if features.HasTCX() {
+		d.bpfFlags |= flagSkAssignReuseport
+	}
+	d.log.Info("dataplane mechanisms", "tcx", features.HasTCX(), "so_netns_cookie", features.HasSONetnsCookie(),
+		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt())
+}
+
+// ae_cfg.flags bits (AE_CFG_* in bpf/common.h).
+const (
+	flagNetnsCookieSockops = 1 << 0
+	flagNetnsCookieSockopt = 1 << 1
+	flagSkAssignReuseport  = 1 << 2
+)
+
+// attachNetnsQuery attaches ae_netns_query to the agent's own cgroup where
+// the kernel lacks SO_NETNS_COOKIE; the link lives as long as the agent.
+func (d *Dataplane) attachNetnsQuery() error {
+	if features.HasSONetnsCookie() {
+		return nil
+	}
+	cg, err := ownCgroup()
+	if err != nil {
+		return err
+	}
+	l, err := link.AttachCgroup(link.CgroupOptions{Path: cg, Attach: ebpf.AttachCGroupInet4Bind, Program: d.sock.AeNetnsQuery})
+	if err != nil {
+		return fmt.Errorf("attach netns cookie query to cgroup %s: %w", cg, err)
+	}
+	d.nsQuery = l
+	return nil
+}
+
 func mapsDir(cfg Config) string  { return filepath.Join(cfg.BPFFSDir, "maps") }
 func linksDir(cfg Config) string { return filepath.Join(cfg.BPFFSDir, "links") }
 func podsDir(cfg Config) string  { return filepath.Join(cfg.BPFFSDir, "pods") }
@@ -92,6 +157,7 @@ func podDir(cfg Config, uid string) string {
 
 func (d *Dataplane) load() error {
 	bpfCfg := d.cfg.bpfConfig()
+	bpfCfg.Flags = d.bpfFlags
 	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: mapsDir(d.cfg)}}
 
 	sockSpec, err := loadSock()
@@ -124,6 +190,15 @@ func (d *Dataplane) load() error {
 		d.sock.Close()
 		return fmt.Errorf("configure tc programs: %w", err)
 	}
+	if !features.HasTCX() {
+		// Classic tc programs carry no attach type; kernels before TCX
+		// refuse one they do not know.
+		for _, p := range tcSpec.Programs {
+			if p.Type == ebpf.SchedCLS {
+				p.AttachType = ebpf.AttachNone
+			}
+		}
+	}
 	if err := tcSpec.LoadAndAssign(&d.tc, opts); err != nil {
 		d.sock.Close()
 		d.logVerifier(err)
@@ -140,6 +215,10 @@ func (d *Dataplane) logVerifier(err error) {
 }
 
 func (d *Dataplane) closeObjects() {
+	if d.nsQuery != nil {
+		d.nsQuery.Close()
+		d.nsQuery = nil
+	}
 	d.sock.Close()
 	d.tc.Close()
 }

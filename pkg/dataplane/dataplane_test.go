@@ -6,7 +6,6 @@ package dataplane
 import (
 	"context"
 	"errors"
-	"net"
 	"net/netip"
 	"os"
 	"reflect"
@@ -14,7 +13,6 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -33,24 +31,13 @@ func podOf(p *simnode.Pod) Pod {
 	return Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs()}
 }
 
-// ingressPrograms counts the TCX ingress programs on the pod's eth0.
+// ingressPrograms counts the TC ingress programs on the pod's eth0 (TCX
+// links or classic tc filters, whichever this kernel gets).
 func ingressPrograms(t *testing.T, p *simnode.Pod) int {
 	t.Helper()
-	var n int
-	err := inNetns(p.NetnsPath(), func() error {
-		ifi, err := net.InterfaceByName("eth0")
-		if err != nil {
-			return err
-		}
-		res, err := link.QueryPrograms(link.QueryOptions{Target: ifi.Index, Attach: ebpf.AttachTCXIngress})
-		if err != nil {
-			return err
-		}
-		n = len(res.Programs)
-		return nil
-	})
+	n, err := pickTCHooks().count(p.NetnsPath(), "eth0", ebpf.AttachTCXIngress)
 	if err != nil {
-		t.Fatalf("query tcx programs: %v", err)
+		t.Fatalf("count tc programs: %v", err)
 	}
 	return n
 }

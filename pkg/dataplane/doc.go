@@ -12,8 +12,8 @@
 //     sockops and getsockopt let ztunnel read the original destination with
 //     an unmodified getsockopt(SO_ORIGINAL_DST). Pods are recognised by
 //     netns cookie, so the hooks cost one hash lookup for everyone else.
-//   - bpf/tc.c, one TCX ingress link per pod on the pod's interface inside
-//     its netns: inbound TCP goes to ztunnel's :15006 by bpf_sk_assign (R5).
+//   - bpf/tc.c, one TC ingress program per pod on the pod's interface inside
+//     its netns: inbound TCP goes to ztunnel's :15006 (R5).
 //
 // Pinned layout under Config.BPFFSDir (default /sys/fs/bpf/ambient-ebpf):
 //
@@ -27,11 +27,19 @@
 //	links/<hook>        node-wide cgroup links: connect4, connect6,
 //	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
 //	                    getpeername4, getpeername6, sockops, getsockopt
-//	pods/<uid>/ingress       TCX ingress on the pod's interface (R5)
-//	pods/<uid>/lo_ingress    TCX ingress on the pod's lo (R10)
-//	pods/<uid>/reroute_<if>  TCX ingress on a virtual interface (R14)
-//	pods/<uid>/host_egress   TCX on the node side of the pod's veth (H1)
+//	pods/<uid>/ingress       TC ingress on the pod's interface (R5)
+//	pods/<uid>/lo_ingress    TC ingress on the pod's lo (R10)
+//	pods/<uid>/reroute_<if>  TC ingress on a virtual interface (R14)
+//	pods/<uid>/host_egress   TC on the node side of the pod's veth (H1)
 //	pods/<uid>/host_ingress
+//	pods/<uid>/sk_lookup     sk_lookup in the pod netns (kernels without TCX)
+//
+// The mechanisms follow the kernel (package features, README:
+// Compatibility): with TCX (Linux 6.6) each pods/<uid>/ pin is a TCX link
+// and inbound flows are handed over by tc's bpf_sk_assign; without it, the
+// pin is the program of a classic tc filter (clsact qdisc, cls_bpf at
+// priority 0xae00, handle 0xae, named ae_<pin>), and inbound flows reach
+// ztunnel's reuseport listeners through the sk_lookup program.
 //
 
 // Pins outlive the agent: while it restarts or upgrades, redirection keeps

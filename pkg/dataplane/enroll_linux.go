@@ -14,7 +14,6 @@ import (
 	"strings"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 )
 
 // Enroll puts a pod's traffic through ztunnel. It is idempotent: enrolling
@@ -44,7 +43,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		return err
 	}
 
-	ns, err := setupPodNetns(&pod, pod.hasV6())
+	ns, err := d.setupPodNetns(&pod, pod.hasV6())
 	if err != nil {
 		return err
 	}
@@ -60,7 +59,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		return fail(err)
 	}
 
-	st := &podState{netnsPath: pod.Netns, savedFwmark: saved, links: map[string]link.Link{}}
+	st := &podState{netnsPath: pod.Netns, savedFwmark: saved, links: map[string]tcProgram{}}
 	// Links first, map entries last: the pod is never half redirected,
 	// because outbound capture starts with the ae_netns entry.
 	for _, a := range d.plan(&pod, hostIf) {
@@ -72,7 +71,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		if err != nil {
 			return fail(fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err))
 		}
-		undo = append(undo, func() { dropLink(l) })
+		undo = append(undo, func() { _ = l.detach() })
 		st.links[a.pin] = l
 	}
 
@@ -110,7 +109,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		for pin, l := range old.links {
 			if st.links[pin] != l {
 				if cur := st.links[pin]; cur == nil {
-					dropLink(l) // unpins what is no longer planned
+					_ = l.detach() // what is no longer planned
 				} else {
 					l.Close() // its pin now holds the new link
 				}
@@ -229,7 +228,9 @@ func (d *Dataplane) Remove(ctx context.Context, uid string) error {
 func (d *Dataplane) detachPod(st *podState) error {
 	d.deletePodEntries(st)
 	for _, l := range st.links {
-		dropLink(l)
+		if err := l.detach(); err != nil {
+			d.log.Warn("detach pod program", "pod", st.Namespace+"/"+st.Name, "error", err)
+		}
 	}
 	st.links = nil
 	var errs []error
@@ -291,9 +292,10 @@ func (d *Dataplane) adoptPods() error {
 	if err != nil {
 		return err
 	}
+	netnsOf := d.netnsFinder(len(pods))
 	for _, st := range pods {
 		d.slots.take(st.Slot)
-		d.adoptLinks(st)
+		d.adoptLinks(st, netnsOf)
 		d.pods[st.UID] = st
 	}
 	if len(pods) > 0 {
@@ -302,36 +304,32 @@ func (d *Dataplane) adoptPods() error {
 	return nil
 }
 
-// adoptLinks loads the pod's pinned links and moves each to the freshly
-// loaded program in place. A link that cannot be loaded (its interface
-// went away with the netns) is left out; the agent's reconcile removes or
-// re-enrolls such pods.
-func (d *Dataplane) adoptLinks(st *podState) {
-	progs := map[string]*ebpf.Program{
-		"ingress": d.tc.AePodIngress, "lo_ingress": d.tc.AePodLoIngress,
-		"host_egress": d.tc.AeHostEgress, "host_ingress": d.tc.AeHostIngress,
-	}
+// adoptLinks takes over the pod's pinned programs and moves each to the
+// freshly loaded program in place. One that cannot be adopted (its
+// interface went away with the netns) is left out; the agent's reconcile
+// removes or re-enrolls such pods.
+func (d *Dataplane) adoptLinks(st *podState, netnsOf func(cookie uint64) string) {
 	entries, _ := os.ReadDir(podDir(d.cfg, st.UID))
 	for _, e := range entries {
-		prog := progs[e.Name()]
 		if v, ok := strings.CutPrefix(e.Name(), "reroute_"); ok {
-			prog = d.tc.AePodReroute
 			st.Options.RerouteInterfaces = append(st.Options.RerouteInterfaces, v)
 		}
-		if prog == nil {
+	}
+	if st.netnsPath == "" {
+		st.netnsPath = netnsOf(st.NetnsCookie)
+	}
+	pod := Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Netns: st.netnsPath, Interface: st.Interface, Options: st.Options}
+	for _, a := range d.plan(&pod, st.HostInterface) {
+		pin := filepath.Join(podDir(d.cfg, st.UID), a.pin)
+		if _, err := os.Stat(pin); err != nil {
 			continue
 		}
-		l, err := link.LoadPinnedLink(filepath.Join(podDir(d.cfg, st.UID), e.Name()), nil)
-		if err == nil {
-			if err = l.Update(prog); err != nil {
-				l.Close()
-			}
-		}
+		l, err := d.hooksFor(a).adopt(a, pin)
 		if err != nil {
-			d.log.Warn("adopted pod has an unusable link", "pod", st.Namespace+"/"+st.Name, "uid", st.UID, "link", e.Name(), "error", err)
+			d.log.Warn("adopted pod has an unusable program", "pod", st.Namespace+"/"+st.Name, "uid", st.UID, "pin", a.pin, "error", err)
 			continue
 		}
-		st.links[e.Name()] = l
+		st.links[a.pin] = l
 	}
 }
 

@@ -12,7 +12,6 @@ import (
 	"slices"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 )
 
 // readPods decodes the enrolled pods from the maps: metadata by slot, then
@@ -32,7 +31,7 @@ func readPods(m *sockMaps) ([]*podState, error) {
 			UID: goString(meta.Uid[:]), Namespace: goString(meta.Namespace[:]), Name: goString(meta.Name[:]),
 			Interface: goString(meta.Ifname[:]), HostInterface: goString(meta.HostIfname[:]),
 			NetnsCookie: meta.NetnsCookie, Slot: slot,
-		}, savedFwmark: meta.SavedFwmarkAccept, links: map[string]link.Link{}}
+		}, savedFwmark: meta.SavedFwmarkAccept, links: map[string]tcProgram{}}
 	}
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("read ae_pod_meta: %w", err)

@@ -6,7 +6,12 @@ package dataplane
 import (
 	"fmt"
 	"os"
+	"path/filepath"
 	"runtime"
+	"strings"
+	"sync"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 
 	"golang.org/x/sys/unix"
 )
@@ -48,9 +53,9 @@ func inNetns(path string, fn func() error) error {
 	return <-errc
 }
 
-// currentNetnsCookie returns the cookie of the calling thread's netns, the
-// same value bpf_get_netns_cookie() gives the programs.
-func currentNetnsCookie() (uint64, error) {
+// soNetnsCookie returns the cookie of the calling thread's netns, the
+// same value bpf_get_netns_cookie() gives the programs (Linux 5.14).
+func soNetnsCookie() (uint64, error) {
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return 0, fmt.Errorf("socket: %w", err)
@@ -61,4 +66,81 @@ func currentNetnsCookie() (uint64, error) {
 		return 0, fmt.Errorf("getsockopt SO_NETNS_COOKIE: %w", err)
 	}
 	return cookie, nil
+}
+
+// queryNetnsCookie is currentNetnsCookie for kernels without
+// SO_NETNS_COOKIE (before 5.14): a socket marked in ae_nsq is bound, and
+// the ae_netns_query hook on the agent's cgroup writes the netns cookie
+// into the mark. Being a BPF call, it also makes older kernels (before
+// 5.12) give the netns its cookie.
+func (d *Dataplane) queryNetnsCookie() (uint64, error) {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return 0, fmt.Errorf("socket: %w", err)
+	}
+	defer unix.Close(fd)
+	key := int32(fd)
+	if err := d.sock.AeNsq.Put(key, uint64(0)); err != nil {
+		return 0, fmt.Errorf("mark netns query socket in ae_nsq: %w", err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrInet4{}); err != nil {
+		return 0, fmt.Errorf("bind netns query socket: %w", err)
+	}
+	var cookie uint64
+	if err := d.sock.AeNsq.Lookup(key, &cookie); err != nil {
+		return 0, fmt.Errorf("read ae_nsq: %w", err)
+	}
+	if cookie == 0 {
+		return 0, fmt.Errorf("netns cookie query unanswered: the agent's cgroup is not below the ae_netns_query hook")
+	}
+	return cookie, nil
+}
+
+// ownCgroup returns the cgroup v2 directory of the calling process.
+func ownCgroup() (string, error) {
+	root, err := hostfs.Cgroup2Root()
+	if err != nil {
+		return "", err
+	}
+	data, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return "", fmt.Errorf("read own cgroup: %w", err)
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if rel, ok := strings.CutPrefix(line, "0::"); ok {
+			return filepath.Join(root, rel), nil
+		}
+	}
+	return root, nil
+}
+
+// netnsFinder returns a lookup from netns cookie to a path of that netns,
+// for adopting pods whose netns path an earlier agent knew: the named
+// netns under /run/netns (where container runtimes put pod netns) are
+// tried first, then every process's. The scan runs once, on first use.
+func (d *Dataplane) netnsFinder(pods int) func(cookie uint64) string {
+	if pods == 0 {
+		return func(uint64) string { return "" }
+	}
+	byCookie := sync.OnceValue(func() map[uint64]string {
+		found := map[uint64]string{}
+		seen := map[[2]uint64]bool{}
+		named, _ := filepath.Glob("/run/netns/*")
+		procs, _ := filepath.Glob("/proc/[0-9]*/ns/net")
+		for _, path := range append(named, procs...) {
+			var st unix.Stat_t
+			if unix.Stat(path, &st) != nil || seen[[2]uint64{st.Dev, st.Ino}] {
+				continue
+			}
+			seen[[2]uint64{st.Dev, st.Ino}] = true
+			var cookie uint64
+			if inNetns(path, func() (err error) { cookie, err = d.netnsCookie(); return err }) == nil {
+				if _, dup := found[cookie]; !dup {
+					found[cookie] = path
+				}
+			}
+		}
+		return found
+	})
+	return func(cookie uint64) string { return byCookie()[cookie] }
 }

@@ -23,7 +23,7 @@ type sockAeConfig struct {
 	ZtunnelMark  uint32
 	MarkMask     uint32
 	ReturnMark   uint32
-	Pad          uint32
+	Flags        uint32
 	OutboundPort uint16
 	InboundPort  uint16
 	HbonePort    uint16
@@ -107,22 +107,34 @@ type sockProbeNat struct {
 	LastSeenNs uint64
 }
 
+type sockSteerKey struct {
+	_     structs.HostLayout
+	Saddr sockAeAddr
+	Daddr sockAeAddr
+	Sport uint16
+	Dport uint16
+	Pad   uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	sockMapAeNetns         = "ae_netns"
+	sockMapAeNsq           = "ae_nsq"
 	sockMapAeOrigDst       = "ae_orig_dst"
 	sockMapAePodMeta       = "ae_pod_meta"
 	sockMapAePods          = "ae_pods"
 	sockMapAeProbeNat      = "ae_probe_nat"
 	sockMapAeSkDst         = "ae_sk_dst"
 	sockMapAeStats         = "ae_stats"
+	sockMapAeSteer         = "ae_steer"
 	sockProgAeConnect4     = "ae_connect4"
 	sockProgAeConnect6     = "ae_connect6"
 	sockProgAeGetpeername4 = "ae_getpeername4"
 	sockProgAeGetpeername6 = "ae_getpeername6"
 	sockProgAeGetsockopt   = "ae_getsockopt"
+	sockProgAeNetnsQuery   = "ae_netns_query"
 	sockProgAeRecvmsg4     = "ae_recvmsg4"
 	sockProgAeRecvmsg6     = "ae_recvmsg6"
 	sockProgAeSendmsg4     = "ae_sendmsg4"
@@ -178,6 +190,7 @@ type sockProgramSpecs struct {
 	AeGetpeername4 *ebpf.ProgramSpec `ebpf:"ae_getpeername4"`
 	AeGetpeername6 *ebpf.ProgramSpec `ebpf:"ae_getpeername6"`
 	AeGetsockopt   *ebpf.ProgramSpec `ebpf:"ae_getsockopt"`
+	AeNetnsQuery   *ebpf.ProgramSpec `ebpf:"ae_netns_query"`
 	AeRecvmsg4     *ebpf.ProgramSpec `ebpf:"ae_recvmsg4"`
 	AeRecvmsg6     *ebpf.ProgramSpec `ebpf:"ae_recvmsg6"`
 	AeSendmsg4     *ebpf.ProgramSpec `ebpf:"ae_sendmsg4"`
@@ -190,12 +203,14 @@ type sockProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type sockMapSpecs struct {
 	AeNetns    *ebpf.MapSpec `ebpf:"ae_netns"`
+	AeNsq      *ebpf.MapSpec `ebpf:"ae_nsq"`
 	AeOrigDst  *ebpf.MapSpec `ebpf:"ae_orig_dst"`
 	AePodMeta  *ebpf.MapSpec `ebpf:"ae_pod_meta"`
 	AePods     *ebpf.MapSpec `ebpf:"ae_pods"`
 	AeProbeNat *ebpf.MapSpec `ebpf:"ae_probe_nat"`
 	AeSkDst    *ebpf.MapSpec `ebpf:"ae_sk_dst"`
 	AeStats    *ebpf.MapSpec `ebpf:"ae_stats"`
+	AeSteer    *ebpf.MapSpec `ebpf:"ae_steer"`
 }
 
 // sockVariableSpecs contains global variables before they are loaded into the kernel.
@@ -226,23 +241,27 @@ func (o *sockObjects) Close() error {
 // It can be passed to loadSockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type sockMaps struct {
 	AeNetns    *ebpf.Map `ebpf:"ae_netns"`
+	AeNsq      *ebpf.Map `ebpf:"ae_nsq"`
 	AeOrigDst  *ebpf.Map `ebpf:"ae_orig_dst"`
 	AePodMeta  *ebpf.Map `ebpf:"ae_pod_meta"`
 	AePods     *ebpf.Map `ebpf:"ae_pods"`
 	AeProbeNat *ebpf.Map `ebpf:"ae_probe_nat"`
 	AeSkDst    *ebpf.Map `ebpf:"ae_sk_dst"`
 	AeStats    *ebpf.Map `ebpf:"ae_stats"`
+	AeSteer    *ebpf.Map `ebpf:"ae_steer"`
 }
 
 func (m *sockMaps) Close() error {
 	return _SockClose(
 		m.AeNetns,
+		m.AeNsq,
 		m.AeOrigDst,
 		m.AePodMeta,
 		m.AePods,
 		m.AeProbeNat,
 		m.AeSkDst,
 		m.AeStats,
+		m.AeSteer,
 	)
 }
 
@@ -262,6 +281,7 @@ type sockPrograms struct {
 	AeGetpeername4 *ebpf.Program `ebpf:"ae_getpeername4"`
 	AeGetpeername6 *ebpf.Program `ebpf:"ae_getpeername6"`
 	AeGetsockopt   *ebpf.Program `ebpf:"ae_getsockopt"`
+	AeNetnsQuery   *ebpf.Program `ebpf:"ae_netns_query"`
 	AeRecvmsg4     *ebpf.Program `ebpf:"ae_recvmsg4"`
 	AeRecvmsg6     *ebpf.Program `ebpf:"ae_recvmsg6"`
 	AeSendmsg4     *ebpf.Program `ebpf:"ae_sendmsg4"`
@@ -276,6 +296,7 @@ func (p *sockPrograms) Close() error {
 		p.AeGetpeername4,
 		p.AeGetpeername6,
 		p.AeGetsockopt,
+		p.AeNetnsQuery,
 		p.AeRecvmsg4,
 		p.AeRecvmsg6,
 		p.AeSendmsg4,

@@ -23,7 +23,7 @@ type tcAeConfig struct {
 	ZtunnelMark  uint32
 	MarkMask     uint32
 	ReturnMark   uint32
-	Pad          uint32
+	Flags        uint32
 	OutboundPort uint16
 	InboundPort  uint16
 	HbonePort    uint16
@@ -107,6 +107,15 @@ type tcProbeNat struct {
 	LastSeenNs uint64
 }
 
+type tcSteerKey struct {
+	_     structs.HostLayout
+	Saddr tcAeAddr
+	Daddr tcAeAddr
+	Sport uint16
+	Dport uint16
+	Pad   uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -118,11 +127,13 @@ const (
 	tcMapAeProbeNat      = "ae_probe_nat"
 	tcMapAeSkDst         = "ae_sk_dst"
 	tcMapAeStats         = "ae_stats"
+	tcMapAeSteer         = "ae_steer"
 	tcProgAeHostEgress   = "ae_host_egress"
 	tcProgAeHostIngress  = "ae_host_ingress"
 	tcProgAePodIngress   = "ae_pod_ingress"
 	tcProgAePodLoIngress = "ae_pod_lo_ingress"
 	tcProgAePodReroute   = "ae_pod_reroute"
+	tcProgAePodSteer     = "ae_pod_steer"
 	tcVarAeCfg           = "ae_cfg"
 )
 
@@ -173,6 +184,7 @@ type tcProgramSpecs struct {
 	AePodIngress   *ebpf.ProgramSpec `ebpf:"ae_pod_ingress"`
 	AePodLoIngress *ebpf.ProgramSpec `ebpf:"ae_pod_lo_ingress"`
 	AePodReroute   *ebpf.ProgramSpec `ebpf:"ae_pod_reroute"`
+	AePodSteer     *ebpf.ProgramSpec `ebpf:"ae_pod_steer"`
 }
 
 // tcMapSpecs contains maps before they are loaded into the kernel.
@@ -186,6 +198,7 @@ type tcMapSpecs struct {
 	AeProbeNat *ebpf.MapSpec `ebpf:"ae_probe_nat"`
 	AeSkDst    *ebpf.MapSpec `ebpf:"ae_sk_dst"`
 	AeStats    *ebpf.MapSpec `ebpf:"ae_stats"`
+	AeSteer    *ebpf.MapSpec `ebpf:"ae_steer"`
 }
 
 // tcVariableSpecs contains global variables before they are loaded into the kernel.
@@ -222,6 +235,7 @@ type tcMaps struct {
 	AeProbeNat *ebpf.Map `ebpf:"ae_probe_nat"`
 	AeSkDst    *ebpf.Map `ebpf:"ae_sk_dst"`
 	AeStats    *ebpf.Map `ebpf:"ae_stats"`
+	AeSteer    *ebpf.Map `ebpf:"ae_steer"`
 }
 
 func (m *tcMaps) Close() error {
@@ -233,6 +247,7 @@ func (m *tcMaps) Close() error {
 		m.AeProbeNat,
 		m.AeSkDst,
 		m.AeStats,
+		m.AeSteer,
 	)
 }
 
@@ -252,6 +267,7 @@ type tcPrograms struct {
 	AePodIngress   *ebpf.Program `ebpf:"ae_pod_ingress"`
 	AePodLoIngress *ebpf.Program `ebpf:"ae_pod_lo_ingress"`
 	AePodReroute   *ebpf.Program `ebpf:"ae_pod_reroute"`
+	AePodSteer     *ebpf.Program `ebpf:"ae_pod_steer"`
 }
 
 func (p *tcPrograms) Close() error {
@@ -261,6 +277,7 @@ func (p *tcPrograms) Close() error {
 		p.AePodIngress,
 		p.AePodLoIngress,
 		p.AePodReroute,
+		p.AePodSteer,
 	)
 }
 

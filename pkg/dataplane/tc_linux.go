@@ -1,0 +1,347 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package dataplane
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
+)
+
+// tcHooks attaches the TC programs: as TCX links where the kernel has them
+// (Linux 6.6), as classic tc filters elsewhere. New picks one, once.
+type tcHooks interface {
+	// attach attaches a.prog to a.iface in a.netns and pins it at pin.
+	// Programs other software attached keep running.
+	attach(a attachment, pin string) (tcProgram, error)
+	// adopt takes over what an earlier agent pinned at pin and moves it to
+	// a.prog in place: traffic never sees the interface without a program.
+	adopt(a attachment, pin string) (tcProgram, error)
+	// count returns how many BPF programs run on the hook (any owner's).
+	count(netnsPath, iface string, attach ebpf.AttachType) (int, error)
+}
+
+func pickTCHooks() tcHooks {
+	if features.HasTCX() {
+		return tcxHooks{}
+	}
+	return classicHooks{}
+}
+
+// tcProgram is one attached TC program.
+type tcProgram interface {
+	// detach removes the program from its interface and its pin.
+	detach() error
+	// Close drops the agent's handle; the attachment and pin stay.
+	Close() error
+}
+
+// attachedTo resolves a's interface inside its netns and runs fn there.
+func attachedTo(a attachment, fn func(ifindex int) error) error {
+	return inNetns(a.netns, func() error {
+		ifi, err := net.InterfaceByName(a.iface)
+		if err != nil {
+			return fmt.Errorf("find interface %s: %w", a.iface, err)
+		}
+		return fn(ifi.Index)
+	})
+}
+
+// replacePin pins obj at pin, replacing whatever an earlier agent left.
+func replacePin(pin string, obj interface{ Pin(string) error }) error {
+	if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("replace pin %s: %w", pin, err)
+	}
+	if err := obj.Pin(pin); err != nil {
+		return fmt.Errorf("pin %s: %w", pin, err)
+	}
+	return nil
+}
+
+// tcxHooks uses TCX links: each program is appended to the interface's
+// chain and detached by closing its link, never touching anyone else's.
+type tcxHooks struct{}
+
+type tcxProgram struct{ link.Link }
+
+func (p tcxProgram) detach() error {
+	_ = p.Unpin()
+	return p.Link.Close()
+}
+
+func (tcxHooks) attach(a attachment, pin string) (tcProgram, error) {
+	var l link.Link
+	err := attachedTo(a, func(ifindex int) error {
+		var err error
+		l, err = link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: a.prog, Attach: a.attach})
+		if err != nil {
+			return fmt.Errorf("attach %s: %w", a, err)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	if err := replacePin(pin, l); err != nil {
+		l.Close()
+		return nil, err
+	}
+	return tcxProgram{l}, nil
+}
+
+func (tcxHooks) adopt(a attachment, pin string) (tcProgram, error) {
+	l, err := link.LoadPinnedLink(pin, nil)
+	if err != nil {
+		return nil, fmt.Errorf("load pinned link %s: %w", pin, err)
+	}
+	if err := l.Update(a.prog); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("update %s: %w", a, err)
+	}
+	return tcxProgram{l}, nil
+}
+
+func (tcxHooks) count(netnsPath, iface string, attach ebpf.AttachType) (int, error) {
+	var n int
+	err := attachedTo(attachment{netns: netnsPath, iface: iface}, func(ifindex int) error {
+		res, err := link.QueryPrograms(link.QueryOptions{Target: ifindex, Attach: attach})
+		if err != nil {
+			return fmt.Errorf("query tcx programs on %s: %w", iface, err)
+		}
+		n = len(res.Programs)
+		return nil
+	})
+	return n, err
+}
+
+// netnsHooks attaches sk_lookup programs to a netns with a bpf_link
+// (Linux 5.9); pinned and adopted like a TCX link.
+type netnsHooks struct{ tcxHooks }
+
+func (netnsHooks) count(string, string, ebpf.AttachType) (int, error) {
+	return 0, errors.New("sk_lookup is no tc hook")
+}
+
+func (netnsHooks) attach(a attachment, pin string) (tcProgram, error) {
+	ns, err := os.Open(a.netns)
+	if err != nil {
+		return nil, fmt.Errorf("open netns: %w", err)
+	}
+	defer ns.Close()
+	l, err := link.AttachNetNs(int(ns.Fd()), a.prog)
+	if err != nil {
+		return nil, fmt.Errorf("attach %s: %w", a, err)
+	}
+	if err := replacePin(pin, l); err != nil {
+		l.Close()
+		return nil, err
+	}
+	return tcxProgram{l}, nil
+}
+
+// Our classic tc filters are recognised by priority, handle and name
+// together; no other filter is ever replaced or deleted. The priority is
+// high (runs late), so filters other software put first keep running
+// first, as TCX's append does.
+const (
+	tcFilterPriority = 0xae00
+	tcFilterHandle   = 0xae
+)
+
+// classicHooks uses classic tc (Linux before 6.6): a cls_bpf filter in
+// direct-action mode on the clsact qdisc, which is created when missing
+// and never deleted (others may use it). The programs return TCX_NEXT (-1),
+// which is TC_ACT_UNSPEC: the next filter runs, as with TCX. A filter is
+// no bpf_link, so the program itself is pinned; the filter lives on in the
+// kernel while no agent runs.
+type classicHooks struct{}
+
+type tcFilter struct {
+	a    attachment
+	prog *ebpf.Program // the pinned clone
+	pin  string
+}
+
+func tcParent(attach ebpf.AttachType) uint32 {
+	if attach == ebpf.AttachTCXEgress {
+		return netlink.HANDLE_MIN_EGRESS
+	}
+	return netlink.HANDLE_MIN_INGRESS
+}
+
+func (a attachment) filter(ifindex int, prog *ebpf.Program) *netlink.BpfFilter {
+	return &netlink.BpfFilter{
+		FilterAttrs: netlink.FilterAttrs{
+			LinkIndex: ifindex,
+			Parent:    tcParent(a.attach),
+			Handle:    tcFilterHandle,
+			Priority:  tcFilterPriority,
+			Protocol:  unix.ETH_P_ALL,
+		},
+		Fd:           prog.FD(),
+		Name:         a.filterName(),
+		DirectAction: true,
+	}
+}
+
+// filterName names the filter after its pin ("ae_ingress"), which tc
+// shows; the kernel keeps at most 255 bytes.
+func (a attachment) filterName() string { return "ae_" + a.pin }
+
+// setFilter creates or atomically replaces our filter on a's interface.
+func (a attachment) setFilter(prog *ebpf.Program) error {
+	return attachedTo(a, func(ifindex int) error {
+		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+		if err != nil {
+			return fmt.Errorf("netlink: %w", err)
+		}
+		defer h.Close()
+		qdisc := &netlink.GenericQdisc{
+			QdiscAttrs: netlink.QdiscAttrs{LinkIndex: ifindex, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT},
+			QdiscType:  "clsact",
+		}
+		if err := h.QdiscAdd(qdisc); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("add clsact qdisc to %s: %w", a.iface, err)
+		}
+		// Replacing goes by priority and handle: make sure what sits
+		// there, if anything, is ours.
+		filters, err := listFilters(ifindex, tcParent(a.attach))
+		if err != nil {
+			return err
+		}
+		for _, bf := range filters {
+			if bf.Priority == tcFilterPriority && bf.Handle == tcFilterHandle && !a.ours(bf) {
+				return fmt.Errorf("attach %s: tc filter priority %#x handle %#x is taken by %q", a, tcFilterPriority, tcFilterHandle, bf.Name)
+			}
+		}
+		if err := h.FilterReplace(a.filter(ifindex, prog)); err != nil {
+			return fmt.Errorf("attach %s: %w", a, err)
+		}
+		return nil
+	})
+}
+
+func (classicHooks) attach(a attachment, pin string) (tcProgram, error) {
+	prog, err := a.prog.Clone() // a pin of its own: the shared program is not moved
+	if err != nil {
+		return nil, fmt.Errorf("clone program for %s: %w", a, err)
+	}
+	if err := a.setFilter(prog); err != nil {
+		prog.Close()
+		return nil, err
+	}
+	f := &tcFilter{a: a, prog: prog, pin: pin}
+	if err := replacePin(pin, prog); err != nil {
+		_ = f.detach()
+		return nil, err
+	}
+	return f, nil
+}
+
+// adopt replaces the filter in place (same priority and handle: the kernel
+// swaps the program atomically) and re-pins the new program.
+func (classicHooks) adopt(a attachment, pin string) (tcProgram, error) {
+	if _, err := os.Stat(pin); err != nil {
+		return nil, fmt.Errorf("pinned program %s: %w", pin, err)
+	}
+	if a.netns == "" {
+		return nil, fmt.Errorf("adopt %s: the pod's netns is not known", a)
+	}
+	prog, err := a.prog.Clone()
+	if err != nil {
+		return nil, fmt.Errorf("clone program for %s: %w", a, err)
+	}
+	if err := a.setFilter(prog); err != nil {
+		prog.Close()
+		return nil, err
+	}
+	if err := replacePin(pin, prog); err != nil {
+		prog.Close()
+		return nil, err
+	}
+	return &tcFilter{a: a, prog: prog, pin: pin}, nil
+}
+
+func (classicHooks) count(netnsPath, iface string, attach ebpf.AttachType) (int, error) {
+	var n int
+	err := attachedTo(attachment{netns: netnsPath, iface: iface}, func(ifindex int) error {
+		filters, err := listFilters(ifindex, tcParent(attach))
+		n = len(filters)
+		return err
+	})
+	return n, err
+}
+
+// listFilters lists the bpf filters on a clsact hook; none when the
+// interface has no clsact qdisc.
+func listFilters(ifindex int, parent uint32) ([]*netlink.BpfFilter, error) {
+	l, err := netlink.LinkByIndex(ifindex)
+	if err != nil {
+		return nil, fmt.Errorf("find interface %d: %w", ifindex, err)
+	}
+	all, err := netlink.FilterList(l, parent)
+	if err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+		return nil, fmt.Errorf("list tc filters on %s: %w", l.Attrs().Name, err)
+	}
+	var out []*netlink.BpfFilter
+	for _, f := range all {
+		if bf, ok := f.(*netlink.BpfFilter); ok {
+			out = append(out, bf)
+		}
+	}
+	return out, nil
+}
+
+// ours reports whether bf is the filter a attached.
+func (a attachment) ours(bf *netlink.BpfFilter) bool {
+	return bf.Priority == tcFilterPriority && bf.Handle == tcFilterHandle && bf.Name == a.filterName()
+}
+
+// detach deletes our filter (matched by priority, handle and name; the
+// qdisc and other filters stay), then the pin. An interface that is gone
+// took the filter with it.
+func (f *tcFilter) detach() error {
+	var errs []error
+	if f.a.netns != "" {
+		err := attachedTo(f.a, func(ifindex int) error {
+			filters, err := listFilters(ifindex, tcParent(f.a.attach))
+			if err != nil {
+				return err
+			}
+			for _, bf := range filters {
+				if f.a.ours(bf) {
+					if err := netlink.FilterDel(bf); err != nil && !errors.Is(err, unix.ENOENT) {
+						return fmt.Errorf("delete tc filter %s: %w", f.a, err)
+					}
+				}
+			}
+			return nil
+		})
+		if err != nil && !errors.Is(err, os.ErrNotExist) && !isNoSuchInterface(err) {
+			errs = append(errs, err)
+		}
+	}
+	if err := os.Remove(f.pin); err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("remove pin %s: %w", f.pin, err))
+	}
+	errs = append(errs, f.prog.Close())
+	return errors.Join(errs...)
+}
+
+func (f *tcFilter) Close() error { return f.prog.Close() }
+
+// isNoSuchInterface reports the errors of an interface that is gone:
+// net.InterfaceByName's (a *net.OpError) or the kernel's ENODEV.
+func isNoSuchInterface(err error) bool {
+	var nerr *net.OpError
+	return errors.As(err, &nerr) && nerr.Op == "route" || errors.Is(err, unix.ENODEV)
+}

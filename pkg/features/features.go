@@ -1,0 +1,102 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package features probes, once per process, the kernel features the data
+// path uses and the kernel each needs. The dataplane picks its mechanisms
+// from these answers (TCX or classic tc, ...), the agent logs the Report at
+// start and the CLI shows it. Probes ask the kernel (a program load, a
+// syscall), never the version number: vendor kernels backport features.
+package features
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+)
+
+// MinimumKernel is the oldest Linux release the data path runs on: the
+// oldest one tested; every Required feature is older (README: Compatibility).
+const MinimumKernel = "5.10"
+
+// Feature is one probed kernel capability.
+type Feature struct {
+	// Name is short and stable: it is logged and shown by the CLI.
+	Name string
+	// Kernel is the first upstream Linux release that has it.
+	Kernel string
+	// Use says what the data path does with it, or instead of it.
+	Use string
+	// Required features have no fallback: without them the data path
+	// refuses to start, naming the kernel they need.
+	Required bool
+	// Has reports whether the running kernel has it (probed once).
+	Has func() bool
+}
+
+// Status is a Feature's probed answer.
+type Status struct {
+	Name      string `json:"name"`
+	Kernel    string `json:"kernel"`
+	Use       string `json:"use"`
+	Required  bool   `json:"required"`
+	Available bool   `json:"available"`
+}
+
+// All lists every probed feature, oldest kernel first.
+func All() []Feature {
+	return []Feature{
+		{"sk_assign", "5.7", "tc: hand inbound flows to ztunnel's listener (bpf_sk_assign)", true, HasSkAssign},
+		{"netns_cookie_sock_addr", "5.7", "connect/sendmsg hooks: scope capture to enrolled pods", true, HasNetnsCookieSockAddr},
+		{"cgroup_getpeername", "5.8", "getpeername hooks: a redirected socket names its original peer", true, HasCgroupGetpeername},
+		{"sk_storage_sock_addr", "5.8", "connect hooks: keep the original destination with the socket", true, HasSkStorageSockAddr},
+		{"sk_storage_sockops", "5.8", "sockops: file the original destination for SO_ORIGINAL_DST", true, HasSkStorageSockops},
+		{"sk_lookup", "5.9", "pod netns: hand inbound flows to ztunnel's reuseport listeners where tc cannot", true, HasSkLookup},
+		{"so_netns_cookie", "5.14", "read a pod's netns cookie with getsockopt; older: a cgroup bind hook reports it", false, HasSONetnsCookie},
+		{"netns_cookie_sockops", "5.15", "sockops: scope SO_ORIGINAL_DST entries by netns; older: by address only", false, HasNetnsCookieSockops},
+		{"netns_cookie_sockopt", "5.15", "getsockopt: scope SO_ORIGINAL_DST lookups by netns; older: by address only", false, HasNetnsCookieSockopt},
+		{"tcx", "6.6", "TC programs as TCX links, inbound hand-over by tc bpf_sk_assign; older: classic tc (clsact qdisc, cls_bpf filter) and hand-over by sk_lookup", false, HasTCX},
+	}
+}
+
+// Report probes every feature (cached) and returns the answers.
+func Report() []Status {
+	all := All()
+	out := make([]Status, len(all))
+	for i, f := range all {
+		out[i] = Status{Name: f.Name, Kernel: f.Kernel, Use: f.Use, Required: f.Required, Available: f.Has()}
+	}
+	return out
+}
+
+// Log writes the report, one line per feature, for the agent's start-up log.
+func Log(log *slog.Logger) {
+	for _, s := range Report() {
+		log.Info("kernel feature", "name", s.Name, "available", s.Available, "kernel", s.Kernel, "required", s.Required)
+	}
+}
+
+// CheckRequired returns an error naming every required feature the kernel
+// lacks and the Linux release that brings it.
+func CheckRequired() error {
+	var errs []error
+	for _, f := range All() {
+		if f.Required && !f.Has() {
+			errs = append(errs, fmt.Errorf("ambient-ebpf needs Linux %s for %s (%s)", f.Kernel, f.Name, f.Use))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// String renders the report as an aligned table (the CLI's status).
+func String(report []Status) string {
+	var b strings.Builder
+	for _, s := range report {
+		mark := "no"
+		if s.Available {
+			mark = "yes"
+		}
+		fmt.Fprintf(&b, "%-24s %-4s Linux %-5s %s\n", s.Name, mark, s.Kernel, s.Use)
+	}
+	return b.String()
+}

@@ -1,0 +1,104 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package features
+
+import (
+	"errors"
+	"math"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/features"
+	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
+)
+
+// Each probe runs once per process; a probe that cannot decide (an error
+// other than ErrNotSupported) counts as "missing", so the data path takes
+// the conservative mechanism.
+
+// HasTCX reports TCX links (Linux 6.6).
+var HasTCX = sync.OnceValue(func() bool { return probeTCX() == nil })
+
+// HasSkLookup reports sk_lookup programs (Linux 5.9).
+var HasSkLookup = sync.OnceValue(func() bool { return features.HaveProgramType(ebpf.SkLookup) == nil })
+
+// HasSkAssign reports bpf_sk_assign in TC programs (Linux 5.7).
+var HasSkAssign = sync.OnceValue(func() bool { return helper(ebpf.SchedCLS, asm.FnSkAssign) })
+
+// HasNetnsCookieSockAddr reports bpf_get_netns_cookie in cgroup sock_addr
+// programs (Linux 5.7).
+var HasNetnsCookieSockAddr = sync.OnceValue(func() bool { return helper(ebpf.CGroupSockAddr, asm.FnGetNetnsCookie) })
+
+// HasCgroupGetpeername reports the cgroup getpeername4/6 hooks (Linux 5.8).
+var HasCgroupGetpeername = sync.OnceValue(func() bool {
+	return loads(&ebpf.ProgramSpec{Type: ebpf.CGroupSockAddr, AttachType: ebpf.AttachCgroupInet4GetPeername})
+})
+
+// HasSkStorageSockAddr reports bpf_sk_storage_get in cgroup sock_addr
+// programs (Linux 5.8).
+var HasSkStorageSockAddr = sync.OnceValue(func() bool { return helper(ebpf.CGroupSockAddr, asm.FnSkStorageGet) })
+
+// HasSkStorageSockops reports bpf_sk_storage_get in sockops (Linux 5.8).
+var HasSkStorageSockops = sync.OnceValue(func() bool { return helper(ebpf.SockOps, asm.FnSkStorageGet) })
+
+// HasSONetnsCookie reports getsockopt(SO_NETNS_COOKIE) (Linux 5.14).
+var HasSONetnsCookie = sync.OnceValue(func() bool {
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	_, err = unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
+	return err == nil
+})
+
+// HasNetnsCookieSockops reports bpf_get_netns_cookie in sockops (Linux 5.15).
+var HasNetnsCookieSockops = sync.OnceValue(func() bool { return helper(ebpf.SockOps, asm.FnGetNetnsCookie) })
+
+// HasNetnsCookieSockopt reports bpf_get_netns_cookie in cgroup sockopt
+// programs (Linux 5.15).
+var HasNetnsCookieSockopt = sync.OnceValue(func() bool { return helper(ebpf.CGroupSockopt, asm.FnGetNetnsCookie) })
+
+func helper(pt ebpf.ProgramType, fn asm.BuiltinFunc) bool {
+	return features.HaveProgramHelper(pt, fn) == nil
+}
+
+// loads reports whether a trivial program of spec's type and attach type
+// loads: the kernel refuses attach types it does not know.
+func loads(spec *ebpf.ProgramSpec) bool {
+	spec.License = "GPL"
+	spec.Instructions = asm.Instructions{asm.LoadImm(asm.R0, 1, asm.DWord), asm.Return()}
+	prog, err := ebpf.NewProgram(spec)
+	if err != nil {
+		return false
+	}
+	prog.Close()
+	return true
+}
+
+// probeTCX asks for a TCX link on an interface index that cannot exist:
+// kernels with TCX answer ENODEV, older ones do not know the attach type
+// (link.AttachTCX then reports ErrNotSupported from its own probe).
+func probeTCX() error {
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type:         ebpf.SchedCLS,
+		License:      "GPL",
+		Instructions: asm.Instructions{asm.LoadImm(asm.R0, 0, asm.DWord), asm.Return()},
+	})
+	if err != nil {
+		return err
+	}
+	defer prog.Close()
+	l, err := link.AttachTCX(link.TCXOptions{Interface: math.MaxInt32, Program: prog, Attach: ebpf.AttachTCXIngress})
+	if err == nil {
+		l.Close()
+		return errors.New("tcx probe attached to a missing interface")
+	}
+	if errors.Is(err, unix.ENODEV) {
+		return nil
+	}
+	return err
+}
