@@ -33,6 +33,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
@@ -117,6 +118,11 @@ func (a *agent) run(ctx context.Context) error {
 		return fmt.Errorf("build snapshot: %w", err)
 	}
 	// 3. Data path: adopt what is pinned, then reconcile it with the snapshot.
+	features.Log(log)
+	a.features = map[string]bool{}
+	for _, f := range features.Report() {
+		a.features[f.Name] = f.Available
+	}
 	dp, err := dataplane.New(a.cfg.Dataplane)
 	if err != nil {
 		return fmt.Errorf("load data path: %w", err)
