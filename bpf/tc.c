@@ -58,6 +58,7 @@ struct flow {
 	__be16 dport;
 	bool syn;
 	bool fin_or_rst;
+	bool over_time_wait; /* a SYN reusing the tuple of a TIME_WAIT socket */
 };
 
 /* Parses Ethernet + IPv4/IPv6 + TCP. Returns 0 for a TCP segment whose
@@ -123,7 +124,11 @@ static __always_inline int parse_tcp(struct __sk_buff *skb, struct flow *f)
  * Whether the segment belongs to a connection the stack already has: an
  * established or half-open socket (ztunnel's own outbound connections,
  * flows accepted earlier). Those are delivered by the normal lookup. A SYN
- * that hits a TIME_WAIT socket starts a new connection and is captured.
+ * that meets a TIME_WAIT socket starts a new connection and is captured,
+ * but not by bpf_sk_assign: the listener it would be assigned to cannot
+ * take a tuple a TIME_WAIT socket still holds, and the SYN would be dropped
+ * until TIME_WAIT ends. Such a SYN goes through sk_lookup instead (see
+ * steer()), which runs after the kernel's own TIME_WAIT handling.
  */
 static __always_inline bool owned_by_socket(struct __sk_buff *skb, struct flow *f)
 {
@@ -137,7 +142,8 @@ static __always_inline bool owned_by_socket(struct __sk_buff *skb, struct flow *
 		sk = bpf_skc_lookup_tcp(skb, &f->tuple, sizeof(f->tuple.ipv4), BPF_F_CURRENT_NETNS, 0);
 	if (!sk)
 		return false;
-	owned = sk->state != BPF_TCP_LISTEN && !(f->syn && sk->state == BPF_TCP_TIME_WAIT);
+	f->over_time_wait = f->syn && sk->state == BPF_TCP_TIME_WAIT;
+	owned = sk->state != BPF_TCP_LISTEN && !f->over_time_wait;
 	bpf_sk_release(sk);
 	return owned;
 }
@@ -179,7 +185,7 @@ static __always_inline int assign_to_listener(struct __sk_buff *skb, struct flow
 		bpf_sk_release(sk);
 		return -1;
 	}
-	if (ae_cfg.flags & AE_CFG_SK_ASSIGN_REUSEPORT)
+	if ((ae_cfg.flags & AE_CFG_SK_ASSIGN_REUSEPORT) && !f->over_time_wait)
 		err = bpf_sk_assign(skb, sk, 0);
 	else
 		err = steer(f, sk);
@@ -440,7 +446,8 @@ static __always_inline int steer_lookup(struct bpf_sk_lookup *ctx)
 	return err ? SK_DROP : SK_PASS;
 }
 
-/* sk_lookup in the pod netns (kernels before 6.5 only). */
+/* sk_lookup in the pod netns: every hand-over before 6.5, and SYNs that
+ * meet a TIME_WAIT socket on every kernel. */
 SEC("sk_lookup")
 int ae_pod_steer(struct bpf_sk_lookup *ctx)
 {

@@ -56,10 +56,10 @@ func (d *Dataplane) plan(p *Pod, hostIf string) []attachment {
 	for _, v := range p.Options.RerouteInterfaces {
 		atts = append(atts, in("reroute_"+v, v, d.tc.AePodReroute))
 	}
-	if d.bpfFlags&flagSkAssignReuseport == 0 {
-		// Before 6.5: inbound flows reach ztunnel through sk_lookup.
-		atts = append(atts, attachment{pin: "sk_lookup", netns: p.Netns, attach: ebpf.AttachSkLookup, prog: d.tc.AePodSteer})
-	}
+	// sk_lookup hands inbound flows to ztunnel where tc cannot: every flow
+	// before 6.5, and on any kernel a SYN that reuses the tuple of a
+	// TIME_WAIT socket (see bpf/tc.c, owned_by_socket).
+	atts = append(atts, attachment{pin: "sk_lookup", netns: p.Netns, attach: ebpf.AttachSkLookup, prog: d.tc.AePodSteer})
 	atts = append(atts,
 		attachment{pin: "host_egress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: d.tc.AeHostEgress},
 		attachment{pin: "host_ingress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXIngress, prog: d.tc.AeHostIngress},

@@ -32,7 +32,7 @@
 //	pods/<uid>/reroute_<if>  TC ingress on a virtual interface (R14)
 //	pods/<uid>/host_egress   TC on the node side of the pod's veth (H1)
 //	pods/<uid>/host_ingress
-//	pods/<uid>/sk_lookup     sk_lookup in the pod netns (kernels without TCX)
+//	pods/<uid>/sk_lookup     sk_lookup in the pod netns (hand-over where tc cannot)
 //
 // The mechanisms follow the kernel (package features, README:
 // Compatibility): with TCX (Linux 6.6) each pods/<uid>/ pin is a TCX link

@@ -13,7 +13,9 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"reflect"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -203,6 +205,22 @@ func scenarios() []scenario {
 			return got, Outcome{Server: "a", ServerPeer: f.pick(simnode.OutsideV4, simnode.OutsideV6), ServerAddr: dst,
 				Ztunnel: &ZtunnelSaw{Listener: standin.InboundPort, OrigDst: dst}}
 		}},
+		{"R5_inbound_tuple_reused_over_time_wait", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
+			// The server side closes first, so ztunnel's accepted socket
+			// stays in TIME_WAIT; the client comes back from the same port.
+			dst := netip.AddrPortFrom(f.pick(e.a.V4, e.a.V6), appPort)
+			src := netip.AddrPortFrom(f.pick(simnode.OutsideV4, simnode.OutsideV6), 41000+uint16(len(f)))
+			req := simnode.AppRequest{Addr: dst, Bind: src, WaitEOF: true}
+			if _, err := e.outside.Dial("tcp", req); err != nil {
+				return Outcome{Err: "first connection: " + err.Error()}, Outcome{}
+			}
+			if !timeWaitIn(t, e.a, src) {
+				t.Errorf("no TIME_WAIT socket for %s in pod a: the scenario did not set up its condition", src)
+			}
+			got := e.observe(e.outside.Dial("tcp", req))
+			return got, Outcome{Server: "a", ServerPeer: src.Addr(), ServerAddr: dst,
+				Ztunnel: &ZtunnelSaw{Listener: standin.InboundPort, OrigDst: dst}}
+		}},
 		{"R6_hbone_port_untouched", allFamilies, func(t *testing.T, e *env, f family) (Outcome, Outcome) {
 			dst := netip.AddrPortFrom(f.pick(e.a.V4, e.a.V6), standin.HBONEPort)
 			got := e.observe(e.outside.Dial("tcp", simnode.AppRequest{Addr: dst}))
@@ -359,6 +377,17 @@ func concurrentProbes(t *testing.T, e *env, f family) (Outcome, Outcome) {
 	_, fOrig := count(forwarded.Replies, simnode.OutsideV4)
 	got := Outcome{Summary: fmt.Sprintf("probes %d ok %d snat; forwarded %d ok %d snat %d original source", pOK, pSNAT, fOK, fSNAT, fOrig)}
 	return got, Outcome{Summary: fmt.Sprintf("probes %d ok %d snat; forwarded %d ok %d snat %d original source", n, n, n, 0, n)}
+}
+
+// timeWaitIn reports whether the pod holds a TIME_WAIT socket whose peer is
+// peer.
+func timeWaitIn(t *testing.T, p *simnode.Pod, peer netip.AddrPort) bool {
+	out, err := exec.Command("nsenter", "--net="+p.NetnsPath(), "ss", "-Htn", "state", "time-wait").CombinedOutput()
+	if err != nil {
+		t.Fatalf("ss: %v: %s", err, out)
+	}
+	mapped := netip.AddrPortFrom(netip.AddrFrom16(peer.Addr().As16()), peer.Port()) // dual-stack sockets
+	return strings.Contains(string(out), peer.String()) || strings.Contains(string(out), mapped.String())
 }
 
 func (e *env) observeDNS(resp simnode.AppResponse, err error) Outcome {

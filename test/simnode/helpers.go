@@ -84,6 +84,9 @@ type AppRequest struct {
 	Connected bool       `json:"connected,omitempty"`
 	// Count is the number of concurrent connections of op dial-many.
 	Count int `json:"count,omitempty"`
+	// WaitEOF makes dial-tcp read until the server closes before closing:
+	// the server side closes first (and keeps the TIME_WAIT).
+	WaitEOF bool `json:"waitEOF,omitempty"`
 }
 
 // AppResponse answers an AppRequest.
@@ -238,6 +241,11 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		reply, err := readReply(c)
 		if err != nil {
 			return AppResponse{}, err
+		}
+		if req.WaitEOF {
+			if _, err := io.Copy(io.Discard, c); err != nil {
+				return AppResponse{}, fmt.Errorf("waiting for the server to close: %w", err)
+			}
 		}
 		return AppResponse{Reply: reply, Local: sockutil.AddrPort(c.LocalAddr())}, nil
 	}
