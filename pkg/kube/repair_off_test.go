@@ -21,7 +21,7 @@ func (m *countingMesh) AddPodToMesh(context.Context, *corev1.Pod, enrollment.Opt
 	return nil
 }
 func (m *countingMesh) RemovePodFromMesh(context.Context, *corev1.Pod) error { return nil }
-func (m *countingMesh) Redirection(types.UID) Redirection                   { return RedirectionNone }
+func (m *countingMesh) Redirection(types.UID) Redirection                    { return RedirectionNone }
 
 func TestRepairOffLeavesUnredirectedPodsAlone(t *testing.T) {
 	cfg, err := Config{NodeName: "n", Repair: RepairConfig{Mode: RepairOff}}.withDefaults()
