@@ -22,7 +22,7 @@ const (
 	returnMark      = 0x111
 	returnTable     = 100
 	returnRulePrio  = 32764
-	fwmarkAcceptKey = "/proc/sys/net/ipv4/tcp_fwmark_accept"
+	fwmarkAcceptKey = "sys/net/ipv4/tcp_fwmark_accept" // under Config.ProcRoot
 )
 
 // attachment is one TC program of a pod, pinned as pods/<uid>/<pin>.
@@ -116,14 +116,14 @@ func (d *Dataplane) setupPodNetns(p *Pod, hasV6 bool) (podNetnsState, error) {
 		if err := addReturnPath(h, hasV6); err != nil {
 			return err
 		}
-		prev, err := os.ReadFile(fwmarkAcceptKey)
+		prev, err := os.ReadFile(filepath.Join(d.cfg.ProcRoot, fwmarkAcceptKey))
 		if err != nil {
 			return fmt.Errorf("read tcp_fwmark_accept: %w", err)
 		}
 		if len(prev) > 0 && prev[0] == '1' {
 			st.savedFwmarkAcpt = 1
 		}
-		if err := os.WriteFile(fwmarkAcceptKey, []byte("1"), 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(d.cfg.ProcRoot, fwmarkAcceptKey), []byte("1"), 0o644); err != nil {
 			return fmt.Errorf("set tcp_fwmark_accept: %w", err)
 		}
 		return nil
@@ -177,7 +177,7 @@ func addReturnPath(h *netlink.Handle, hasV6 bool) error {
 
 // teardownPodNetns undoes setupPodNetns. A pod whose netns is gone needs
 // nothing undone.
-func teardownPodNetns(path string, savedFwmarkAccept uint32) error {
+func teardownPodNetns(procRoot, path string, savedFwmarkAccept uint32) error {
 	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
@@ -201,7 +201,7 @@ func teardownPodNetns(path string, savedFwmarkAccept uint32) error {
 		if savedFwmarkAccept == 1 {
 			val = []byte("1")
 		}
-		if err := os.WriteFile(fwmarkAcceptKey, val, 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(procRoot, fwmarkAcceptKey), val, 0o644); err != nil {
 			errs = append(errs, fmt.Errorf("restore tcp_fwmark_accept: %w", err))
 		}
 		return errors.Join(errs...)

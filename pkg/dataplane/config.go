@@ -37,6 +37,12 @@ type Config struct {
 	// NodeNetns is the node's network namespace, where the node side of
 	// each pod's veth is (default: the agent's own, /proc/self/ns/net).
 	NodeNetns string
+	// ProcRoot is a procfs mount; pod sysctls are written through it.
+	// /proc/sys/net answers for the netns of the thread that opens it,
+	// whichever procfs mount it is opened through, so a container whose
+	// own /proc/sys is read-only uses the host's /proc mounted elsewhere.
+	// Default /proc.
+	ProcRoot string
 	// ProbeV4 and ProbeV6 are the host-probe SNAT addresses (R7, R8).
 	ProbeV4, ProbeV6 netip.Addr
 	Logger           *slog.Logger
@@ -48,6 +54,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.CgroupRoot == "" {
 		return fmt.Errorf("no cgroup root configured")
+	}
+	if c.ProcRoot == "" {
+		c.ProcRoot = "/proc"
 	}
 	if c.NodeNetns == "" {
 		c.NodeNetns = "/proc/self/ns/net"

@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -275,5 +276,50 @@ func TestPinnedViewReadsWithoutTheAgent(t *testing.T) {
 	}
 	if dump.Netns[0].IPv4 != p.V4 || dump.Netns[0].IPv6 != p.V6 {
 		t.Errorf("ae_netns decodes to %v/%v, want %v/%v", dump.Netns[0].IPv4, dump.Netns[0].IPv6, p.V4, p.V6)
+	}
+}
+
+// The return path's sysctl is written through Config.ProcRoot (a second
+// procfs mount, as in a container whose /proc/sys is read-only) and lands
+// in the pod's netns only; removal restores it.
+func TestFwmarkAcceptThroughAnotherProcMount(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	proc := t.TempDir()
+	if err := unix.Mount("proc", proc, "proc", 0, ""); err != nil {
+		t.Fatalf("mount proc: %v", err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(proc, unix.MNT_DETACH) })
+	d, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), ProcRoot: proc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	read := func(netns string) string {
+		var v []byte
+		if err := inNetns(netns, func() error {
+			var err error
+			v, err = os.ReadFile("/proc/sys/net/ipv4/tcp_fwmark_accept")
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return strings.TrimSpace(string(v))
+	}
+	nodeBefore := read(simnode.NetnsPath(n.NodeNS))
+	if err := d.Enroll(context.Background(), podOf(p)); err != nil {
+		t.Fatal(err)
+	}
+	if got := read(p.NetnsPath()); got != "1" {
+		t.Errorf("pod tcp_fwmark_accept = %s while enrolled, want 1", got)
+	}
+	if got := read(simnode.NetnsPath(n.NodeNS)); got != nodeBefore {
+		t.Errorf("node tcp_fwmark_accept changed to %s", got)
+	}
+	if err := d.Remove(context.Background(), p.UID); err != nil {
+		t.Fatal(err)
+	}
+	if got := read(p.NetnsPath()); got != "0" {
+		t.Errorf("pod tcp_fwmark_accept = %s after removal, want 0", got)
 	}
 }

@@ -52,7 +52,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 	if samePod {
 		saved = old.savedFwmark // our own 1 must not become "the pod's value"
 	} else {
-		undo = append(undo, func() { _ = teardownPodNetns(pod.Netns, ns.savedFwmarkAcpt) })
+		undo = append(undo, func() { _ = teardownPodNetns(d.cfg.ProcRoot, pod.Netns, ns.savedFwmarkAcpt) })
 	}
 	hostIf, err := d.hostInterface(&pod, ns.podIndex, ns.peerIndex)
 	if err != nil {
@@ -120,7 +120,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 			d.slots.release(old.Slot)
 		}
 		if !samePod {
-			_ = teardownPodNetns(old.netnsPath, old.savedFwmark)
+			_ = teardownPodNetns(d.cfg.ProcRoot, old.netnsPath, old.savedFwmark)
 		}
 	}
 	d.pods[pod.UID] = st
@@ -238,7 +238,7 @@ func (d *Dataplane) detachPod(st *podState) error {
 		errs = append(errs, fmt.Errorf("remove pins of pod %s/%s: %w", st.Namespace, st.Name, err))
 	}
 	if st.netnsPath != "" {
-		if err := teardownPodNetns(st.netnsPath, st.savedFwmark); err != nil {
+		if err := teardownPodNetns(d.cfg.ProcRoot, st.netnsPath, st.savedFwmark); err != nil {
 			errs = append(errs, fmt.Errorf("pod %s/%s: %w", st.Namespace, st.Name, err))
 		}
 	}

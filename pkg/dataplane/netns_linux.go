@@ -144,3 +144,22 @@ func (d *Dataplane) netnsFinder(pods int) func(cookie uint64) string {
 	})
 	return func(cookie uint64) string { return byCookie()[cookie] }
 }
+
+// ifindexByName resolves an interface of the calling thread's netns with
+// one SIOCGIFINDEX ioctl. net.InterfaceByName dumps every link instead,
+// which in a node netns with a thousand pod veths dominated enrollment.
+func ifindexByName(name string) (int, error) {
+	ifr, err := unix.NewIfreq(name)
+	if err != nil {
+		return 0, fmt.Errorf("interface name %q: %w", name, err)
+	}
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return 0, fmt.Errorf("socket: %w", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFINDEX, ifr); err != nil {
+		return 0, fmt.Errorf("SIOCGIFINDEX %s: %w", name, err)
+	}
+	return int(ifr.Uint32()), nil
+}

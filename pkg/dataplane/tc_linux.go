@@ -48,11 +48,11 @@ type tcProgram interface {
 // attachedTo resolves a's interface inside its netns and runs fn there.
 func attachedTo(a attachment, fn func(ifindex int) error) error {
 	return inNetns(a.netns, func() error {
-		ifi, err := net.InterfaceByName(a.iface)
+		index, err := ifindexByName(a.iface)
 		if err != nil {
 			return fmt.Errorf("find interface %s: %w", a.iface, err)
 		}
-		return fn(ifi.Index)
+		return fn(index)
 	})
 }
 
@@ -340,7 +340,7 @@ func (f *tcFilter) detach() error {
 func (f *tcFilter) Close() error { return f.prog.Close() }
 
 // isNoSuchInterface reports the errors of an interface that is gone:
-// net.InterfaceByName's (a *net.OpError) or the kernel's ENODEV.
+// the kernel's ENODEV (or a *net.OpError of the net package's lookups).
 func isNoSuchInterface(err error) bool {
 	var nerr *net.OpError
 	return errors.As(err, &nerr) && nerr.Op == "route" || errors.Is(err, unix.ENODEV)
