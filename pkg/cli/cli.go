@@ -50,6 +50,24 @@ func NewCommand(out io.Writer) *cobra.Command {
 	return root
 }
 
+// pinnedCommand is a command that reads the pins: it opens them, hands
+// them to run and closes them.
+func pinnedCommand(o *options, use, short string, run func(cmd *cobra.Command, p *dataplane.Pinned) error) *cobra.Command {
+	return &cobra.Command{
+		Use:   use,
+		Short: short,
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			p, err := o.open()
+			if err != nil {
+				return err
+			}
+			defer p.Close()
+			return run(cmd, p)
+		},
+	}
+}
+
 func (o *options) open() (*dataplane.Pinned, error) {
 	p, err := dataplane.OpenPinned(o.bpffs)
 	if errors.Is(err, dataplane.ErrNotInstalled) {
@@ -95,16 +113,8 @@ func optionString(o dataplane.Options) string {
 }
 
 func podsCommand(o *options) *cobra.Command {
-	return &cobra.Command{
-		Use:   "pods",
-		Short: "List the enrolled pods (from the pinned maps)",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			p, err := o.open()
-			if err != nil {
-				return err
-			}
-			defer p.Close()
+	return pinnedCommand(o, "pods", "List the enrolled pods (from the pinned maps)",
+		func(cmd *cobra.Command, p *dataplane.Pinned) error {
 			pods, err := p.Pods()
 			if err != nil {
 				return err
@@ -116,21 +126,12 @@ func podsCommand(o *options) *cobra.Command {
 						pod.Interface, pod.HostInterface, optionString(pod.Options))
 				}
 			})
-		},
-	}
+		})
 }
 
 func statsCommand(o *options) *cobra.Command {
-	return &cobra.Command{
-		Use:   "stats",
-		Short: "Per-pod redirect counters kept in BPF maps",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			p, err := o.open()
-			if err != nil {
-				return err
-			}
-			defer p.Close()
+	return pinnedCommand(o, "stats", "Per-pod redirect counters kept in BPF maps",
+		func(cmd *cobra.Command, p *dataplane.Pinned) error {
 			dump, err := p.Dump()
 			if err != nil {
 				return err
@@ -143,28 +144,18 @@ func statsCommand(o *options) *cobra.Command {
 						st.DNSRedirects, st.RerouteRedirects, st.ProbeSNAT, st.InboundNoListener, st.OrigDstErrors, st.ProbeNATFull)
 				}
 			})
-		},
-	}
+		})
 }
 
 func mapsCommand(o *options) *cobra.Command {
-	return &cobra.Command{
-		Use:   "maps",
-		Short: "Every pinned map, decoded (works without the agent)",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			p, err := o.open()
-			if err != nil {
-				return err
-			}
-			defer p.Close()
+	return pinnedCommand(o, "maps", "Every pinned map, decoded (works without the agent)",
+		func(cmd *cobra.Command, p *dataplane.Pinned) error {
 			d, err := p.Dump()
 			if err != nil {
 				return err
 			}
 			return o.emit(cmd.OutOrStdout(), d, func(w *tabwriter.Writer) { printMaps(w, d) })
-		},
-	}
+		})
 }
 
 func printMaps(w *tabwriter.Writer, d *dataplane.MapDump) {
