@@ -9,12 +9,13 @@
 package conformance
 
 import (
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"net/netip"
 	"os"
-	"os/exec"
 	"reflect"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -380,14 +381,51 @@ func concurrentProbes(t *testing.T, e *env, f family) (Outcome, Outcome) {
 }
 
 // timeWaitIn reports whether the pod holds a TIME_WAIT socket whose peer is
-// peer.
+// peer, from /proc/net/tcp{,6} read inside the pod's netns (no ss in the
+// kernel-matrix guests).
 func timeWaitIn(t *testing.T, p *simnode.Pod, peer netip.AddrPort) bool {
-	out, err := exec.Command("nsenter", "--net="+p.NetnsPath(), "ss", "-Htn", "state", "time-wait").CombinedOutput()
+	found := false
+	err := simnode.InNetns(p.NS, func() error {
+		for _, file := range []string{"/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"} {
+			b, err := os.ReadFile(file)
+			if err != nil {
+				return err
+			}
+			for _, line := range strings.Split(string(b), "\n")[1:] {
+				f := strings.Fields(line)
+				if len(f) < 4 || f[3] != "06" { // TCP_TIME_WAIT
+					continue
+				}
+				if ap, ok := procNetAddr(f[2]); ok && ap.Addr().Unmap() == peer.Addr() && ap.Port() == peer.Port() {
+					found = true
+				}
+			}
+		}
+		return nil
+	})
 	if err != nil {
-		t.Fatalf("ss: %v: %s", err, out)
+		t.Fatalf("read sockets of pod %s: %v", p.Name, err)
 	}
-	mapped := netip.AddrPortFrom(netip.AddrFrom16(peer.Addr().As16()), peer.Port()) // dual-stack sockets
-	return strings.Contains(string(out), peer.String()) || strings.Contains(string(out), mapped.String())
+	return found
+}
+
+// procNetAddr decodes /proc/net/tcp's "ADDR:PORT": the address as 32-bit
+// words in host byte order, the port in hex.
+func procNetAddr(s string) (netip.AddrPort, bool) {
+	addr, port, ok := strings.Cut(s, ":")
+	raw, err := hex.DecodeString(addr)
+	if !ok || err != nil || (len(raw) != 4 && len(raw) != 16) {
+		return netip.AddrPort{}, false
+	}
+	for i := 0; i < len(raw); i += 4 {
+		raw[i], raw[i+1], raw[i+2], raw[i+3] = raw[i+3], raw[i+2], raw[i+1], raw[i]
+	}
+	a, _ := netip.AddrFromSlice(raw)
+	pn, err := strconv.ParseUint(port, 16, 16)
+	if err != nil {
+		return netip.AddrPort{}, false
+	}
+	return netip.AddrPortFrom(a, uint16(pn)), true
 }
 
 func (e *env) observeDNS(resp simnode.AppResponse, err error) Outcome {
