@@ -505,9 +505,19 @@ func ipReuse(t *testing.T, e *env) (Outcome, Outcome) {
 	e.zt.Add(cur)
 	e.b.enroll(t, cur, podOpts{})
 	e.b.remove(t, old)
-	dst := netip.AddrPortFrom(cur.V4, appPort)
-	got := e.observe(e.host.Dial("tcp", simnode.AppRequest{Addr: dst}))
-	return got, Outcome{Server: "g", ServerPeer: simnode.ProbeV4, ServerAddr: dst}
+	// Both families: the probe to g is still translated.
+	var got, want []string
+	for _, ip := range []netip.Addr{cur.V4, cur.V6} {
+		dst := netip.AddrPortFrom(ip, appPort)
+		o := e.observe(e.host.Dial("tcp", simnode.AppRequest{Addr: dst}))
+		got = append(got, js(o))
+		probe := simnode.ProbeV4
+		if ip.Is6() {
+			probe = simnode.ProbeV6
+		}
+		want = append(want, js(Outcome{Server: "g", ServerPeer: probe, ServerAddr: dst}))
+	}
+	return Outcome{Summary: strings.Join(got, " ")}, Outcome{Summary: strings.Join(want, " ")}
 }
 
 func js(v any) string {
@@ -553,9 +563,9 @@ func TestConformance(t *testing.T) {
 			runScenarios(t, e, scenarios(), seen)
 			b.remove(t, e.a)
 			runScenarios(t, e, removalScenarios(), seen)
-			t.Run("H4_ip_reuse_keeps_new_owner", func(t *testing.T) {
+			t.Run("H4_ip_reuse_keeps_new_owner_v4_v6", func(t *testing.T) {
 				got, want := ipReuse(t, e)
-				seen.add(b.name(), "H4_ip_reuse_keeps_new_owner", got)
+				seen.add(b.name(), "H4_ip_reuse_keeps_new_owner_v4_v6", got)
 				if !reflect.DeepEqual(got, want) {
 					t.Errorf("outcome differs from the contract\n got: %s\nwant: %s", js(got), js(want))
 				}
