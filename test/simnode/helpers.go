@@ -351,23 +351,7 @@ func (a *app) dnsServer(addr netip.AddrPort, answer netip.Addr) error {
 			}
 		}
 	}()
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-				if q, err := standin.ReadTCPMessage(c); err == nil {
-					if reply := respond(q); reply != nil {
-						_ = standin.WriteTCPMessage(c, reply)
-					}
-				}
-			}()
-		}
-	}()
+	go standin.ServeDNSTCP(l, func(_ netip.AddrPort, q []byte) []byte { return respond(q) })
 	return nil
 }
 

@@ -43,17 +43,7 @@ func StartHelper(t TB, role, ns, cgroup string, extraEnv ...string) *Proc {
 	// mounts stay as they are (unlike `ip netns exec`).
 	cmd := exec.Command("nsenter", "--net="+NetnsPath(ns), self)
 	cmd.Env = append(append(os.Environ(), HelperEnv+"="+role), extraEnv...)
-	if cgroup != "" {
-		fd, err := syscall.Open(cgroup, syscall.O_DIRECTORY|syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
-		if err != nil {
-			t.Fatalf("open cgroup %s: %v", cgroup, err)
-		}
-		defer syscall.Close(fd)
-		// No Pdeathsig: it fires when the forking OS thread exits, and
-		// threads locked into a netns do exit. The cgroup is the leash:
-		// its cleanup kills whatever is left in it.
-		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
-	}
+	defer startInCgroup(t, cmd, cgroup)()
 	p := &Proc{t: t, cmd: cmd, Stderr: &lockedBuffer{}}
 	cmd.Stderr = p.Stderr
 	if p.in, err = cmd.StdinPipe(); err != nil {
@@ -154,14 +144,7 @@ func StartProcess(t TB, ns, cgroup string, argv ...string) *Process {
 	}
 	p := &Process{t: t, cmd: cmd, done: make(chan struct{}), Output: &lockedBuffer{}}
 	cmd.Stdout, cmd.Stderr = p.Output, p.Output
-	if cgroup != "" {
-		fd, err := syscall.Open(cgroup, syscall.O_DIRECTORY|syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
-		if err != nil {
-			t.Fatalf("open cgroup %s: %v", cgroup, err)
-		}
-		defer syscall.Close(fd)
-		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
-	}
+	defer startInCgroup(t, cmd, cgroup)()
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start %s: %v", argv[0], err)
 	}
@@ -213,4 +196,21 @@ func BuildBinary(t TB, dir, pkg string) string {
 		t.Fatalf("go build %s: %v: %s", pkg, err, b)
 	}
 	return out
+}
+
+// startInCgroup makes cmd start in cgroup dir (if any) and returns what
+// closes the cgroup's fd once the process started. No Pdeathsig: it fires
+// when the forking OS thread exits, and threads locked into a netns do
+// exit. The cgroup is the leash: its cleanup kills whatever is left in it.
+func startInCgroup(t TB, cmd *exec.Cmd, cgroup string) (closeFD func()) {
+	t.Helper()
+	if cgroup == "" {
+		return func() {}
+	}
+	fd, err := syscall.Open(cgroup, syscall.O_DIRECTORY|syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatalf("open cgroup %s: %v", cgroup, err)
+	}
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
+	return func() { syscall.Close(fd) }
 }

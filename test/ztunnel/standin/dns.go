@@ -221,6 +221,19 @@ func (p *Proxy) serveDNSUDP(pd *pod, c *net.UDPConn) {
 }
 
 func (p *Proxy) serveDNSTCP(pd *pod, l net.Listener) {
+	ServeDNSTCP(l, func(peer netip.AddrPort, query []byte) []byte {
+		reply, err := p.resolve(pd, peer, query)
+		if err != nil {
+			return nil
+		}
+		return reply
+	})
+}
+
+// ServeDNSTCP answers length-prefixed DNS queries on each connection of l
+// (one query per connection) until l closes; answer returns nil to send
+// nothing.
+func ServeDNSTCP(l net.Listener, answer func(peer netip.AddrPort, query []byte) []byte) {
 	for {
 		c, err := l.Accept()
 		if err != nil {
@@ -233,8 +246,7 @@ func (p *Proxy) serveDNSTCP(pd *pod, l net.Listener) {
 			if err != nil {
 				return
 			}
-			reply, err := p.resolve(pd, sockutil.AddrPort(c.RemoteAddr()), query)
-			if err == nil {
+			if reply := answer(sockutil.AddrPort(c.RemoteAddr()), query); reply != nil {
 				_ = WriteTCPMessage(c, reply)
 			}
 		}()
