@@ -25,16 +25,33 @@
 #define AE_CFG_NETNS_COOKIE_SOCKOPT (1U << 1) /* Linux 5.15 */
 #define AE_CFG_SK_ASSIGN_REUSEPORT  (1U << 2) /* Linux 6.5: tc's bpf_sk_assign takes reuseport
                                                 * listeners; set where TCX (6.6) is */
+#define AE_CFG_SK_LOOKUP_IFINDEX    (1U << 3) /* Linux 5.17: sk_lookup sees the ingress
+                                                * interface, so it alone captures inbound */
+
+/* struct pod_meta.state: the enrolment journal. A pod's slot is written
+ * ENROLLING (with what must be restored) before the node is touched and
+ * REMOVING before anything is taken away; a restarted agent finds either
+ * and undoes what the dead one left, so no pod stays half redirected. */
+#define AE_META_FREE      0
+#define AE_META_ENROLLED  1
+#define AE_META_ENROLLING 2
+#define AE_META_REMOVING  3
+
+/* ae_listeners keeps up to this many of ztunnel's listeners per pod and
+ * port: a rollout briefly has two ztunnels, and either may close first. */
+#define AE_LISTENER_SLOTS 4
 
 struct ae_addr {
 	__u8 b[16];
 } __attribute__((aligned(4))); /* compared as four 32-bit words */
 
-/* Value of ae_pods, keyed by pod IP: what the TC programs need. */
+/* Value of ae_pods, keyed by pod IP: what the TC and sk_lookup programs need. */
 struct pod_info {
 	__u64 netns_cookie; /* owner's netns; a reused IP gets a new owner */
 	__u32 slot;         /* index into ae_pod_meta and ae_stats */
 	__u32 flags;
+	__u32 ifindex;      /* the pod interface inbound traffic arrives on (R5) */
+	__u32 pad;
 };
 
 /* Value of ae_netns, keyed by the pod's netns cookie: what the socket hooks need. */
@@ -48,14 +65,23 @@ struct netns_info {
 /* Value of ae_pod_meta, indexed by slot. Read by user space only: it lets
  * the agent, the CLI and bpftool name every enrolled pod after a restart. */
 struct pod_meta {
-	char uid[40];
+	char uid[64];
 	char namespace[64];
-	char name[128];
-	char ifname[16];      /* the pod-side interface the ingress program is on */
+	char name[256];       /* DNS-1123 subdomain: at most 253 */
+	char ifname[16];      /* the pod-side interface */
 	char host_ifname[16]; /* the node side of the pod's veth */
+	char netns[128];      /* the netns path the agent used (checked by cookie before use) */
 	__u64 netns_cookie;
-	__u32 in_use;
-	__u32 saved_fwmark_accept; /* the pod's tcp_fwmark_accept before enrollment */
+	__u32 state;               /* AE_META_* */
+	__u32 saved_fwmark_accept; /* the pod's tcp_fwmark_accept before enrollment, read once */
+};
+
+/* Key of ae_listeners: one of ztunnel's listeners in an enrolled pod. */
+struct listener_key {
+	__u64 netns_cookie;
+	__u16 port; /* host byte order */
+	__u16 idx;  /* 0 .. AE_LISTENER_SLOTS-1 */
+	__u32 pad;
 };
 
 /* The original destination of a redirected connection. */

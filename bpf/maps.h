@@ -97,4 +97,33 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ae_steer SEC(".maps");
 
+/* ztunnel's inbound listeners in enrolled pods, filed by sockops when
+ * they listen (TCP_LISTEN_CB) and dropped by the kernel when they close.
+ * The pod's sk_lookup program hands new inbound flows to them (R5):
+ * sk_lookup cannot look sockets up by address, only take them from a
+ * sockmap. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, AE_MAX_PODS * AE_LISTENER_SLOTS);
+	__type(key, struct listener_key);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_listeners SEC(".maps");
+
+/* ztunnel's connections to the app of its own pod (R10: it delivers
+ * inbound traffic from the client's address over lo), filed by sockops
+ * before the SYN leaves and removed when the socket closes. sk_lookup sees
+ * the SYN with the pod interface's index (the route to a local address
+ * names the device that owns it) and a foreign source, exactly like
+ * traffic from outside: this is how it tells them apart. Key as sk_lookup
+ * sees the flow: saddr/sport the client side, daddr/dport the app's. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1 << 18);
+	__type(key, struct steer_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_local_flows SEC(".maps");
+
 #endif /* AMBIENT_MAPS_H */

@@ -453,6 +453,42 @@ static __always_inline void probe_key_of(struct bpf_sock_ops *skops, struct prob
 	key->host_port = bpf_htons((__u16)skops->local_port);
 }
 
+/* The flow of a connecting socket as the peer's sk_lookup will see it. */
+static __always_inline void local_flow_key(struct bpf_sock_ops *skops, struct steer_key *key)
+{
+	__builtin_memset(key, 0, sizeof(*key));
+	sockops_local(skops, &key->saddr);
+	sockops_remote(skops, &key->daddr);
+	key->sport = bpf_htons((__u16)skops->local_port);
+	key->dport = (__be16)(skops->remote_port >> 16);
+}
+
+/*
+ * R10: ztunnel connects to the app of the pod whose netns it is in. The
+ * pod's sk_lookup program must leave this SYN to the app (see
+ * ae_local_flows). Only where sk_lookup captures inbound (the flag implies
+ * netns cookies in sockops).
+ */
+static __always_inline void file_local_flow(struct bpf_sock_ops *skops, const struct ae_addr *remote)
+{
+	struct steer_key key;
+	struct pod_info *pod;
+	__u32 one = 1;
+
+	if (!(ae_cfg.flags & AE_CFG_SK_LOOKUP_IFINDEX) || !(ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPS))
+		return;
+	pod = bpf_map_lookup_elem(&ae_pods, remote);
+	if (!pod || pod->netns_cookie != bpf_get_netns_cookie(skops))
+		return;
+	local_flow_key(skops, &key);
+	if (bpf_map_update_elem(&ae_local_flows, &key, &one, BPF_ANY)) {
+		struct pod_stats *st = pod_stats(pod->slot);
+
+		if (st)
+			st->orig_dst_errors++;
+	}
+}
+
 /*
  * A socket starts connecting (TCP_CONNECT_CB runs just before the SYN).
  * A redirected one files its original destination under the address the
@@ -477,6 +513,8 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 	} else {
 		sockops_remote(skops, &remote);
 		track = bpf_map_lookup_elem(&ae_pods, &remote) != NULL;
+		if (track && mark_is_ztunnel(sk->mark))
+			file_local_flow(skops, &remote);
 	}
 	if (track)
 		bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
@@ -503,11 +541,53 @@ static __always_inline void on_close(struct bpf_sock_ops *skops)
 		bpf_map_delete_elem(&ae_orig_dst, &key);
 		return;
 	}
+	if (mark_is_ztunnel(sk->mark)) {
+		struct steer_key fk;
+
+		local_flow_key(skops, &fk);
+		bpf_map_delete_elem(&ae_local_flows, &fk);
+		return;
+	}
 	probe_key_of(skops, &pk);
 	nat = bpf_map_lookup_elem(&ae_probe_nat, &pk);
 	sockops_local(skops, &local);
 	if (nat && addr_eq(&nat->host, &local))
 		bpf_map_delete_elem(&ae_probe_nat, &pk);
+}
+
+/*
+ * R5: ztunnel's inbound listener starts listening in a pod netns. It is
+ * filed, by netns, for the pod's sk_lookup program, which hands new
+ * inbound flows to it. Only ztunnel's (marked) sockets count, so an app
+ * that listens on the same port never receives captured traffic. Filed
+ * whether or not the pod is enrolled yet: ztunnel may listen first, and
+ * the entry lives exactly as long as the socket (the kernel drops a
+ * closed socket from the map). Several may exist (a ztunnel rollout): each
+ * takes a free slot, and since they share one reuseport group, any one of
+ * them reaches all.
+ */
+static __always_inline void on_listen(struct bpf_sock_ops *skops)
+{
+	struct listener_key key = {};
+	struct bpf_sock *sk = skops->sk;
+	__u16 i;
+
+	/* Netns cookies in sockops (5.15) come with sk_lookup's ingress
+	 * interface (5.17); without them inbound goes through tc. */
+	if (!sk || !(ae_cfg.flags & AE_CFG_SK_LOOKUP_IFINDEX) || !(ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPS))
+		return;
+	if (skops->local_port != ae_cfg.inbound_port || !mark_is_ztunnel(sk->mark))
+		return;
+	key.netns_cookie = bpf_get_netns_cookie(skops);
+	key.port = ae_cfg.inbound_port;
+	for (i = 0; i < AE_LISTENER_SLOTS; i++) {
+		key.idx = i;
+		if (bpf_sock_hash_update(skops, &ae_listeners, &key, BPF_NOEXIST) == 0)
+			return;
+	}
+	/* Every slot taken by live listeners: the newest replaces slot 0. */
+	key.idx = 0;
+	bpf_sock_hash_update(skops, &ae_listeners, &key, BPF_ANY);
 }
 
 /* sockops: TCP socket events below the node's cgroup root. */
@@ -517,6 +597,9 @@ int ae_sockops(struct bpf_sock_ops *skops)
 	switch (skops->op) {
 	case BPF_SOCK_OPS_TCP_CONNECT_CB:
 		on_connect(skops);
+		break;
+	case BPF_SOCK_OPS_TCP_LISTEN_CB:
+		on_listen(skops);
 		break;
 	case BPF_SOCK_OPS_STATE_CB:
 		if (skops->args[1] == BPF_TCP_CLOSE)

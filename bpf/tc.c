@@ -412,44 +412,154 @@ int ae_host_ingress(struct __sk_buff *skb)
 }
 
 /*
- * Kernels before 6.5: the other half of steer(). The flow's entry names
- * the listener; a flow whose listener cannot be assigned is dropped (fail
- * closed), any other lookup goes on as usual.
+ * The other half of steer(): flows tc filed for sk_lookup (every inbound
+ * flow on kernels whose sk_lookup cannot see the ingress interface; R14
+ * flows and SYNs over a TIME_WAIT socket before 6.5). Returns 1 when the
+ * flow was filed; *verdict is then the answer.
  */
-static __always_inline int steer_lookup(struct bpf_sk_lookup *ctx)
+static __always_inline int steer_filed(struct bpf_sk_lookup *ctx, const struct ae_addr *remote,
+				       const struct ae_addr *local, int *verdict)
 {
 	struct steer_key key = {};
 	struct bpf_sock *sk;
 	int err;
 
-	if (ctx->protocol != IPPROTO_TCP_)
-		return SK_PASS;
-	if (ctx->family == AF_INET) {
-		addr_set_v4(&key.saddr, ctx->remote_ip4);
-		addr_set_v4(&key.daddr, ctx->local_ip4);
-	} else {
-		__u32 r[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
-		__u32 l[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
-
-		addr_set_v6(&key.saddr, r);
-		addr_set_v6(&key.daddr, l);
-	}
+	key.saddr = *remote;
+	key.daddr = *local;
 	key.sport = ctx->remote_port;
 	/* local_port is in host byte order. */
 	key.dport = bpf_htons((__u16)ctx->local_port);
 	sk = bpf_map_lookup_elem(&ae_steer, &key);
 	if (!sk)
-		return SK_PASS;
+		return 0;
 	err = bpf_sk_assign(ctx, sk, 0);
 	bpf_sk_release(sk);
 	bpf_map_delete_elem(&ae_steer, &key);
-	return err ? SK_DROP : SK_PASS;
+	*verdict = err ? SK_DROP : SK_PASS;
+	return 1;
 }
 
-/* sk_lookup in the pod netns: every hand-over before 6.5, and SYNs that
- * meet a TIME_WAIT socket on every kernel. */
+/* One of ztunnel's inbound listeners in the pod's netns (see on_listen in
+ * sock.c), or NULL. The caller releases it. */
+static __always_inline struct bpf_sock *inbound_listener(__u64 netns_cookie)
+{
+	struct listener_key key = {};
+	struct bpf_sock *sk;
+	__u16 i;
+
+	key.netns_cookie = netns_cookie;
+	key.port = ae_cfg.inbound_port;
+	for (i = 0; i < AE_LISTENER_SLOTS; i++) {
+		key.idx = i;
+		sk = bpf_map_lookup_elem(&ae_listeners, &key);
+		if (sk)
+			return sk;
+	}
+	return NULL;
+}
+
+/*
+ * R5-R7 where sk_lookup sees the ingress interface (5.17): a new inbound
+ * TCP flow on the pod's interface goes to ztunnel's :15006 listener.
+ * sk_lookup runs only when no established socket owns the segment (and,
+ * for a SYN over a TIME_WAIT socket, after the kernel's TIME_WAIT
+ * handling), so flows the stack has are never looked at, and no per-packet
+ * tc program is needed on the pod's interface. No packet is rewritten: the
+ * accepted socket's local address is the original destination. Traffic
+ * on other interfaces, and from inside the pod (over lo), is left alone.
+ */
+static __always_inline int capture_inbound_lookup(struct bpf_sk_lookup *ctx, const struct ae_addr *remote,
+						  const struct ae_addr *local)
+{
+	struct steer_key key = {};
+	struct pod_stats *st;
+	struct pod_info *pod;
+	struct bpf_sock *sk;
+	int err;
+
+	pod = bpf_map_lookup_elem(&ae_pods, local);
+	if (!pod || pod->ifindex != ctx->ingress_ifindex || (pod->flags & AE_F_BYPASS_INBOUND))
+		return SK_PASS;
+	if (ctx->local_port == ae_cfg.hbone_port)
+		return SK_PASS;
+	/* Connections from inside the pod, delivered over lo but seen with
+	 * the pod interface's index: the app to itself or to ztunnel's
+	 * :15001 (R1, R4; source and destination are the pod's address), and
+	 * ztunnel to the app with the client's address (R10, filed by
+	 * sockops). */
+	if (addr_eq(remote, local))
+		return SK_PASS;
+	key.saddr = *remote;
+	key.daddr = *local;
+	key.sport = ctx->remote_port;
+	key.dport = bpf_htons((__u16)ctx->local_port);
+	if (bpf_map_lookup_elem(&ae_local_flows, &key))
+		return SK_PASS;
+	if (addr_eq(remote, (struct ae_addr *)&ae_cfg.probe_v4) ||
+	    addr_eq(remote, (struct ae_addr *)&ae_cfg.probe_v6))
+		return SK_PASS;
+	st = pod_stats(pod->slot);
+	sk = inbound_listener(pod->netns_cookie);
+	if (!sk) {
+		/* Fail closed: with no ztunnel listener the flow must not
+		 * reach the app unredirected. */
+		if (st)
+			st->inbound_no_listener++;
+		return SK_DROP;
+	}
+	err = bpf_sk_assign(ctx, sk, 0);
+	bpf_sk_release(sk);
+	if (err) {
+		if (st)
+			st->inbound_no_listener++;
+		return SK_DROP;
+	}
+	if (st)
+		st->inbound_redirects++;
+	return SK_PASS;
+}
+
+static __always_inline int pod_lookup(struct bpf_sk_lookup *ctx)
+{
+	struct ae_addr remote, local;
+	int verdict;
+
+	if (ctx->protocol != IPPROTO_TCP_)
+		return SK_PASS;
+	/* Both families' fields are read every time, at constant offsets
+	 * from ctx, and pinned there (barrier_var): otherwise clang sinks the
+	 * loads into the branches and shares one computed field pointer
+	 * between them, which the verifier refuses. */
+	__u32 r4 = ctx->remote_ip4, l4 = ctx->local_ip4;
+	__u32 r6[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
+	__u32 l6[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
+
+	barrier_var(r4);
+	barrier_var(l4);
+	for (int i = 0; i < 4; i++) {
+		barrier_var(r6[i]);
+		barrier_var(l6[i]);
+	}
+	if (ctx->family == AF_INET) {
+		addr_set_v4(&remote, r4);
+		addr_set_v4(&local, l4);
+	} else {
+		addr_set_v6(&remote, r6);
+		addr_set_v6(&local, l6);
+	}
+	if (steer_filed(ctx, &remote, &local, &verdict))
+		return verdict;
+	/* Dead code where the kernel lacks the field: the verifier never
+	 * sees ingress_ifindex there. */
+	if (ae_cfg.flags & AE_CFG_SK_LOOKUP_IFINDEX)
+		return capture_inbound_lookup(ctx, &remote, &local);
+	return SK_PASS;
+}
+
+/* sk_lookup in the pod netns: inbound capture (R5) where the kernel gives
+ * sk_lookup the ingress interface, and the hand-over of flows tc filed. */
 SEC("sk_lookup")
 int ae_pod_steer(struct bpf_sk_lookup *ctx)
 {
-	return steer_lookup(ctx);
+	return pod_lookup(ctx);
 }

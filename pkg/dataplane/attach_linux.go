@@ -44,21 +44,21 @@ func (a attachment) String() string {
 	return "tc ingress on " + a.iface
 }
 
-// plan lists the links a pod needs.
+// plan lists the programs a pod needs.
 func (d *Dataplane) plan(p *Pod, hostIf string) []attachment {
 	in := func(pin, iface string, prog *ebpf.Program) attachment {
 		return attachment{pin: pin, netns: p.Netns, iface: iface, attach: ebpf.AttachTCXIngress, prog: prog}
 	}
-	atts := []attachment{
-		in("ingress", p.Interface, d.tc.AePodIngress),
-		in("lo_ingress", "lo", d.tc.AePodLoIngress),
+	var atts []attachment
+	// Where sk_lookup sees the ingress interface, it alone captures
+	// inbound flows (R5); elsewhere a tc program files them for it.
+	if !d.skLookupInbound {
+		atts = append(atts, in("ingress", p.Interface, d.tc.AePodIngress))
 	}
+	atts = append(atts, in("lo_ingress", "lo", d.tc.AePodLoIngress))
 	for _, v := range p.Options.RerouteInterfaces {
 		atts = append(atts, in("reroute_"+v, v, d.tc.AePodReroute))
 	}
-	// sk_lookup hands inbound flows to ztunnel where tc cannot: every flow
-	// before 6.5, and on any kernel a SYN that reuses the tuple of a
-	// TIME_WAIT socket (see bpf/tc.c, owned_by_socket).
 	atts = append(atts, attachment{pin: "sk_lookup", netns: p.Netns, attach: ebpf.AttachSkLookup, prog: d.tc.AePodSteer})
 	atts = append(atts,
 		attachment{pin: "host_egress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: d.tc.AeHostEgress},
@@ -85,18 +85,18 @@ func (d *Dataplane) hooksFor(a attachment) tcHooks {
 	return d.hooks
 }
 
-// podNetnsState is what enrollment changes inside the pod netns besides
-// links: the return-path policy routing and tcp_fwmark_accept.
+// podNetnsState is what Enroll reads in the pod netns before it changes
+// anything there.
 type podNetnsState struct {
-	cookie          uint64
-	podIndex        int // ifindex of the pod interface
-	peerIndex       int // ifindex of its veth peer, in the peer's netns
-	savedFwmarkAcpt uint32
+	cookie       uint64
+	podIndex     int // ifindex of the pod interface
+	peerIndex    int // ifindex of its veth peer, in the peer's netns
+	fwmarkAccept uint32
 }
 
-// setupPodNetns reads the pod's netns cookie and veth peer and installs
-// the return path. It is idempotent.
-func (d *Dataplane) setupPodNetns(p *Pod, hasV6 bool) (podNetnsState, error) {
+// probePodNetns reads the pod's netns cookie, its interface and veth
+// peer, and tcp_fwmark_accept as the pod has it. It changes nothing.
+func (d *Dataplane) probePodNetns(p *Pod) (podNetnsState, error) {
 	var st podNetnsState
 	err := inNetns(p.Netns, func() error {
 		var err error
@@ -113,25 +113,38 @@ func (d *Dataplane) setupPodNetns(p *Pod, hasV6 bool) (podNetnsState, error) {
 			return fmt.Errorf("find interface %s: %w", p.Interface, err)
 		}
 		st.podIndex, st.peerIndex = l.Attrs().Index, l.Attrs().ParentIndex
-		if err := addReturnPath(h, hasV6); err != nil {
-			return err
-		}
 		prev, err := os.ReadFile(filepath.Join(d.cfg.ProcRoot, fwmarkAcceptKey))
 		if err != nil {
 			return fmt.Errorf("read tcp_fwmark_accept: %w", err)
 		}
 		if len(prev) > 0 && prev[0] == '1' {
-			st.savedFwmarkAcpt = 1
+			st.fwmarkAccept = 1
+		}
+		return nil
+	})
+	if err != nil {
+		return st, fmt.Errorf("pod %s/%s: netns %s: %w", p.Namespace, p.Name, p.Netns, err)
+	}
+	return st, nil
+}
+
+// setupReturnPath installs the return path (R10) in the pod netns: the
+// policy rule and route, and tcp_fwmark_accept. It is idempotent.
+func (d *Dataplane) setupReturnPath(p *Pod) error {
+	return inNetns(p.Netns, func() error {
+		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+		if err != nil {
+			return fmt.Errorf("netlink: %w", err)
+		}
+		defer h.Close()
+		if err := addReturnPath(h, p.hasV6()); err != nil {
+			return err
 		}
 		if err := os.WriteFile(filepath.Join(d.cfg.ProcRoot, fwmarkAcceptKey), []byte("1"), 0o644); err != nil {
 			return fmt.Errorf("set tcp_fwmark_accept: %w", err)
 		}
 		return nil
 	})
-	if err != nil {
-		return st, fmt.Errorf("pod %s/%s: %w", p.Namespace, p.Name, err)
-	}
-	return st, nil
 }
 
 func returnRule(family int) *netlink.Rule {

@@ -26,7 +26,10 @@ type Dataplane struct {
 	log *slog.Logger
 
 	// Mechanisms picked from the kernel's features, once, in New.
-	hooks       tcHooks                // TCX links or classic tc filters
+	hooks       tcHooks                // how TC programs are attached (classic tc filters)
+	// skLookupInbound: the pod's sk_lookup program alone captures inbound
+	// flows (Linux 5.17 gives it the ingress interface).
+	skLookupInbound bool
 	netnsCookie func() (uint64, error) // of the calling thread's netns
 	bpfFlags    uint32                 // ae_cfg.flags
 	nsQuery     link.Link              // ae_netns_query, where SO_NETNS_COOKIE is missing
@@ -43,6 +46,8 @@ type podState struct {
 	EnrolledPod
 	netnsPath   string
 	savedFwmark uint32
+	ifindex     uint32 // of the pod interface, in its netns
+	journal     uint32 // metaEnrolled, or where a stopped agent left it
 	links       map[string]tcProgram // by pin name; adopted pins that could not be loaded are missing
 }
 
@@ -55,28 +60,46 @@ type nodeHook struct {
 
 // New loads the programs, reuses the pinned maps (creating them on first
 // start), attaches or adopts the node-wide hooks and adopts every pod
-// enrolled before. On error nothing it created is left behind.
+// enrolled before. Every path is checked before the kernel is touched, and
+// on error nothing it created is left behind: on a first start no pin
+// remains; with pins of an earlier agent, those stay as they were.
 func New(cfg Config) (*Dataplane, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
-	// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK.
-	if err := rlimit.RemoveMemlock(); err != nil {
-		return nil, fmt.Errorf("remove memlock limit: %w", err)
+	cgroupID, err := hostfs.CgroupID(cfg.CgroupRoot)
+	if err != nil {
+		return nil, fmt.Errorf("cgroup root: %w", err)
 	}
 	if ok, err := hostfs.IsBPFFS(filepath.Dir(cfg.BPFFSDir)); err != nil {
 		return nil, err
 	} else if !ok {
 		return nil, fmt.Errorf("%s is not on a bpffs", cfg.BPFFSDir)
 	}
+	if _, err := os.Stat(cfg.NodeNetns); err != nil {
+		return nil, fmt.Errorf("node netns: %w", err)
+	}
+	if err := features.CheckRequired(); err != nil {
+		return nil, err
+	}
+	// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK.
+	if err := rlimit.RemoveMemlock(); err != nil {
+		return nil, fmt.Errorf("remove memlock limit: %w", err)
+	}
+	_, statErr := os.Stat(cfg.BPFFSDir)
+	fresh := errors.Is(statErr, os.ErrNotExist)
+	d, err := load(cfg, cgroupID)
+	if err != nil && fresh {
+		_ = os.RemoveAll(cfg.BPFFSDir)
+	}
+	return d, err
+}
+
+func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 	for _, dir := range []string{mapsDir(cfg), linksDir(cfg), podsDir(cfg)} {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			return nil, fmt.Errorf("create pin directory: %w", err)
 		}
-	}
-
-	if err := features.CheckRequired(); err != nil {
-		return nil, err
 	}
 	d := &Dataplane{cfg: cfg, log: cfg.Logger, pods: map[string]*podState{}}
 	d.pickMechanisms()
@@ -87,7 +110,7 @@ func New(cfg Config) (*Dataplane, error) {
 		d.closeObjects()
 		return nil, err
 	}
-	if err := d.attachNodeHooks(); err != nil {
+	if err := d.attachNodeHooks(cgroupID); err != nil {
 		d.closeObjects()
 		return nil, err
 	}
@@ -119,7 +142,13 @@ func (d *Dataplane) pickMechanisms() {
 	if features.HasTCX() {
 		d.bpfFlags |= flagSkAssignReuseport
 	}
-	d.log.Info("dataplane mechanisms", "tcx", features.HasTCX(), "so_netns_cookie", features.HasSONetnsCookie(),
+	// sk_lookup captures inbound alone where it sees the ingress
+	// interface and sockops can file ztunnel's listeners by netns.
+	if features.HasSkLookupIfindex() && features.HasNetnsCookieSockops() {
+		d.skLookupInbound = true
+		d.bpfFlags |= flagSkLookupIfindex
+	}
+	d.log.Info("dataplane mechanisms", "sk_lookup_inbound", d.skLookupInbound, "tcx", features.HasTCX(), "so_netns_cookie", features.HasSONetnsCookie(),
 		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt())
 }
 
@@ -128,6 +157,7 @@ const (
 	flagNetnsCookieSockops = 1 << 0
 	flagNetnsCookieSockopt = 1 << 1
 	flagSkAssignReuseport  = 1 << 2
+	flagSkLookupIfindex    = 1 << 3
 )
 
 // attachNetnsQuery attaches ae_netns_query to the agent's own cgroup where
@@ -241,7 +271,7 @@ func (d *Dataplane) nodeHooks() []nodeHook {
 // attachNodeHooks attaches the socket programs to the cgroup root, or
 // swaps the new programs into links pinned by an earlier agent: an atomic
 // replace, so no connect() runs without a program.
-func (d *Dataplane) attachNodeHooks() error {
+func (d *Dataplane) attachNodeHooks(cgroupID uint64) error {
 	var created []link.Link
 	rollback := func() {
 		for _, l := range created {
@@ -257,6 +287,11 @@ func (d *Dataplane) attachNodeHooks() error {
 		l, err := link.LoadPinnedLink(pin, nil)
 		switch {
 		case err == nil:
+			if err := sameCgroup(l, cgroupID); err != nil {
+				l.Close()
+				rollback()
+				return fmt.Errorf("pinned %s hook %w: the cgroup root changed since the data path was installed; start with the earlier root or uninstall first", h.name, err)
+			}
 			if err := l.Update(h.prog); err != nil {
 				l.Close()
 				rollback()
@@ -279,6 +314,23 @@ func (d *Dataplane) attachNodeHooks() error {
 			return fmt.Errorf("load pinned %s link: %w", h.name, err)
 		}
 		d.nodeLinks = append(d.nodeLinks, l)
+	}
+	return nil
+}
+
+// sameCgroup checks that a pinned cgroup link is attached to the cgroup
+// with id want.
+func sameCgroup(l link.Link, want uint64) error {
+	info, err := l.Info()
+	if err != nil {
+		return fmt.Errorf("read link info: %w", err)
+	}
+	cg := info.Cgroup()
+	if cg == nil {
+		return fmt.Errorf("link %d is not a cgroup link", info.ID)
+	}
+	if cg.CgroupId != want {
+		return fmt.Errorf("attached to cgroup id %d, not the configured root's (id %d)", cg.CgroupId, want)
 	}
 	return nil
 }

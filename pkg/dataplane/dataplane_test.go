@@ -32,11 +32,12 @@ func podOf(p *simnode.Pod) Pod {
 	return Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs()}
 }
 
-// ingressPrograms counts the TC ingress programs on the pod's eth0 (TCX
-// links or classic tc filters, whichever this kernel gets).
+// ingressPrograms counts the TC ingress programs on the pod's lo, where
+// every pod has its return-path program (R10) on every kernel; inbound
+// capture on eth0 is sk_lookup's where the kernel lets it.
 func ingressPrograms(t *testing.T, p *simnode.Pod) int {
 	t.Helper()
-	n, err := pickTCHooks().count(p.NetnsPath(), "eth0", ebpf.AttachTCXIngress)
+	n, err := pickTCHooks().count(p.NetnsPath(), "lo", ebpf.AttachTCXIngress)
 	if err != nil {
 		t.Fatalf("count tc programs: %v", err)
 	}
@@ -74,7 +75,7 @@ func TestEnrollIsIdempotent(t *testing.T) {
 		t.Fatalf("List = %+v, want one pod with two IPs", got)
 	}
 	if got := ingressPrograms(t, p); got != 1 {
-		t.Errorf("%d ingress programs on eth0, want 1", got)
+		t.Errorf("%d ingress programs on lo, want 1", got)
 	}
 	if got := countEntries[sockAeAddr, sockPodInfo](t, d.sock.AePods); got != 2 {
 		t.Errorf("ae_pods has %d entries, want 2", got)
@@ -104,7 +105,14 @@ func TestEnrollRefusesBadInputAndLeavesNothing(t *testing.T) {
 		mutate func(*Pod)
 		want   string
 	}{
-		"no uid":            {func(q *Pod) { q.UID = "" }, "no uid"},
+		"no uid":            {func(q *Pod) { q.UID = "" }, "uid \"\""},
+		"traversal uid":     {func(q *Pod) { q.UID = "../links" }, "uid \"../links\""},
+		"dot uid":           {func(q *Pod) { q.UID = ".." }, "uid \"..\""},
+		"NUL in uid":        {func(q *Pod) { q.UID = "a\x00b" }, "is not 1 to 63"},
+		"overlong uid":      {func(q *Pod) { q.UID = strings.Repeat("a", 64) }, "is not 1 to 63"},
+		"unicode uid":       {func(q *Pod) { q.UID = "pod-\u00e9" }, "is not 1 to 63"},
+		"slash in reroute":  {func(q *Pod) { q.Options.RerouteInterfaces = []string{"../x"} }, "bad reroute interface"},
+		"relative netns":    {func(q *Pod) { q.Netns = "run/netns/x" }, "not an absolute path"},
 		"no IPs":            {func(q *Pod) { q.IPs = nil }, "no IPs"},
 		"missing netns":     {func(q *Pod) { q.Netns = "/nonexistent/netns" }, "open netns"},
 		"missing interface": {func(q *Pod) { q.Interface = "nope0" }, "find interface nope0"},
@@ -117,14 +125,14 @@ func TestEnrollRefusesBadInputAndLeavesNothing(t *testing.T) {
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("Enroll error = %v, want one mentioning %q", err, tc.want)
 			}
-			if tc.want != "no uid" && !strings.Contains(err.Error(), p.Name) {
+			if !strings.Contains(err.Error(), p.Name) {
 				t.Errorf("error %q does not name the pod", err)
 			}
 			if got := d.List(); len(got) != 0 {
 				t.Errorf("List = %+v after a failed Enroll", got)
 			}
 			if got := ingressPrograms(t, p); got != 0 {
-				t.Errorf("%d ingress programs left on eth0", got)
+				t.Errorf("%d ingress programs left on lo", got)
 			}
 			if _, err := os.Stat(podDir(d.cfg, p.UID)); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("pod pin directory left behind: %v", err)
@@ -153,7 +161,7 @@ func TestRemoveIsIdempotentAndCleans(t *testing.T) {
 		}
 	}
 	if got := ingressPrograms(t, p); got != 0 {
-		t.Errorf("%d ingress programs left on eth0", got)
+		t.Errorf("%d ingress programs left on lo", got)
 	}
 	if got := countEntries[sockAeAddr, sockPodInfo](t, d.sock.AePods); got != 0 {
 		t.Errorf("ae_pods has %d entries after Remove", got)

@@ -16,11 +16,38 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+// Journal states of a pod's ae_pod_meta slot (AE_META_* in bpf/common.h).
+const (
+	metaFree      = 0
+	metaEnrolled  = 1
+	metaEnrolling = 2
+	metaRemoving  = 3
+)
+
+func journalName(state uint32) string {
+	switch state {
+	case metaEnrolled:
+		return "enrolled"
+	case metaEnrolling:
+		return "enrolling"
+	case metaRemoving:
+		return "removing"
+	}
+	return "free"
+}
+
 // Enroll puts a pod's traffic through ztunnel. It is idempotent: enrolling
 // an enrolled pod again brings its entries up to date (new IPs, options or
-// netns). When any step fails, what this call changed is undone.
+// netns). When any step fails, what this call changed is undone; when the
+// agent dies part way, the journal in ae_pod_meta lets the next one undo
+// it (see adoptPods).
+//
+// Nothing here waits for the kernel: every per-pod program is a classic
+// tc filter or an sk_lookup link, neither of which waits for an RCU grace
+// period the way a TCX attach does (about 16 ms each on a 2-core node).
 func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 	pod.IPs = slices.Clone(pod.IPs)
+	pod.Options.RerouteInterfaces = slices.Clone(pod.Options.RerouteInterfaces)
 	pod.normalize()
 	if err := pod.validate(); err != nil {
 		return err
@@ -40,27 +67,53 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 	}
 	fail := func(err error) error {
 		rollback()
-		return err
+		return fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err)
 	}
 
-	ns, err := d.setupPodNetns(&pod, pod.hasV6())
+	ns, err := d.probePodNetns(&pod)
 	if err != nil {
 		return err
 	}
 	samePod := old != nil && old.NetnsCookie == ns.cookie
-	saved := ns.savedFwmarkAcpt
-	if samePod {
-		saved = old.savedFwmark // our own 1 must not become "the pod's value"
-	} else {
-		undo = append(undo, func() { _ = teardownPodNetns(d.cfg.ProcRoot, pod.Netns, ns.savedFwmarkAcpt) })
-	}
 	hostIf, err := d.hostInterface(&pod, ns.podIndex, ns.peerIndex)
 	if err != nil {
+		return err
+	}
+
+	st := &podState{netnsPath: pod.Netns, savedFwmark: ns.fwmarkAccept, ifindex: uint32(ns.podIndex), links: map[string]tcProgram{}}
+	if samePod {
+		st.Slot = old.Slot
+		st.savedFwmark = old.savedFwmark // our own 1 must not become "the pod's value"
+	} else {
+		slot, ok := d.slots.alloc()
+		if !ok {
+			return fmt.Errorf("pod %s/%s: %d pods enrolled already, the maximum", pod.Namespace, pod.Name, maxPods)
+		}
+		st.Slot = slot
+		undo = append(undo, func() { d.slots.release(slot) })
+	}
+	st.EnrolledPod = EnrolledPod{
+		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Interface: pod.Interface, HostInterface: hostIf,
+		NetnsCookie: ns.cookie, IPs: pod.IPs, Options: pod.Options, Slot: st.Slot,
+	}
+	if !samePod {
+		// Intent before action: the slot names the pod, its netns and
+		// the sysctl value to restore before anything is changed.
+		if err := d.writeMeta(st, metaEnrolling); err != nil {
+			return fail(err)
+		}
+		undo = append(undo, func() { d.clearSlot(st.Slot) })
+		// A new slot starts counting from zero.
+		if err := d.sock.AeStats.Put(st.Slot, make([]sockPodStats, ebpf.MustPossibleCPU())); err != nil {
+			return fail(fmt.Errorf("reset ae_stats: %w", err))
+		}
+		undo = append(undo, func() { _ = teardownPodNetns(d.cfg.ProcRoot, pod.Netns, st.savedFwmark) })
+	}
+	if err := d.setupReturnPath(&pod); err != nil {
 		return fail(err)
 	}
 
-	st := &podState{netnsPath: pod.Netns, savedFwmark: saved, links: map[string]tcProgram{}}
-	// Links first, map entries last: the pod is never half redirected,
+	// Programs first, map entries last: the pod is never half redirected,
 	// because outbound capture starts with the ae_netns entry.
 	for _, a := range d.plan(&pod, hostIf) {
 		if samePod && old.links[a.pin] != nil && (a.pin != "host_egress" && a.pin != "host_ingress" || old.HostInterface == hostIf) {
@@ -69,30 +122,12 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		}
 		l, err := d.attach(pod.UID, a)
 		if err != nil {
-			return fail(fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err))
+			return fail(err)
 		}
 		undo = append(undo, func() { _ = l.detach() })
 		st.links[a.pin] = l
 	}
 
-	if samePod {
-		st.Slot = old.Slot
-	} else {
-		slot, ok := d.slots.alloc()
-		if !ok {
-			return fail(fmt.Errorf("pod %s/%s: %d pods enrolled already, the maximum", pod.Namespace, pod.Name, maxPods))
-		}
-		st.Slot = slot
-		undo = append(undo, func() { d.slots.release(slot) })
-		// A new slot starts counting from zero.
-		if err := d.sock.AeStats.Put(slot, make([]sockPodStats, ebpf.MustPossibleCPU())); err != nil {
-			return fail(fmt.Errorf("pod %s/%s: reset ae_stats: %w", pod.Namespace, pod.Name, err))
-		}
-	}
-	st.EnrolledPod = EnrolledPod{
-		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Interface: pod.Interface, HostInterface: hostIf,
-		NetnsCookie: ns.cookie, IPs: pod.IPs, Options: pod.Options, Slot: st.Slot,
-	}
 	if err := d.writePodMaps(st); err != nil {
 		rollback()
 		if old != nil {
@@ -123,28 +158,36 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 			_ = teardownPodNetns(d.cfg.ProcRoot, old.netnsPath, old.savedFwmark)
 		}
 	}
+	st.journal = metaEnrolled
 	d.pods[pod.UID] = st
 	d.log.Debug("pod enrolled", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", pod.IPs, "slot", st.Slot)
 	return nil
 }
 
-// writePodMaps writes the metadata, the per-IP entries and, last, the
-// netns entry that switches outbound capture on.
-func (d *Dataplane) writePodMaps(st *podState) error {
-	p := &Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Interface: st.Interface, IPs: st.IPs, Options: st.Options}
+// writeMeta records the pod in its ae_pod_meta slot with a journal state.
+func (d *Dataplane) writeMeta(st *podState, state uint32) error {
 	var meta sockPodMeta
-	cString(meta.Uid[:], p.UID)
-	cString(meta.Namespace[:], p.Namespace)
-	cString(meta.Name[:], p.Name)
-	cString(meta.Ifname[:], p.Interface)
+	cString(meta.Uid[:], st.UID)
+	cString(meta.Namespace[:], st.Namespace)
+	cString(meta.Name[:], st.Name)
+	cString(meta.Ifname[:], st.Interface)
 	cString(meta.HostIfname[:], st.HostInterface)
+	cString(meta.Netns[:], st.netnsPath)
 	meta.NetnsCookie = st.NetnsCookie
 	meta.SavedFwmarkAccept = st.savedFwmark
-	meta.InUse = 1
+	meta.State = state
 	if err := d.sock.AePodMeta.Put(st.Slot, &meta); err != nil {
 		return fmt.Errorf("write ae_pod_meta: %w", err)
 	}
-	info := sockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags()}
+	return nil
+}
+
+// writePodMaps writes the per-IP entries, then the netns entry that
+// switches outbound capture on, then the journal's "enrolled": a restarted
+// agent adopts only a pod whose entries are all in place.
+func (d *Dataplane) writePodMaps(st *podState) error {
+	p := &Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Interface: st.Interface, IPs: st.IPs, Options: st.Options}
+	info := sockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags(), Ifindex: st.ifindex}
 	for _, ip := range p.IPs {
 		// A reused IP simply gets its new owner (H4): the old owner's
 		// removal checks ownership before deleting.
@@ -156,7 +199,7 @@ func (d *Dataplane) writePodMaps(st *podState) error {
 	if err := d.sock.AeNetns.Put(st.NetnsCookie, &ns); err != nil {
 		return fmt.Errorf("write ae_netns: %w", err)
 	}
-	return nil
+	return d.writeMeta(st, metaEnrolled)
 }
 
 // deleteStaleEntries removes the entries of old that cur no longer owns.
@@ -223,10 +266,19 @@ func (d *Dataplane) Remove(ctx context.Context, uid string) error {
 	return err
 }
 
-// detachPod deletes the pod's entries (outbound capture first), then its
-// links, pins and the return path in its netns.
+// detachPod takes everything of the pod away: the journal says "removing"
+// first, then outbound capture goes (ae_netns), its other entries, its
+// programs and pins, the return path in its netns, and last the journal
+// slot. An agent that dies part way leaves "removing" for the next one,
+// which finishes the job.
 func (d *Dataplane) detachPod(st *podState) error {
-	d.deletePodEntries(st)
+	if err := d.writeMeta(st, metaRemoving); err != nil {
+		d.log.Warn("journal pod removal", "pod", st.Namespace+"/"+st.Name, "error", err)
+	}
+	d.deleteOwnedNetns(st)
+	for _, ip := range st.IPs {
+		d.deleteOwnedIP(ip, st)
+	}
 	for _, l := range st.links {
 		if err := l.detach(); err != nil {
 			d.log.Warn("detach pod program", "pod", st.Namespace+"/"+st.Name, "error", err)
@@ -241,6 +293,9 @@ func (d *Dataplane) detachPod(st *podState) error {
 		if err := teardownPodNetns(d.cfg.ProcRoot, st.netnsPath, st.savedFwmark); err != nil {
 			errs = append(errs, fmt.Errorf("pod %s/%s: %w", st.Namespace, st.Name, err))
 		}
+	}
+	if len(errs) == 0 {
+		d.clearSlot(st.Slot)
 	}
 	return errors.Join(errs...)
 }
@@ -286,40 +341,76 @@ func (d *Dataplane) Stats(uid string) (Stats, error) {
 }
 
 // adoptPods rebuilds the pod table from the pinned maps after a restart
-// and moves each pod's pinned links to the freshly loaded programs.
+// and moves each pod's pinned programs to the freshly loaded ones. A pod
+// the journal shows part way through enrolment or removal (the agent died
+// there) is taken out completely: whoever asked for it asks again (the
+// runtime retries a failed CNI ADD; reconcile enrolls live pods), and a
+// half-redirected pod is worse than none. Pin directories no journal
+// entry names are removed.
 func (d *Dataplane) adoptPods() error {
 	pods, err := readPods(&d.sock.sockMaps)
 	if err != nil {
 		return err
 	}
 	netnsOf := d.netnsFinder(len(pods))
+	adopted, undone := 0, 0
 	for _, st := range pods {
 		d.slots.take(st.Slot)
-		d.adoptLinks(st, netnsOf)
+		st.netnsPath = d.verifiedNetns(st.netnsPath, st.NetnsCookie, netnsOf)
+		if st.journal != metaEnrolled {
+			d.log.Info("undoing what a stopped agent left part way", "pod", st.Namespace+"/"+st.Name, "uid", st.UID,
+				"state", journalName(st.journal), "netns", st.netnsPath)
+			st.links = d.pinnedAttachments(st)
+			if err := d.detachPod(st); err != nil {
+				d.log.Warn("undo a partial enrolment", "pod", st.Namespace+"/"+st.Name, "error", err)
+			}
+			d.slots.release(st.Slot)
+			undone++
+			continue
+		}
+		d.adoptLinks(st)
 		d.pods[st.UID] = st
+		adopted++
 	}
-	if len(pods) > 0 {
-		d.log.Info("adopted enrolled pods", "count", len(pods))
+	d.removeOrphanPins()
+	if adopted+undone > 0 {
+		d.log.Info("adopted enrolled pods", "count", adopted, "undone", undone)
 	}
 	return nil
+}
+
+// verifiedNetns returns path when it still is the netns with the cookie
+// (a /proc/<pid> path may now name another process), else what a scan
+// finds, else "".
+func (d *Dataplane) verifiedNetns(path string, cookie uint64, netnsOf func(uint64) string) string {
+	if path != "" {
+		var got uint64
+		if inNetns(path, func() (err error) { got, err = d.netnsCookie(); return err }) == nil && got == cookie {
+			return path
+		}
+	}
+	return netnsOf(cookie)
+}
+
+// podPlan is the plan of an adopted pod: its reroute interfaces are the
+// ones its pin directory names.
+func (d *Dataplane) podPlan(st *podState) []attachment {
+	entries, _ := os.ReadDir(podDir(d.cfg, st.UID))
+	for _, e := range entries {
+		if v, ok := strings.CutPrefix(e.Name(), "reroute_"); ok && !slices.Contains(st.Options.RerouteInterfaces, v) {
+			st.Options.RerouteInterfaces = append(st.Options.RerouteInterfaces, v)
+		}
+	}
+	pod := Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Netns: st.netnsPath, Interface: st.Interface, Options: st.Options}
+	return d.plan(&pod, st.HostInterface)
 }
 
 // adoptLinks takes over the pod's pinned programs and moves each to the
 // freshly loaded program in place. One that cannot be adopted (its
 // interface went away with the netns) is left out; the agent's reconcile
 // removes or re-enrolls such pods.
-func (d *Dataplane) adoptLinks(st *podState, netnsOf func(cookie uint64) string) {
-	entries, _ := os.ReadDir(podDir(d.cfg, st.UID))
-	for _, e := range entries {
-		if v, ok := strings.CutPrefix(e.Name(), "reroute_"); ok {
-			st.Options.RerouteInterfaces = append(st.Options.RerouteInterfaces, v)
-		}
-	}
-	if st.netnsPath == "" {
-		st.netnsPath = netnsOf(st.NetnsCookie)
-	}
-	pod := Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Netns: st.netnsPath, Interface: st.Interface, Options: st.Options}
-	for _, a := range d.plan(&pod, st.HostInterface) {
+func (d *Dataplane) adoptLinks(st *podState) {
+	for _, a := range d.podPlan(st) {
 		pin := filepath.Join(podDir(d.cfg, st.UID), a.pin)
 		if _, err := os.Stat(pin); err != nil {
 			continue
@@ -330,6 +421,40 @@ func (d *Dataplane) adoptLinks(st *podState, netnsOf func(cookie uint64) string)
 			continue
 		}
 		st.links[a.pin] = l
+	}
+}
+
+// pinnedAttachments returns handles that detach whatever of the pod's
+// plan may be attached, pinned or not: a filter is found on its interface
+// by priority, handle and name; a link needs its pin (an unpinned link
+// died with the agent that made it).
+func (d *Dataplane) pinnedAttachments(st *podState) map[string]tcProgram {
+	out := map[string]tcProgram{}
+	for _, a := range d.podPlan(st) {
+		pin := filepath.Join(podDir(d.cfg, st.UID), a.pin)
+		if h, ok := d.hooksFor(a).(netnsHooks); ok {
+			if l, err := h.load(pin); err == nil {
+				out[a.pin] = l
+			}
+			continue
+		}
+		out[a.pin] = &tcFilter{a: a, pin: pin}
+	}
+	return out
+}
+
+// removeOrphanPins removes pod pin directories that no enrolled pod owns
+// (left by an agent of a version without the journal, or by a crash
+// between removing a pod's journal entry and its pins, which detachPod
+// orders the other way). Links pinned there detach with their pins.
+func (d *Dataplane) removeOrphanPins() {
+	entries, _ := os.ReadDir(podsDir(d.cfg))
+	for _, e := range entries {
+		if _, ok := d.pods[e.Name()]; ok {
+			continue
+		}
+		d.log.Warn("removing pins no enrolled pod owns", "dir", filepath.Join(podsDir(d.cfg), e.Name()))
+		_ = os.RemoveAll(filepath.Join(podsDir(d.cfg), e.Name()))
 	}
 }
 

@@ -14,8 +14,10 @@ import (
 	"github.com/cilium/ebpf"
 )
 
-// readPods decodes the enrolled pods from the maps: metadata by slot, then
-// each pod's addresses from ae_pods (only entries it still owns).
+// readPods decodes the pods of the maps' journal: metadata by slot, then
+// each pod's addresses from ae_pods (only entries it still owns). Pods an
+// agent was enrolling or removing when it stopped are included, with
+// their journal state.
 func readPods(m *sockMaps) ([]*podState, error) {
 	bySlot := map[uint32]*podState{}
 	var (
@@ -24,14 +26,14 @@ func readPods(m *sockMaps) ([]*podState, error) {
 	)
 	it := m.AePodMeta.Iterate()
 	for it.Next(&slot, &meta) {
-		if meta.InUse == 0 {
+		if meta.State == metaFree {
 			continue
 		}
 		bySlot[slot] = &podState{EnrolledPod: EnrolledPod{
 			UID: goString(meta.Uid[:]), Namespace: goString(meta.Namespace[:]), Name: goString(meta.Name[:]),
 			Interface: goString(meta.Ifname[:]), HostInterface: goString(meta.HostIfname[:]),
 			NetnsCookie: meta.NetnsCookie, Slot: slot,
-		}, savedFwmark: meta.SavedFwmarkAccept, links: map[string]tcProgram{}}
+		}, journal: meta.State, netnsPath: goString(meta.Netns[:]), savedFwmark: meta.SavedFwmarkAccept, links: map[string]tcProgram{}}
 	}
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("read ae_pod_meta: %w", err)
@@ -45,6 +47,7 @@ func readPods(m *sockMaps) ([]*podState, error) {
 		if st := bySlot[info.Slot]; st != nil && st.NetnsCookie == info.NetnsCookie {
 			st.IPs = append(st.IPs, netip.AddrFrom16(key.B).Unmap())
 			st.Options = optionsFromFlags(info.Flags)
+			st.ifindex = info.Ifindex
 		}
 	}
 	if err := pit.Err(); err != nil {
@@ -119,9 +122,11 @@ func (p *Pinned) Pods() ([]EnrolledPod, error) {
 	if err != nil {
 		return nil, err
 	}
-	out := make([]EnrolledPod, len(states))
-	for i, st := range states {
-		out[i] = st.EnrolledPod
+	out := make([]EnrolledPod, 0, len(states))
+	for _, st := range states {
+		if st.journal == metaEnrolled {
+			out = append(out, st.EnrolledPod)
+		}
 	}
 	return out, nil
 }
@@ -166,6 +171,9 @@ type MetaEntry struct {
 	Interface     string `json:"interface"`
 	HostInterface string `json:"hostInterface"`
 	NetnsCookie   uint64 `json:"netnsCookie"`
+	// State is the journal's: enrolled, or enrolling / removing when an
+	// agent stopped part way (the next one undoes it).
+	State string `json:"state"`
 }
 
 // StatsEntry is one pod's counters from ae_stats, summed over CPUs.
@@ -206,7 +214,7 @@ func (p *Pinned) Dump() (*MapDump, error) {
 		name := st.Namespace + "/" + st.Name
 		names[st.Slot] = name
 		d.Meta = append(d.Meta, MetaEntry{Slot: st.Slot, UID: st.UID, Pod: name, Interface: st.Interface,
-			HostInterface: st.HostInterface, NetnsCookie: st.NetnsCookie})
+			HostInterface: st.HostInterface, NetnsCookie: st.NetnsCookie, State: journalName(st.journal)})
 		s, err := readStats(&p.maps, st.Slot)
 		if err != nil {
 			return nil, err

@@ -6,7 +6,9 @@ package dataplane
 import (
 	"fmt"
 	"net/netip"
+	"path/filepath"
 	"slices"
+	"strings"
 )
 
 // Pod is what Enroll needs to know about a pod.
@@ -72,24 +74,28 @@ const (
 	flagDNSCapture    = 1 << 3
 )
 
+// validate refuses a pod the data path cannot represent, or whose
+// identity could reach a path: the UID names the pod's pin directory, and
+// interface names name pins too. The entry points (CNI, informers, the pod
+// file) validate by Kubernetes' rules; this is the data path's own guard.
 func (p *Pod) validate() error {
 	var meta sockPodMeta
 	switch {
-	case p.UID == "":
-		return fmt.Errorf("pod %s/%s: no uid", p.Namespace, p.Name)
-	case len(p.UID) >= len(meta.Uid):
-		return fmt.Errorf("pod %s/%s: uid %q longer than %d bytes", p.Namespace, p.Name, p.UID, len(meta.Uid)-1)
-	case len(p.Namespace) >= len(meta.Namespace) || len(p.Name) >= len(meta.Name):
-		return fmt.Errorf("pod %s/%s: name too long", p.Namespace, p.Name)
-	case p.Netns == "":
-		return fmt.Errorf("pod %s/%s: no netns path", p.Namespace, p.Name)
+	case !ValidUID(p.UID):
+		return fmt.Errorf("pod %q/%q: uid %q is not 1 to %d of [A-Za-z0-9._-] (and not . or ..)", p.Namespace, p.Name, p.UID, maxUIDLen)
+	case !safeText(p.Namespace, len(meta.Namespace)-1) || !safeText(p.Name, len(meta.Name)-1):
+		return fmt.Errorf("pod %q/%q: namespace or name empty, too long or not printable ASCII", p.Namespace, p.Name)
+	case p.Netns == "" || !filepath.IsAbs(p.Netns) || strings.ContainsRune(p.Netns, 0) || len(p.Netns) >= len(meta.Netns):
+		return fmt.Errorf("pod %s/%s: netns path %q is not an absolute path shorter than %d bytes", p.Namespace, p.Name, p.Netns, len(meta.Netns))
 	case len(p.IPs) == 0:
 		return fmt.Errorf("pod %s/%s: no IPs", p.Namespace, p.Name)
-	case len(p.Interface) >= len(meta.Ifname):
-		return fmt.Errorf("pod %s/%s: interface name %q too long", p.Namespace, p.Name, p.Interface)
+	case !validIfname(p.Interface):
+		return fmt.Errorf("pod %s/%s: bad interface name %q", p.Namespace, p.Name, p.Interface)
+	case p.HostInterface != "" && !validIfname(p.HostInterface):
+		return fmt.Errorf("pod %s/%s: bad host interface name %q", p.Namespace, p.Name, p.HostInterface)
 	}
 	for _, v := range p.Options.RerouteInterfaces {
-		if v == "" || len(v) >= 16 || v == p.Interface || v == "lo" {
+		if !validIfname(v) || v == p.Interface || v == "lo" {
 			return fmt.Errorf("pod %s/%s: bad reroute interface %q", p.Namespace, p.Name, v)
 		}
 	}
@@ -99,6 +105,50 @@ func (p *Pod) validate() error {
 		}
 	}
 	return nil
+}
+
+// maxUIDLen is what ae_pod_meta keeps of a UID (uid[64] with its NUL).
+const maxUIDLen = 63
+
+// ValidUID reports whether uid can name a pod in the data path: 1 to 63
+// bytes of [A-Za-z0-9._-], not "." or "..". Kubernetes UIDs (UUIDs) are.
+func ValidUID(uid string) bool {
+	if uid == "" || len(uid) > maxUIDLen || uid == "." || uid == ".." {
+		return false
+	}
+	for i := 0; i < len(uid); i++ {
+		c := uid[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+// validIfname follows the kernel's rules for interface names (dev_valid_name).
+func validIfname(name string) bool {
+	if name == "" || len(name) > 15 || name == "." || name == ".." {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; c == '/' || c == ':' || c <= ' ' || c >= 0x7f {
+			return false
+		}
+	}
+	return true
+}
+
+// safeText is non-empty printable ASCII of at most max bytes.
+func safeText(s string, max int) bool {
+	if s == "" || len(s) > max {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < ' ' || s[i] >= 0x7f {
+			return false
+		}
+	}
+	return true
 }
 
 func (p *Pod) normalize() {

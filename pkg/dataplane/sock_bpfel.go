@@ -38,6 +38,14 @@ type sockAeConfig struct {
 	}
 }
 
+type sockListenerKey struct {
+	_           structs.HostLayout
+	NetnsCookie uint64
+	Port        uint16
+	Idx         uint16
+	Pad         uint32
+}
+
 type sockNetnsInfo struct {
 	_     structs.HostLayout
 	Ip4   sockAeAddr
@@ -67,17 +75,20 @@ type sockPodInfo struct {
 	NetnsCookie uint64
 	Slot        uint32
 	Flags       uint32
+	Ifindex     uint32
+	Pad         uint32
 }
 
 type sockPodMeta struct {
 	_                 structs.HostLayout
-	Uid               [40]int8
+	Uid               [64]int8
 	Namespace         [64]int8
-	Name              [128]int8
+	Name              [256]int8
 	Ifname            [16]int8
 	HostIfname        [16]int8
+	Netns             [128]int8
 	NetnsCookie       uint64
-	InUse             uint32
+	State             uint32
 	SavedFwmarkAccept uint32
 }
 
@@ -120,6 +131,8 @@ type sockSteerKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	sockMapAeListeners     = "ae_listeners"
+	sockMapAeLocalFlows    = "ae_local_flows"
 	sockMapAeNetns         = "ae_netns"
 	sockMapAeNsq           = "ae_nsq"
 	sockMapAeOrigDst       = "ae_orig_dst"
@@ -202,15 +215,17 @@ type sockProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type sockMapSpecs struct {
-	AeNetns    *ebpf.MapSpec `ebpf:"ae_netns"`
-	AeNsq      *ebpf.MapSpec `ebpf:"ae_nsq"`
-	AeOrigDst  *ebpf.MapSpec `ebpf:"ae_orig_dst"`
-	AePodMeta  *ebpf.MapSpec `ebpf:"ae_pod_meta"`
-	AePods     *ebpf.MapSpec `ebpf:"ae_pods"`
-	AeProbeNat *ebpf.MapSpec `ebpf:"ae_probe_nat"`
-	AeSkDst    *ebpf.MapSpec `ebpf:"ae_sk_dst"`
-	AeStats    *ebpf.MapSpec `ebpf:"ae_stats"`
-	AeSteer    *ebpf.MapSpec `ebpf:"ae_steer"`
+	AeListeners  *ebpf.MapSpec `ebpf:"ae_listeners"`
+	AeLocalFlows *ebpf.MapSpec `ebpf:"ae_local_flows"`
+	AeNetns      *ebpf.MapSpec `ebpf:"ae_netns"`
+	AeNsq        *ebpf.MapSpec `ebpf:"ae_nsq"`
+	AeOrigDst    *ebpf.MapSpec `ebpf:"ae_orig_dst"`
+	AePodMeta    *ebpf.MapSpec `ebpf:"ae_pod_meta"`
+	AePods       *ebpf.MapSpec `ebpf:"ae_pods"`
+	AeProbeNat   *ebpf.MapSpec `ebpf:"ae_probe_nat"`
+	AeSkDst      *ebpf.MapSpec `ebpf:"ae_sk_dst"`
+	AeStats      *ebpf.MapSpec `ebpf:"ae_stats"`
+	AeSteer      *ebpf.MapSpec `ebpf:"ae_steer"`
 }
 
 // sockVariableSpecs contains global variables before they are loaded into the kernel.
@@ -240,19 +255,23 @@ func (o *sockObjects) Close() error {
 //
 // It can be passed to loadSockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type sockMaps struct {
-	AeNetns    *ebpf.Map `ebpf:"ae_netns"`
-	AeNsq      *ebpf.Map `ebpf:"ae_nsq"`
-	AeOrigDst  *ebpf.Map `ebpf:"ae_orig_dst"`
-	AePodMeta  *ebpf.Map `ebpf:"ae_pod_meta"`
-	AePods     *ebpf.Map `ebpf:"ae_pods"`
-	AeProbeNat *ebpf.Map `ebpf:"ae_probe_nat"`
-	AeSkDst    *ebpf.Map `ebpf:"ae_sk_dst"`
-	AeStats    *ebpf.Map `ebpf:"ae_stats"`
-	AeSteer    *ebpf.Map `ebpf:"ae_steer"`
+	AeListeners  *ebpf.Map `ebpf:"ae_listeners"`
+	AeLocalFlows *ebpf.Map `ebpf:"ae_local_flows"`
+	AeNetns      *ebpf.Map `ebpf:"ae_netns"`
+	AeNsq        *ebpf.Map `ebpf:"ae_nsq"`
+	AeOrigDst    *ebpf.Map `ebpf:"ae_orig_dst"`
+	AePodMeta    *ebpf.Map `ebpf:"ae_pod_meta"`
+	AePods       *ebpf.Map `ebpf:"ae_pods"`
+	AeProbeNat   *ebpf.Map `ebpf:"ae_probe_nat"`
+	AeSkDst      *ebpf.Map `ebpf:"ae_sk_dst"`
+	AeStats      *ebpf.Map `ebpf:"ae_stats"`
+	AeSteer      *ebpf.Map `ebpf:"ae_steer"`
 }
 
 func (m *sockMaps) Close() error {
 	return _SockClose(
+		m.AeListeners,
+		m.AeLocalFlows,
 		m.AeNetns,
 		m.AeNsq,
 		m.AeOrigDst,

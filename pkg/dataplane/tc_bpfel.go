@@ -38,6 +38,14 @@ type tcAeConfig struct {
 	}
 }
 
+type tcListenerKey struct {
+	_           structs.HostLayout
+	NetnsCookie uint64
+	Port        uint16
+	Idx         uint16
+	Pad         uint32
+}
+
 type tcNetnsInfo struct {
 	_     structs.HostLayout
 	Ip4   tcAeAddr
@@ -67,17 +75,20 @@ type tcPodInfo struct {
 	NetnsCookie uint64
 	Slot        uint32
 	Flags       uint32
+	Ifindex     uint32
+	Pad         uint32
 }
 
 type tcPodMeta struct {
 	_                 structs.HostLayout
-	Uid               [40]int8
+	Uid               [64]int8
 	Namespace         [64]int8
-	Name              [128]int8
+	Name              [256]int8
 	Ifname            [16]int8
 	HostIfname        [16]int8
+	Netns             [128]int8
 	NetnsCookie       uint64
-	InUse             uint32
+	State             uint32
 	SavedFwmarkAccept uint32
 }
 
@@ -120,6 +131,8 @@ type tcSteerKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	tcMapAeListeners     = "ae_listeners"
+	tcMapAeLocalFlows    = "ae_local_flows"
 	tcMapAeNetns         = "ae_netns"
 	tcMapAeOrigDst       = "ae_orig_dst"
 	tcMapAePodMeta       = "ae_pod_meta"
@@ -191,14 +204,16 @@ type tcProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcMapSpecs struct {
-	AeNetns    *ebpf.MapSpec `ebpf:"ae_netns"`
-	AeOrigDst  *ebpf.MapSpec `ebpf:"ae_orig_dst"`
-	AePodMeta  *ebpf.MapSpec `ebpf:"ae_pod_meta"`
-	AePods     *ebpf.MapSpec `ebpf:"ae_pods"`
-	AeProbeNat *ebpf.MapSpec `ebpf:"ae_probe_nat"`
-	AeSkDst    *ebpf.MapSpec `ebpf:"ae_sk_dst"`
-	AeStats    *ebpf.MapSpec `ebpf:"ae_stats"`
-	AeSteer    *ebpf.MapSpec `ebpf:"ae_steer"`
+	AeListeners  *ebpf.MapSpec `ebpf:"ae_listeners"`
+	AeLocalFlows *ebpf.MapSpec `ebpf:"ae_local_flows"`
+	AeNetns      *ebpf.MapSpec `ebpf:"ae_netns"`
+	AeOrigDst    *ebpf.MapSpec `ebpf:"ae_orig_dst"`
+	AePodMeta    *ebpf.MapSpec `ebpf:"ae_pod_meta"`
+	AePods       *ebpf.MapSpec `ebpf:"ae_pods"`
+	AeProbeNat   *ebpf.MapSpec `ebpf:"ae_probe_nat"`
+	AeSkDst      *ebpf.MapSpec `ebpf:"ae_sk_dst"`
+	AeStats      *ebpf.MapSpec `ebpf:"ae_stats"`
+	AeSteer      *ebpf.MapSpec `ebpf:"ae_steer"`
 }
 
 // tcVariableSpecs contains global variables before they are loaded into the kernel.
@@ -228,18 +243,22 @@ func (o *tcObjects) Close() error {
 //
 // It can be passed to loadTcObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcMaps struct {
-	AeNetns    *ebpf.Map `ebpf:"ae_netns"`
-	AeOrigDst  *ebpf.Map `ebpf:"ae_orig_dst"`
-	AePodMeta  *ebpf.Map `ebpf:"ae_pod_meta"`
-	AePods     *ebpf.Map `ebpf:"ae_pods"`
-	AeProbeNat *ebpf.Map `ebpf:"ae_probe_nat"`
-	AeSkDst    *ebpf.Map `ebpf:"ae_sk_dst"`
-	AeStats    *ebpf.Map `ebpf:"ae_stats"`
-	AeSteer    *ebpf.Map `ebpf:"ae_steer"`
+	AeListeners  *ebpf.Map `ebpf:"ae_listeners"`
+	AeLocalFlows *ebpf.Map `ebpf:"ae_local_flows"`
+	AeNetns      *ebpf.Map `ebpf:"ae_netns"`
+	AeOrigDst    *ebpf.Map `ebpf:"ae_orig_dst"`
+	AePodMeta    *ebpf.Map `ebpf:"ae_pod_meta"`
+	AePods       *ebpf.Map `ebpf:"ae_pods"`
+	AeProbeNat   *ebpf.Map `ebpf:"ae_probe_nat"`
+	AeSkDst      *ebpf.Map `ebpf:"ae_sk_dst"`
+	AeStats      *ebpf.Map `ebpf:"ae_stats"`
+	AeSteer      *ebpf.Map `ebpf:"ae_steer"`
 }
 
 func (m *tcMaps) Close() error {
 	return _TcClose(
+		m.AeListeners,
+		m.AeLocalFlows,
 		m.AeNetns,
 		m.AeOrigDst,
 		m.AePodMeta,

@@ -13,12 +13,10 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
-
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 )
 
-// tcHooks attaches the TC programs: as TCX links where the kernel has them
-// (Linux 6.6), as classic tc filters elsewhere. New picks one, once.
+// tcHooks attaches one kind of per-pod program: TC programs as classic
+// tc filters, sk_lookup programs as netns links.
 type tcHooks interface {
 	// attach attaches a.prog to a.iface in a.netns and pins it at pin.
 	// Programs other software attached keep running.
@@ -30,14 +28,15 @@ type tcHooks interface {
 	count(netnsPath, iface string, attach ebpf.AttachType) (int, error)
 }
 
-func pickTCHooks() tcHooks {
-	if features.HasTCX() {
-		return tcxHooks{}
-	}
-	return classicHooks{}
-}
+// pickTCHooks returns how TC programs are attached: classic tc filters on
+// every kernel. A TCX attach (and detach) waits for an RCU grace period
+// (synchronize_rcu in the kernel's tcx_entry_sync), about 16 ms on a
+// 2-core node, three times per pod; a cls_bpf filter takes about 0.1 ms.
+// Both chain with other software's programs: a TCX program of the primary
+// CNI runs before ours, a classic filter of lower priority too.
+func pickTCHooks() tcHooks { return classicHooks{} }
 
-// tcProgram is one attached TC program.
+// tcProgram is one attached per-pod program.
 type tcProgram interface {
 	// detach removes the program from its interface and its pin.
 	detach() error
@@ -67,65 +66,19 @@ func replacePin(pin string, obj interface{ Pin(string) error }) error {
 	return nil
 }
 
-// tcxHooks uses TCX links: each program is appended to the interface's
-// chain and detached by closing its link, never touching anyone else's.
-type tcxHooks struct{}
+// linkProgram is a program attached by a bpf_link: closing the link
+// after unpinning detaches it, and a link no pin holds dies with the
+// agent that made it.
+type linkProgram struct{ link.Link }
 
-type tcxProgram struct{ link.Link }
-
-func (p tcxProgram) detach() error {
+func (p linkProgram) detach() error {
 	_ = p.Unpin()
 	return p.Link.Close()
 }
 
-func (tcxHooks) attach(a attachment, pin string) (tcProgram, error) {
-	var l link.Link
-	err := attachedTo(a, func(ifindex int) error {
-		var err error
-		l, err = link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: a.prog, Attach: a.attach})
-		if err != nil {
-			return fmt.Errorf("attach %s: %w", a, err)
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, err
-	}
-	if err := replacePin(pin, l); err != nil {
-		l.Close()
-		return nil, err
-	}
-	return tcxProgram{l}, nil
-}
-
-func (tcxHooks) adopt(a attachment, pin string) (tcProgram, error) {
-	l, err := link.LoadPinnedLink(pin, nil)
-	if err != nil {
-		return nil, fmt.Errorf("load pinned link %s: %w", pin, err)
-	}
-	if err := l.Update(a.prog); err != nil {
-		l.Close()
-		return nil, fmt.Errorf("update %s: %w", a, err)
-	}
-	return tcxProgram{l}, nil
-}
-
-func (tcxHooks) count(netnsPath, iface string, attach ebpf.AttachType) (int, error) {
-	var n int
-	err := attachedTo(attachment{netns: netnsPath, iface: iface}, func(ifindex int) error {
-		res, err := link.QueryPrograms(link.QueryOptions{Target: ifindex, Attach: attach})
-		if err != nil {
-			return fmt.Errorf("query tcx programs on %s: %w", iface, err)
-		}
-		n = len(res.Programs)
-		return nil
-	})
-	return n, err
-}
-
 // netnsHooks attaches sk_lookup programs to a netns with a bpf_link
-// (Linux 5.9); pinned and adopted like a TCX link.
-type netnsHooks struct{ tcxHooks }
+// (Linux 5.9). Attaching one does not wait for the kernel.
+type netnsHooks struct{}
 
 func (netnsHooks) count(string, string, ebpf.AttachType) (int, error) {
 	return 0, errors.New("sk_lookup is no tc hook")
@@ -145,7 +98,28 @@ func (netnsHooks) attach(a attachment, pin string) (tcProgram, error) {
 		l.Close()
 		return nil, err
 	}
-	return tcxProgram{l}, nil
+	return linkProgram{l}, nil
+}
+
+// load takes the link pinned at pin.
+func (netnsHooks) load(pin string) (linkProgram, error) {
+	l, err := link.LoadPinnedLink(pin, nil)
+	if err != nil {
+		return linkProgram{}, fmt.Errorf("load pinned link %s: %w", pin, err)
+	}
+	return linkProgram{l}, nil
+}
+
+func (h netnsHooks) adopt(a attachment, pin string) (tcProgram, error) {
+	l, err := h.load(pin)
+	if err != nil {
+		return nil, err
+	}
+	if err := l.Update(a.prog); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("update %s: %w", a, err)
+	}
+	return l, nil
 }
 
 // Our classic tc filters are recognised by priority, handle and name
@@ -157,9 +131,9 @@ const (
 	tcFilterHandle   = 0xae
 )
 
-// classicHooks uses classic tc (Linux before 6.6): a cls_bpf filter in
-// direct-action mode on the clsact qdisc, which is created when missing
-// and never deleted (others may use it). The programs return TCX_NEXT (-1),
+// classicHooks uses classic tc: a cls_bpf filter in direct-action mode on
+// the clsact qdisc, which is created when missing and never deleted
+// (others may use it). The programs return TCX_NEXT (-1),
 // which is TC_ACT_UNSPEC: the next filter runs, as with TCX. A filter is
 // no bpf_link, so the program itself is pinned; the filter lives on in the
 // kernel while no agent runs.
@@ -333,11 +307,18 @@ func (f *tcFilter) detach() error {
 	if err := os.Remove(f.pin); err != nil && !errors.Is(err, os.ErrNotExist) {
 		errs = append(errs, fmt.Errorf("remove pin %s: %w", f.pin, err))
 	}
-	errs = append(errs, f.prog.Close())
+	if f.prog != nil {
+		errs = append(errs, f.prog.Close())
+	}
 	return errors.Join(errs...)
 }
 
-func (f *tcFilter) Close() error { return f.prog.Close() }
+func (f *tcFilter) Close() error {
+	if f.prog == nil {
+		return nil
+	}
+	return f.prog.Close()
+}
 
 // isNoSuchInterface reports the errors of an interface that is gone:
 // the kernel's ENODEV (or a *net.OpError of the net package's lookups).

@@ -55,7 +55,8 @@ func All() []Feature {
 		{"so_netns_cookie", "5.14", "read a pod's netns cookie with getsockopt; older: a cgroup bind hook reports it", false, HasSONetnsCookie},
 		{"netns_cookie_sockops", "5.15", "sockops: scope SO_ORIGINAL_DST entries by netns; older: by address only", false, HasNetnsCookieSockops},
 		{"netns_cookie_sockopt", "5.15", "getsockopt: scope SO_ORIGINAL_DST lookups by netns; older: by address only", false, HasNetnsCookieSockopt},
-		{"tcx", "6.6", "TC programs as TCX links, inbound hand-over by tc bpf_sk_assign; older: classic tc (clsact qdisc, cls_bpf filter) and hand-over by sk_lookup", false, HasTCX},
+		{"sk_lookup_ifindex", "5.17", "pod netns: sk_lookup alone captures inbound flows (no tc program on the pod's interface); older: a tc program files each flow for sk_lookup", false, HasSkLookupIfindex},
+		{"tcx", "6.6", "marks the kernels (6.5+) whose tc bpf_sk_assign takes reuseport listeners (R14 hand-over from tc); older: through sk_lookup", false, HasTCX},
 	}
 }
 

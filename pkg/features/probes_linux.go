@@ -25,6 +25,20 @@ var HasTCX = sync.OnceValue(func() bool { return probeTCX() == nil })
 // HasSkLookup reports sk_lookup programs (Linux 5.9).
 var HasSkLookup = sync.OnceValue(func() bool { return features.HaveProgramType(ebpf.SkLookup) == nil })
 
+// HasSkLookupIfindex reports the ingress_ifindex field of sk_lookup
+// programs (Linux 5.17): a program reading it loads only where the kernel
+// has it.
+var HasSkLookupIfindex = sync.OnceValue(func() bool {
+	return loadsInsns(&ebpf.ProgramSpec{Type: ebpf.SkLookup, AttachType: ebpf.AttachSkLookup}, asm.Instructions{
+		asm.LoadMem(asm.R0, asm.R1, skLookupIngressIfindexOff, asm.Word),
+		asm.LoadImm(asm.R0, 1, asm.DWord), // SK_PASS
+		asm.Return(),
+	})
+})
+
+// skLookupIngressIfindexOff is offsetof(struct bpf_sk_lookup, ingress_ifindex).
+const skLookupIngressIfindexOff = 64
+
 // HasSkAssign reports bpf_sk_assign in TC programs (Linux 5.7).
 var HasSkAssign = sync.OnceValue(func() bool { return helper(ebpf.SchedCLS, asm.FnSkAssign) })
 
@@ -69,8 +83,13 @@ func helper(pt ebpf.ProgramType, fn asm.BuiltinFunc) bool {
 // loads reports whether a trivial program of spec's type and attach type
 // loads: the kernel refuses attach types it does not know.
 func loads(spec *ebpf.ProgramSpec) bool {
+	return loadsInsns(spec, asm.Instructions{asm.LoadImm(asm.R0, 1, asm.DWord), asm.Return()})
+}
+
+// loadsInsns reports whether insns load as a program of spec's type.
+func loadsInsns(spec *ebpf.ProgramSpec, insns asm.Instructions) bool {
 	spec.License = "GPL"
-	spec.Instructions = asm.Instructions{asm.LoadImm(asm.R0, 1, asm.DWord), asm.Return()}
+	spec.Instructions = insns
 	prog, err := ebpf.NewProgram(spec)
 	if err != nil {
 		return false

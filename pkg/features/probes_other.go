@@ -10,6 +10,7 @@ func missing() bool { return false }
 
 var (
 	HasTCX                 = missing
+	HasSkLookupIfindex     = missing
 	HasSkAssign            = missing
 	HasSkLookup            = missing
 	HasNetnsCookieSockAddr = missing

@@ -19,6 +19,24 @@ func IsBPFFS(path string) (bool, error) {
 	return st.Type == unix.BPF_FS_MAGIC, nil
 }
 
+// CgroupID returns the id of the cgroup v2 directory at path (its inode
+// number, which is what the kernel reports as a cgroup link's cgroup id),
+// or an error when path is not a directory of a cgroup v2 hierarchy.
+func CgroupID(path string) (uint64, error) {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(path, &fs); err != nil {
+		return 0, fmt.Errorf("statfs %s: %w", path, err)
+	}
+	if fs.Type != unix.CGROUP2_SUPER_MAGIC {
+		return 0, fmt.Errorf("%s is not a cgroup v2 directory (filesystem magic %#x)", path, fs.Type)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return 0, fmt.Errorf("stat %s: %w", path, err)
+	}
+	return st.Ino, nil
+}
+
 // EnsureBPFFS makes sure mountPoint holds a bpffs, mounting one when the
 // directory exists on another filesystem (nodes that never mounted it).
 func EnsureBPFFS(mountPoint string) error {

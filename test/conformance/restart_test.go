@@ -19,6 +19,14 @@ import (
 func TestRestartKeepsRedirection(t *testing.T) {
 	n := simnode.New(t)
 	a := n.AddPod("a")
+	cfg := dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
+	ctx := context.Background()
+	// As on a node: the agent's hooks exist before ztunnel opens its
+	// listeners in the pod (it does so when the agent hands it the pod).
+	d1, err := dataplane.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	zt := n.StartZtunnel()
 	zt.Add(a)
 	app := n.StartApp(a)
@@ -26,9 +34,6 @@ func TestRestartKeepsRedirection(t *testing.T) {
 	out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
 	inbound := netip.AddrPortFrom(a.V4, appPort)
 	app.Listen("tcp", "a", netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
-
-	cfg := dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
-	ctx := context.Background()
 	dst := netip.AddrPortFrom(simnode.OutsideV4, appPort)
 	checkRedirected := func(phase string) {
 		t.Helper()
@@ -48,10 +53,6 @@ func TestRestartKeepsRedirection(t *testing.T) {
 		}
 	}
 
-	d1, err := dataplane.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
 	if err := d1.Enroll(ctx, dataplane.Pod{UID: a.UID, Namespace: a.Namespace, Name: a.Name, Netns: a.NetnsPath(), IPs: a.IPs()}); err != nil {
 		t.Fatal(err)
 	}
