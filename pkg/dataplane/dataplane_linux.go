@@ -26,13 +26,13 @@ type Dataplane struct {
 	log *slog.Logger
 
 	// Mechanisms picked from the kernel's features, once, in New.
-	hooks       tcHooks                // how TC programs are attached (classic tc filters)
+	hooks tcHooks // how TC programs are attached (classic tc filters)
 	// skLookupInbound: the pod's sk_lookup program alone captures inbound
 	// flows (Linux 5.17 gives it the ingress interface).
 	skLookupInbound bool
-	netnsCookie func() (uint64, error) // of the calling thread's netns
-	bpfFlags    uint32                 // ae_cfg.flags
-	nsQuery     link.Link              // ae_netns_query, where SO_NETNS_COOKIE is missing
+	netnsCookie     func() (uint64, error) // of the calling thread's netns
+	bpfFlags        uint32                 // ae_cfg.flags
+	nsQuery         link.Link              // ae_netns_query, where SO_NETNS_COOKIE is missing
 
 	mu        sync.Mutex
 	sock      sockObjects
@@ -46,8 +46,8 @@ type podState struct {
 	EnrolledPod
 	netnsPath   string
 	savedFwmark uint32
-	ifindex     uint32 // of the pod interface, in its netns
-	journal     uint32 // metaEnrolled, or where a stopped agent left it
+	ifindex     uint32               // of the pod interface, in its netns
+	journal     uint32               // metaEnrolled, or where a stopped agent left it
 	links       map[string]tcProgram // by pin name; adopted pins that could not be loaded are missing
 }
 
