@@ -46,6 +46,37 @@ type Config struct {
 	// ProbeV4 and ProbeV6 are the host-probe SNAT addresses (R7, R8).
 	ProbeV4, ProbeV6 netip.Addr
 	Logger           *slog.Logger
+	// Failpoint, when set, is called at each step of enrolment and
+	// removal with the step's name (see Steps). The crash-injection tests
+	// kill the process there; nothing else sets it.
+	Failpoint func(step string)
+}
+
+// Steps are the failpoints of Enroll and Remove, in order: after each the
+// node is in a state a crash may leave, and a restarted agent must finish
+// or undo it.
+var Steps = []string{
+	StepEnrollJournaled, StepEnrollReturnPath, StepEnrollAttached, StepEnrollEntries, StepEnrollDone,
+	StepRemoveJournaled, StepRemoveEntries, StepRemoveDetached, StepRemoveNetns,
+}
+
+// The failpoints (Config.Failpoint).
+const (
+	StepEnrollJournaled  = "enroll/journaled"   // the slot says enrolling; nothing else changed
+	StepEnrollReturnPath = "enroll/return-path" // policy rule, route and sysctl set in the pod
+	StepEnrollAttached   = "enroll/attached"    // after each program (called once per program)
+	StepEnrollEntries    = "enroll/entries"     // ae_pods and ae_netns written, journal not yet "enrolled"
+	StepEnrollDone       = "enroll/done"        // enrolled
+	StepRemoveJournaled  = "remove/journaled"   // the slot says removing
+	StepRemoveEntries    = "remove/entries"     // map entries gone
+	StepRemoveDetached   = "remove/detached"    // programs and pins gone
+	StepRemoveNetns      = "remove/netns"       // rule, route and sysctl restored; slot not yet freed
+)
+
+func (c *Config) failpoint(step string) {
+	if c.Failpoint != nil {
+		c.Failpoint(step)
+	}
 }
 
 func (c *Config) setDefaults() error {

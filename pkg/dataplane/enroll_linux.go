@@ -103,6 +103,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 			return fail(err)
 		}
 		undo = append(undo, func() { d.clearSlot(st.Slot) })
+		d.cfg.failpoint(StepEnrollJournaled)
 		// A new slot starts counting from zero.
 		if err := d.sock.AeStats.Put(st.Slot, make([]sockPodStats, ebpf.MustPossibleCPU())); err != nil {
 			return fail(fmt.Errorf("reset ae_stats: %w", err))
@@ -112,6 +113,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 	if err := d.setupReturnPath(&pod); err != nil {
 		return fail(err)
 	}
+	d.cfg.failpoint(StepEnrollReturnPath)
 
 	// Programs first, map entries last: the pod is never half redirected,
 	// because outbound capture starts with the ae_netns entry.
@@ -126,6 +128,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		}
 		undo = append(undo, func() { _ = l.detach() })
 		st.links[a.pin] = l
+		d.cfg.failpoint(StepEnrollAttached)
 	}
 
 	if err := d.writePodMaps(st); err != nil {
@@ -160,6 +163,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 	}
 	st.journal = metaEnrolled
 	d.pods[pod.UID] = st
+	d.cfg.failpoint(StepEnrollDone)
 	d.log.Debug("pod enrolled", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", pod.IPs, "slot", st.Slot)
 	return nil
 }
@@ -199,6 +203,7 @@ func (d *Dataplane) writePodMaps(st *podState) error {
 	if err := d.sock.AeNetns.Put(st.NetnsCookie, &ns); err != nil {
 		return fmt.Errorf("write ae_netns: %w", err)
 	}
+	d.cfg.failpoint(StepEnrollEntries)
 	return d.writeMeta(st, metaEnrolled)
 }
 
@@ -275,10 +280,12 @@ func (d *Dataplane) detachPod(st *podState) error {
 	if err := d.writeMeta(st, metaRemoving); err != nil {
 		d.log.Warn("journal pod removal", "pod", st.Namespace+"/"+st.Name, "error", err)
 	}
+	d.cfg.failpoint(StepRemoveJournaled)
 	d.deleteOwnedNetns(st)
 	for _, ip := range st.IPs {
 		d.deleteOwnedIP(ip, st)
 	}
+	d.cfg.failpoint(StepRemoveEntries)
 	for _, l := range st.links {
 		if err := l.detach(); err != nil {
 			d.log.Warn("detach pod program", "pod", st.Namespace+"/"+st.Name, "error", err)
@@ -289,11 +296,13 @@ func (d *Dataplane) detachPod(st *podState) error {
 	if err := os.RemoveAll(podDir(d.cfg, st.UID)); err != nil {
 		errs = append(errs, fmt.Errorf("remove pins of pod %s/%s: %w", st.Namespace, st.Name, err))
 	}
+	d.cfg.failpoint(StepRemoveDetached)
 	if st.netnsPath != "" {
 		if err := teardownPodNetns(d.cfg.ProcRoot, st.netnsPath, st.savedFwmark); err != nil {
 			errs = append(errs, fmt.Errorf("pod %s/%s: %w", st.Namespace, st.Name, err))
 		}
 	}
+	d.cfg.failpoint(StepRemoveNetns)
 	if len(errs) == 0 {
 		d.clearSlot(st.Slot)
 	}
