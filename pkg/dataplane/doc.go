@@ -12,36 +12,54 @@
 //     sockops and getsockopt let ztunnel read the original destination with
 //     an unmodified getsockopt(SO_ORIGINAL_DST). Pods are recognised by
 //     netns cookie, so the hooks cost one hash lookup for everyone else.
-//   - bpf/tc.c, one TC ingress program per pod on the pod's interface inside
-//     its netns: inbound TCP goes to ztunnel's :15006 (R5).
+//     sockops also files ztunnel's inbound listeners (ae_listeners) and its
+//     deliveries to the app (ae_local_flows) for the pod's sk_lookup.
+//   - bpf/tc.c, per pod: the sk_lookup program in the pod netns hands new
+//     inbound flows to ztunnel's :15006 (R5); a tc program on the pod's lo
+//     gives ztunnel's deliveries the return mark (R10); two on the node
+//     side of the pod's veth translate host probes (H1).
+//
+// Enrolment waits for nothing: per-pod TC programs are classic tc filters
+// (a TCX attach waits for an RCU grace period, about 16 ms), the sk_lookup
+// program is a netns link, and the rest are map writes, one policy rule
+// and route, and a sysctl. Each pod's slot in ae_pod_meta is a journal:
+// written "enrolling" (with the netns path and the pod's own
+// tcp_fwmark_accept) before the node is touched, "enrolled" after the
+// last map entry, "removing" before anything is taken away. New undoes
+// whatever a killed agent left enrolling or removing.
 //
 // Pinned layout under Config.BPFFSDir (default /sys/fs/bpf/ambient-ebpf):
 //
 //	maps/ae_pods        enrolled pods by IP (IPv4 as ::ffff:a.b.c.d)
 //	maps/ae_netns       enrolled pods by netns cookie
-//	maps/ae_pod_meta    uid, namespace, name per slot (user space only)
+//	maps/ae_pod_meta    the journal: uid, namespace, name, netns, state per slot
 //	maps/ae_stats       per-pod counters (per CPU, by slot)
 //	maps/ae_sk_dst      original destination per socket (socket storage)
 //	maps/ae_orig_dst    original destination by client address
 //	maps/ae_probe_nat   host-probe SNAT translations
+//	maps/ae_listeners   ztunnel's inbound listeners by netns (sockhash)
+//	maps/ae_local_flows ztunnel's connections to its pod's app (R10)
+//	maps/ae_steer       flows tc hands to sk_lookup (older kernels, R14)
 //	links/<hook>        node-wide cgroup links: connect4, connect6,
 //	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
 //	                    getpeername4, getpeername6, sockops, getsockopt
-//	pods/<uid>/ingress       TC ingress on the pod's interface (R5)
-//	pods/<uid>/lo_ingress    TC ingress on the pod's lo (R10)
-//	pods/<uid>/reroute_<if>  TC ingress on a virtual interface (R14)
-//	pods/<uid>/host_egress   TC on the node side of the pod's veth (H1)
+//	pods/<uid>/sk_lookup     sk_lookup link in the pod netns (R5)
+//	pods/<uid>/lo_ingress    tc ingress on the pod's lo (R10)
+//	pods/<uid>/reroute_<if>  tc ingress on a virtual interface (R14)
+//	pods/<uid>/host_egress   tc on the node side of the pod's veth (H1)
 //	pods/<uid>/host_ingress
-//	pods/<uid>/sk_lookup     sk_lookup in the pod netns (hand-over where tc cannot)
+//	pods/<uid>/ingress       tc ingress on the pod's interface (R5, kernels
+//	                         before 5.17 only)
 //
-// The mechanisms follow the kernel (package features, README:
-// Compatibility): with TCX (Linux 6.6) each pods/<uid>/ pin is a TCX link
-// and inbound flows are handed over by tc's bpf_sk_assign; without it, the
-// pin is the program of a classic tc filter (clsact qdisc, cls_bpf at
-// priority 0xae00, handle 0xae, named ae_<pin>), and inbound flows reach
-// ztunnel's reuseport listeners through the sk_lookup program.
+// The uid is validated before it names a directory (ValidUID). Each tc
+// pin is the program of a classic tc filter: clsact qdisc (created when
+// missing, never deleted), cls_bpf at priority 0xae00, handle 0xae, named
+// ae_<pin>; only that filter is ever replaced or deleted. The mechanisms
+// follow the kernel (package features, README: Compatibility): where
+// sk_lookup sees the ingress interface (5.17) it alone captures inbound
+// flows; before that a tc program on the pod's interface files each flow
+// for it.
 //
-
 // Pins outlive the agent: while it restarts or upgrades, redirection keeps
 // working, and New adopts what it finds (links are updated in place to the
 // new programs, so there is no moment without redirection). Uninstall
