@@ -8,6 +8,7 @@ import (
 	"errors"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -330,4 +331,46 @@ func TestFwmarkAcceptThroughAnotherProcMount(t *testing.T) {
 	if got := read(p.NetnsPath()); got != "0" {
 		t.Errorf("pod tcp_fwmark_accept = %s after removal, want 0", got)
 	}
+}
+
+// A cgroup root that is no cgroup v2 directory is refused before the
+// kernel is touched: nothing is pinned.
+func TestNewRefusesNonCgroup2RootAndLeavesNothing(t *testing.T) {
+	n := simnode.New(t)
+	_, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: t.TempDir(), NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	if err == nil || !strings.Contains(err.Error(), "not a cgroup v2 directory") {
+		t.Fatalf("New error = %v, want a refusal naming the cgroup root", err)
+	}
+	if _, err := os.Stat(n.BPFFSDir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("pins left after a refused start: %v", err)
+	}
+}
+
+// Pins made for one cgroup root are not silently kept while another is
+// configured: the start is refused and the running data path is left as
+// it is.
+func TestNewRefusesAChangedCgroupRoot(t *testing.T) {
+	n := simnode.New(t)
+	d1, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	other := filepath.Join(n.CgroupRoot, "other")
+	if err := os.Mkdir(other, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	_, err = New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: other, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	if err == nil || !strings.Contains(err.Error(), "cgroup root changed") {
+		t.Fatalf("New with another cgroup root: %v, want a refusal", err)
+	}
+	for _, h := range []string{"connect4", "sockops"} {
+		if _, err := os.Stat(filepath.Join(n.BPFFSDir, "links", h)); err != nil {
+			t.Errorf("pinned %s hook of the running data path: %v", h, err)
+		}
+	}
+	// The original root still works, and takes the pins back.
+	newDataplane(t, n)
 }
