@@ -110,6 +110,9 @@ func (f *Flags) Config() (Config, error) {
 		DaemonSetNamespace: f.dsNamespace, DaemonSetName: f.dsName, UninstallOnExit: f.uninstallOnExit,
 	}
 	c.Dataplane = dataplane.Config{BPFFSDir: f.bpffs, CgroupRoot: f.cgroupRoot, NodeNetns: f.nodeNetns, ProcRoot: f.procRoot}
+	if c.Dataplane.Failpoint, err = failpointFromEnv(); err != nil {
+		return c, err
+	}
 	if c.Dataplane.ProbeV4, err = netip.ParseAddr(f.probeV4); err != nil {
 		return c, fmt.Errorf("--probe-snat-v4: %w", err)
 	}

@@ -24,7 +24,7 @@ func TestAgentSIGKILLKeepsRedirection(t *testing.T) {
 	zt := n.StartZtunnelFor(n.zds)
 	waitFor(t, "ztunnel connected", func() bool {
 		_, body := n.get("/metrics")
-		return strings.Contains(body, "ztunnel_connected 1")
+		return strings.Contains(body, "\nztunnel_connected 1\n")
 	})
 	if resp, err := n.podAdd(t, a); err != nil || !resp.GetEnrolled() {
 		t.Fatalf("ADD: %+v, %v", resp, err)

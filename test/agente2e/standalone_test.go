@@ -164,7 +164,7 @@ func TestAgentEnrollsThroughCNIAndZDS(t *testing.T) {
 	// Fail closed is the plugin's side; here: ambient pods need ztunnel.
 	waitFor(t, "ztunnel connected", func() bool {
 		_, body := n.get("/metrics")
-		return strings.Contains(body, "ztunnel_connected 1")
+		return strings.Contains(body, "\nztunnel_connected 1\n")
 	})
 	resp, err := n.podAdd(t, a)
 	if err != nil || !resp.GetEnrolled() {
