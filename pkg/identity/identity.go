@@ -109,18 +109,21 @@ func PodUID(uid string) error {
 	return nil
 }
 
-// Pod checks a pod's namespace, name and, when not empty, its UID.
+// Pod checks a pod's namespace, name and UID.
 func Pod(namespace, name, uid string) error {
+	if err := PodNames(namespace, name); err != nil {
+		return err
+	}
+	return PodUID(uid)
+}
+
+// PodNames checks a pod's namespace and name, for callers that may not know
+// its UID yet.
+func PodNames(namespace, name string) error {
 	if err := Namespace(namespace); err != nil {
 		return err
 	}
-	if err := PodName(name); err != nil {
-		return err
-	}
-	if uid == "" {
-		return nil
-	}
-	return PodUID(uid)
+	return PodName(name)
 }
 
 // ContainerID checks a CNI container (sandbox) ID.

@@ -103,10 +103,13 @@ func TestErrorsQuoteAndShortenTheValue(t *testing.T) {
 }
 
 func TestPodChecksEachField(t *testing.T) {
-	if err := Pod("shop", "web", ""); err != nil {
+	if err := PodNames("shop", "web"); err != nil {
+		t.Errorf("pod names: %v", err)
+	}
+	if err := Pod("shop", "web", ""); !errors.Is(err, ErrInvalid) {
 		t.Errorf("pod without uid: %v", err)
 	}
-	for _, c := range [][3]string{{"shop/..", "web", ""}, {"shop", "../links", ""}, {"shop", "web", "../../links"}} {
+	for _, c := range [][3]string{{"shop/..", "web", "u"}, {"shop", "../links", "u"}, {"shop", "web", "../../links"}} {
 		if err := Pod(c[0], c[1], c[2]); !errors.Is(err, ErrInvalid) {
 			t.Errorf("Pod%q = %v", c, err)
 		}
@@ -143,7 +146,7 @@ func FuzzPodUID(f *testing.F) {
 			t.Fatalf("StandaloneUID(%q, %q) = %q refused: %v", namespace, name, s, err)
 		}
 		staysUnder(t, root, s)
-		if Pod(namespace, name, "") == nil {
+		if PodNames(namespace, name) == nil {
 			for _, v := range []string{namespace, name} {
 				if strings.ContainsAny(v, "/\x00") || v == "." || v == ".." {
 					t.Fatalf("accepted pod %q/%q", namespace, name)
