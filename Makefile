@@ -111,9 +111,28 @@ $(KUBE_BINS)/etcd: hack/tools/etcd/go.mod hack/tools/etcd/go.sum hack/tools/etcd
 	cd hack/tools/etcd && nice $(GO) build -trimpath -o $@.tmp . && mv $@.tmp $@
 
 .PHONY: test
-test: deps vet cni-plugins kube-bins ## run every test, kernel suites included (as root); the README's test command
+test: deps vet cni-plugins kube-bins ## run every test, kernel suites included (as root), then the fuzzers; the README's test command
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport
 	CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
+	$(MAKE) --no-print-directory fuzz
+
+# Every `func FuzzXxx` in a _test.go file is a fuzzer `make fuzz` runs, so
+# new ones need no registration. Their seeds (f.Add, testdata/fuzz/) also run
+# as plain tests in `go test`. A failing input is written to the package's
+# testdata/fuzz/FuzzXxx/: commit it with the fix, as a regression seed.
+FUZZTIME ?= 4s
+
+.PHONY: fuzz
+fuzz: ## run each fuzzer of the repo for FUZZTIME (default 4s), one after another; fails if any fails
+	@failed=""; \
+	for file in $$(grep -rlE --include='*_test.go' --exclude-dir=.cache --exclude-dir=.git '^func Fuzz[A-Za-z0-9_]*\(' . | sort); do \
+		dir=./$$(dirname "$${file#./}"); \
+		for name in $$(sed -nE 's/^func (Fuzz[A-Za-z0-9_]*)\(.*/\1/p' "$$file"); do \
+			echo "fuzz: $$name ($$dir) for $(FUZZTIME)"; \
+			$(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) "$$dir" || failed="$$failed $$dir:$$name"; \
+		done; \
+	done; \
+	if [ -n "$$failed" ]; then echo "fuzz: failed:$$failed"; exit 1; fi; echo "fuzz: every fuzzer passed"
 
 IMAGE ?= ghcr.io/ambient-ebpf/ambient-ebpf:dev
 

@@ -269,7 +269,7 @@ func (a *agent) reconcileAtStart(ctx context.Context, m *mesh, src podSource, sn
 		// and gets it again in the snapshot of its next connection, so
 		// the annotation does not flap through pending on a restart.
 		d := enrollment.Decide(a.cfg.Enrollment, pod, nil)
-		if err := m.dp.Enroll(ctx, dataplane.Pod{UID: uid, Namespace: pod.Namespace, Name: pod.Name, Netns: mb.netns,
+		if err := enroll(ctx, m.dp, dataplane.Pod{UID: uid, Namespace: pod.Namespace, Name: pod.Name, Netns: mb.netns,
 			IPs: podIPs(pod), Options: dpOptions(d.Options)}); err != nil {
 			a.log.Error("re-enrolling snapshot pod failed", "pod", pod.Namespace+"/"+pod.Name, "error", err)
 			if _, ok := adopted[uid]; !ok {

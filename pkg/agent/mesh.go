@@ -19,6 +19,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
@@ -42,6 +43,7 @@ type (
 	}
 	netnsFinder interface {
 		Find(uid types.UID) (podnetns.NetNS, error)
+		Same(a, b string) (same, known bool)
 	}
 )
 
@@ -52,6 +54,7 @@ type member struct {
 	name           string
 	serviceAccount string
 	netns          string // path; "" when not known (adopted, not found yet)
+	containerID    string // the sandbox of the CNI ADD; "" for pods enrolled live or adopted
 	state          kube.Redirection
 }
 
@@ -127,7 +130,7 @@ func dpOptions(o enrollment.Options) dataplane.Options {
 func (m *mesh) add(ctx context.Context, mb *member, ips []netip.Addr, iface string, opts enrollment.Options, strict bool) error {
 	start := time.Now()
 	key := mb.namespace + "/" + mb.name
-	err := m.dp.Enroll(ctx, dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: mb.netns,
+	err := enroll(ctx, m.dp, dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: mb.netns,
 		Interface: iface, IPs: ips, Options: dpOptions(opts)})
 	if err != nil {
 		m.metrics.dataplaneErrors.WithLabelValues("enroll").Inc()
@@ -157,6 +160,25 @@ func (m *mesh) add(ctx context.Context, mb *member, ips []netip.Addr, iface stri
 	m.metrics.enrollSeconds.Observe(time.Since(start).Seconds())
 	m.metrics.enrolled.Set(float64(m.count()))
 	return nil
+}
+
+// enroll checks what names the pod's pins and interfaces (pkg/identity),
+// then enrolls it: the last check before a string from outside reaches a
+// path. Every path into the dataplane goes through it.
+func enroll(ctx context.Context, dp dataplaneAPI, p dataplane.Pod) error {
+	checks := []error{identity.Pod(p.Namespace, p.Name, p.UID)}
+	if p.Interface != "" {
+		checks = append(checks, identity.Interface(p.Interface))
+	}
+	for _, v := range p.Options.RerouteInterfaces {
+		if err := identity.Interface(v); err != nil {
+			checks = append(checks, fmt.Errorf("annotation %s: %w", enrollment.RerouteInterfacesAnnotation, err))
+		}
+	}
+	if err := errors.Join(checks...); err != nil {
+		return err
+	}
+	return dp.Enroll(ctx, p)
 }
 
 func (m *mesh) setState(uid string, s kube.Redirection) {
@@ -208,7 +230,11 @@ func (m *mesh) remove(ctx context.Context, uid, key string) error {
 func (m *mesh) AddPodToMesh(ctx context.Context, pod *corev1.Pod, opts enrollment.Options) error {
 	uid := string(pod.UID)
 	mb := &member{uid: uid, namespace: pod.Namespace, name: pod.Name, serviceAccount: pod.Spec.ServiceAccountName}
-	if old := m.member(uid); old != nil && old.netns != "" {
+	old := m.member(uid)
+	if old != nil {
+		mb.containerID = old.containerID
+	}
+	if old != nil && old.netns != "" {
 		mb.netns = old.netns
 	} else {
 		ns, err := m.netns.Find(pod.UID)
@@ -277,7 +303,8 @@ func (m *mesh) podAdd(ctx context.Context, req *cniv1.PodAddRequest) (events.Add
 		}
 		ips = append(ips, a)
 	}
-	mb := &member{uid: uid, namespace: pod.Namespace, name: pod.Name, serviceAccount: pod.Spec.ServiceAccountName, netns: p.GetNetns()}
+	mb := &member{uid: uid, namespace: pod.Namespace, name: pod.Name, serviceAccount: pod.Spec.ServiceAccountName,
+		netns: p.GetNetns(), containerID: p.GetContainerId()}
 	if err := m.add(ctx, mb, ips, p.GetInterface(), d.Options, true); err != nil {
 		return events.AddResult{}, err
 	}
@@ -285,10 +312,19 @@ func (m *mesh) podAdd(ctx context.Context, req *cniv1.PodAddRequest) (events.Add
 	return events.AddResult{Enrolled: true, Reason: string(d.Reason)}, nil
 }
 
-// PodDel removes a pod whose sandbox goes away.
+// PodDel removes a pod whose sandbox goes away. Without K8S_POD_UID (not
+// every runtime passes it) the pod is found among the members (delTarget).
+// A DEL about an older sandbox of a pod, or that matches no member, removes
+// nothing.
 func (m *mesh) PodDel(ctx context.Context, req *cniv1.PodDelRequest) error {
 	p := req.GetPod()
-	err := m.remove(ctx, p.GetUid(), p.GetNamespace()+"/"+p.GetName())
+	key := p.GetNamespace() + "/" + p.GetName()
+	var err error
+	if uid := m.delTarget(p); uid != "" {
+		err = m.remove(ctx, uid, key)
+	} else {
+		m.log.Info("cni del matches no enrolled pod", "pod", key, "uid", p.GetUid(), "container", p.GetContainerId(), "netns", p.GetNetns())
+	}
 	code := "success"
 	if err != nil {
 		code = "error"
@@ -296,6 +332,61 @@ func (m *mesh) PodDel(ctx context.Context, req *cniv1.PodDelRequest) error {
 	m.metrics.pluginRequests.WithLabelValues("del", code).Inc()
 	return err
 }
+
+// delTarget returns the uid of the pod a DEL is about, or "". With a uid it
+// is that pod, unless it was enrolled from another sandbox (a late or
+// repeated DEL of a sandbox it replaced). Without one it is the member
+// delMatch ranks best, when exactly one is; a tie removes nothing.
+func (m *mesh) delTarget(p *cniv1.Pod) string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if uid := p.GetUid(); uid != "" {
+		if mb := m.members[uid]; mb != nil && differ(mb.containerID, p.GetContainerId()) {
+			return ""
+		}
+		return uid
+	}
+	best, bestRank, ties := "", 0, 0
+	for uid, mb := range m.members {
+		switch r := m.delMatch(mb, p); {
+		case r > bestRank:
+			best, bestRank, ties = uid, r, 1
+		case r == bestRank && r > 0:
+			ties++
+		}
+	}
+	if ties != 1 {
+		return ""
+	}
+	return best
+}
+
+// delMatch ranks how surely member mb is the pod a DEL without uid names:
+// 3 the same sandbox (container id), 2 the same netns, 1 the same namespace
+// and name, 0 nothing in common or a contradiction (another sandbox, netns
+// or name than the member is known by).
+func (m *mesh) delMatch(mb *member, p *cniv1.Pod) int {
+	if differ(mb.containerID, p.GetContainerId()) || differ(mb.namespace, p.GetNamespace()) || differ(mb.name, p.GetName()) {
+		return 0
+	}
+	if mb.containerID != "" && mb.containerID == p.GetContainerId() {
+		return 3
+	}
+	if mb.netns != "" && p.GetNetns() != "" {
+		if same, known := m.netns.Same(mb.netns, p.GetNetns()); same {
+			return 2
+		} else if known {
+			return 0
+		}
+	}
+	if p.GetNamespace() != "" && p.GetName() != "" {
+		return 1 // the names agree: differ passed them
+	}
+	return 0
+}
+
+// differ reports whether a field known on both sides holds different values.
+func differ(known, given string) bool { return known != "" && given != "" && known != given }
 
 // retryPending hands pending pods to ztunnel once one is connected, and
 // requeues them so their annotation turns enabled.

@@ -18,6 +18,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
@@ -93,10 +94,20 @@ func (s *fakeSource) Requeue(namespace, name string) {
 	s.requeued = append(s.requeued, namespace+"/"+name)
 }
 
-type fakeFinder struct{}
+// fakeFinder finds every pod's netns at /proc/1/ns/net. Different netns
+// paths are of unknown sameness, unless distinct says they are different
+// namespaces.
+type fakeFinder struct{ distinct bool }
 
 func (fakeFinder) Find(types.UID) (podnetns.NetNS, error) {
 	return podnetns.NetNS{Path: "/proc/1/ns/net"}, nil
+}
+
+func (f fakeFinder) Same(a, b string) (same, known bool) {
+	if a == b {
+		return true, true
+	}
+	return false, f.distinct
 }
 
 func newTestMesh(conns int) (*mesh, *fakeDataplane, *fakeZtunnel, *fakeSource) {
@@ -184,5 +195,122 @@ func TestPendingPodsTurnEnabledWhenZtunnelConnects(t *testing.T) {
 	}
 	if len(m.snapshot()) != 1 {
 		t.Errorf("snapshot %v", m.snapshot())
+	}
+}
+
+func delReq(p *cniv1.Pod) *cniv1.PodDelRequest { return &cniv1.PodDelRequest{Pod: p} }
+
+// A DEL without K8S_POD_UID finds the pod the CNI ADD enrolled by its
+// sandbox, its netns or its names, as the runtime gives them.
+func TestPodDelWithoutUIDFindsTheEnrolledPod(t *testing.T) {
+	cases := map[string]*cniv1.Pod{
+		"names":           {Namespace: "shop", Name: "web"},
+		"names and more":  {Namespace: "shop", Name: "web", ContainerId: "sandbox-web", Netns: "/run/netns/x", Interface: "eth0"},
+		"container id":    {ContainerId: "sandbox-web"},
+		"netns":           {Netns: "/run/netns/x"},
+		"names and netns": {Namespace: "shop", Name: "web", Netns: "/run/netns/x"},
+	}
+	for name, p := range cases {
+		t.Run(name, func(t *testing.T) {
+			m, dp, _, _ := newTestMesh(1)
+			add := addReq("shop", "web", "uid-web")
+			add.Pod.ContainerId = "sandbox-web"
+			if _, err := m.PodAdd(context.Background(), add); err != nil {
+				t.Fatal(err)
+			}
+			if err := m.PodDel(context.Background(), delReq(p)); err != nil {
+				t.Fatal(err)
+			}
+			if len(dp.enrolled) != 0 || m.Redirection("uid-web") != kube.RedirectionNone {
+				t.Errorf("pod still enrolled after DEL %v: dataplane %v", p, dp.enrolled)
+			}
+		})
+	}
+}
+
+// A pod enrolled live or adopted has no sandbox on record and a /proc netns
+// path: its names find it.
+func TestPodDelWithoutUIDFindsALiveEnrolledPodByName(t *testing.T) {
+	m, dp, _, src := newTestMesh(1)
+	if err := m.AddPodToMesh(context.Background(), src.pods["shop/web"], enrollment.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.PodDel(context.Background(), delReq(&cniv1.Pod{Namespace: "shop", Name: "web", ContainerId: "c9", Netns: "/run/netns/x"})); err != nil {
+		t.Fatal(err)
+	}
+	if len(dp.enrolled) != 0 {
+		t.Errorf("pod still enrolled: %v", dp.enrolled)
+	}
+}
+
+// Removing pod A never removes pod B: a DEL about another sandbox, another
+// netns, or a name two members share removes nothing.
+func TestPodDelNeverRemovesAnotherPod(t *testing.T) {
+	cases := []struct {
+		name     string
+		distinct bool
+		del      *cniv1.Pod
+	}{
+		{"older sandbox of the same uid", false, &cniv1.Pod{Namespace: "shop", Name: "web", Uid: "uid-web", ContainerId: "sandbox-old"}},
+		{"older sandbox, no uid", false, &cniv1.Pod{Namespace: "shop", Name: "web", ContainerId: "sandbox-old"}},
+		{"another netns, no uid", true, &cniv1.Pod{Namespace: "shop", Name: "web", Netns: "/run/netns/old"}},
+		{"another pod's names", false, &cniv1.Pod{Namespace: "shop", Name: "db"}},
+		{"nothing in common", false, &cniv1.Pod{ContainerId: "c2"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			m, dp, _, _ := newTestMesh(1)
+			m.netns = fakeFinder{distinct: tc.distinct}
+			add := addReq("shop", "web", "uid-web")
+			add.Pod.ContainerId = "sandbox-web"
+			if _, err := m.PodAdd(context.Background(), add); err != nil {
+				t.Fatal(err)
+			}
+			if err := m.PodDel(context.Background(), delReq(tc.del)); err != nil {
+				t.Fatal(err)
+			}
+			if _, ok := dp.enrolled["uid-web"]; !ok || m.Redirection("uid-web") == kube.RedirectionNone {
+				t.Errorf("DEL %v removed pod uid-web", tc.del)
+			}
+		})
+	}
+	// Two members under one name (a pod and its replacement, both known
+	// only by name): which one the DEL is about cannot be told.
+	m, dp, _, src := newTestMesh(1)
+	replacement := src.pods["shop/web"].DeepCopy()
+	replacement.UID = "uid-web-2"
+	for _, p := range []*corev1.Pod{src.pods["shop/web"], replacement} {
+		if err := m.AddPodToMesh(context.Background(), p, enrollment.Options{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m.PodDel(context.Background(), delReq(&cniv1.Pod{Namespace: "shop", Name: "web", Netns: "/run/netns/y"})); err != nil {
+		t.Fatal(err)
+	}
+	if len(dp.enrolled) != 2 {
+		t.Errorf("an ambiguous DEL removed a pod: %v", dp.enrolled)
+	}
+}
+
+// The last check before the dataplane: names, uid and interfaces that
+// would make a pin path, from whichever source, never reach Enroll.
+func TestEnrollRefusesIdentitiesThatWouldMakeAPath(t *testing.T) {
+	m, dp, _, src := newTestMesh(1)
+	rerouted := src.pods["shop/web"].DeepCopy()
+	rerouted.Annotations = map[string]string{enrollment.RerouteInterfacesAnnotation: "tun0,/../../../maps"}
+	traversal := src.pods["shop/web"].DeepCopy()
+	traversal.UID = "../../links"
+	for _, p := range []*corev1.Pod{rerouted, traversal} {
+		err := m.AddPodToMesh(context.Background(), p, enrollment.PodOptions(enrollment.DefaultConfig(), p))
+		if !errors.Is(err, identity.ErrInvalid) {
+			t.Errorf("AddPodToMesh(uid %q, annotations %v) = %v; want an invalid identity", p.UID, p.Annotations, err)
+		}
+	}
+	src.pods["shop/web"].UID = "../../links"
+	if _, err := m.PodAdd(context.Background(), addReq("shop", "web", "")); !errors.Is(err, identity.ErrInvalid) {
+		t.Errorf("PodAdd of a pod whose source uid is a traversal = %v", err)
+	}
+	if len(dp.enrolled) != 0 {
+		t.Errorf("dataplane got %v", dp.enrolled)
 	}
 }

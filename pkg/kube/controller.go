@@ -84,8 +84,8 @@ func (c *Controller) Start(ctx context.Context) error {
 }
 
 // Snapshot returns the pods of this node annotated
-// ambient.istio.io/redirection=enabled, as the cache holds them; call it
-// after Start. The agent adopts their dataplane state before Run.
+// ambient.istio.io/redirection=enabled, as the cache holds them, without
+// those whose identity is invalid (logged); call it after Start. The agent adopts their dataplane state before Run.
 func (c *Controller) Snapshot() ([]*corev1.Pod, error) {
 	if !c.started.Load() {
 		return nil, errors.New("snapshot before the pod cache is synced")
@@ -100,7 +100,7 @@ func (c *Controller) Snapshot() ([]*corev1.Pod, error) {
 			out = append(out, p.DeepCopy())
 		}
 	}
-	return out, nil
+	return validPods(out, c.cfg.Logger), nil
 }
 
 // Run adds the informer handlers (every cached pod is then reconciled once)

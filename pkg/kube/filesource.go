@@ -13,6 +13,7 @@ import (
 	"sync"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
 	"github.com/fsnotify/fsnotify"
 	corev1 "k8s.io/api/core/v1"
@@ -37,9 +38,12 @@ var (
 // FileSource feeds the reconcile from the standalone pod file (see
 // pkg/standalone) instead of the API server, and reloads it when it changes.
 // Pods whose spec.nodeName is empty or this node are taken; a pod without
-// metadata.uid gets "standalone:<namespace>/<name>" as its UID. The redirection
-// annotation is kept in memory (there is no API to write it to) and shows on
-// the pods the reconcile reads. A file that fails to parse is logged and the
+// metadata.uid gets identity.StandaloneUID(namespace, name) as its UID:
+// "standalone-" and 28 hex digits of the SHA-256 of "<namespace>/<name>",
+// stable across reloads and restarts, and a safe pin directory name (the
+// parser refuses invalid names and UIDs, see pkg/standalone). The
+// redirection annotation is kept in memory (there is no API to write it to)
+// and shows on the pods the reconcile reads. A file that fails to parse is logged and the
 // previous content stays in force, so a typo never drops a pod from the mesh.
 // Repair can only be in place: there is no API to delete or label pods.
 type FileSource struct {
@@ -95,7 +99,7 @@ func (s *FileSource) Snapshot() ([]*corev1.Pod, error) {
 			out = append(out, p.DeepCopy())
 		}
 	}
-	return out, nil
+	return validPods(out, s.cfg.Logger), nil
 }
 
 // Run reconciles every pod of the file, then watches the file's folder and
@@ -163,7 +167,7 @@ func (s *FileSource) load() (map[string]*corev1.Pod, error) {
 		if p.UID == "" {
 			// The mesh identifies pods by UID; a file without one
 			// gets a stable stand-in per namespace/name.
-			p.UID = types.UID("standalone:" + p.Namespace + "/" + p.Name)
+			p.UID = types.UID(identity.StandaloneUID(p.Namespace, p.Name))
 		}
 		pods[p.Namespace+"/"+p.Name] = p
 		uids[p.UID] = true

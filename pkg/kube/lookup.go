@@ -15,7 +15,8 @@ import (
 // Lookup returns a pod of this node and its namespace for a CNI ADD: from
 // the informer caches, or with a direct API read when the pod is not cached
 // yet (a new pod's ADD can arrive before its watch event). A pod that
-// exists nowhere is an error: the caller must fail closed.
+// exists nowhere, or whose identity is invalid, is an error: the caller must
+// fail closed.
 func (c *Controller) Lookup(ctx context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
 	store := listerStore{c.podLister, c.nsLister}
 	pod, err := store.pod(namespace, name)
@@ -23,6 +24,9 @@ func (c *Controller) Lookup(ctx context.Context, namespace, name string) (*corev
 		pod, err = c.client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 	}
 	if err != nil {
+		return nil, nil, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)
+	}
+	if err := checkPod(pod); err != nil {
 		return nil, nil, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)
 	}
 	ns, err := store.namespace(namespace)
@@ -46,6 +50,9 @@ func (s *FileSource) Lookup(_ context.Context, namespace, name string) (*corev1.
 	}
 	if pod == nil {
 		return nil, nil, fmt.Errorf("pod %s/%s is not in the pod file %s", namespace, name, s.path)
+	}
+	if err := checkPod(pod); err != nil {
+		return nil, nil, fmt.Errorf("pod %s/%s: %w", namespace, name, err)
 	}
 	ns, err := s.namespace(namespace)
 	if err != nil {

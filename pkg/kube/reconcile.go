@@ -8,10 +8,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
@@ -110,6 +112,14 @@ func (r *reconciler) reconcile(ctx context.Context, key string) error {
 	if err != nil {
 		return fmt.Errorf("get pod %s: %w", key, err)
 	}
+	if pod != nil {
+		if err := checkPod(pod); err != nil {
+			// Not retried: the object will not become valid. A pod known
+			// under this key before still leaves below.
+			r.log.Warn("pod skipped: invalid identity", "pod", key, "error", err)
+			pod = nil
+		}
+	}
 	// A pod that is gone, or replaced by a pod of the same name, leaves the
 	// mesh under the UID it had.
 	if prev := r.lookup(key); prev != nil && (pod == nil || pod.UID != prev.UID) {
@@ -186,6 +196,23 @@ func (r *reconciler) forget(key string, pod *corev1.Pod) {
 	if p := r.known[key]; p != nil && p.UID == pod.UID {
 		delete(r.known, key)
 	}
+}
+
+// checkPod checks the identity of a pod from the API server or the pod file
+// before anything uses it (pkg/identity): its UID names its pins.
+func checkPod(pod *corev1.Pod) error {
+	return identity.Pod(pod.Namespace, pod.Name, string(pod.UID))
+}
+
+// validPods returns the pods that pass checkPod, logging the others.
+func validPods(pods []*corev1.Pod, log *slog.Logger) []*corev1.Pod {
+	return slices.DeleteFunc(pods, func(p *corev1.Pod) bool {
+		err := checkPod(p)
+		if err != nil {
+			log.Warn("pod skipped: invalid identity", "pod", p.Namespace+"/"+p.Name, "error", err)
+		}
+		return err != nil
+	})
 }
 
 // newQueue returns the rate-limited queue of pod keys.

@@ -114,6 +114,25 @@ func (f *Finder) FindAll(uids []types.UID) (map[types.UID]NetNS, error) {
 	return found, nil
 }
 
+// Same reports whether the paths a and b name the same network namespace,
+// by path or by the (device, inode) of their nsfs files; known is false when
+// the paths differ and either cannot be stat'ed (its namespace or process
+// is gone already).
+func (f *Finder) Same(a, b string) (same, known bool) {
+	if a == b {
+		return true, true
+	}
+	devA, inoA, err := statNetNS(a)
+	if err != nil {
+		return false, false
+	}
+	devB, inoB, err := statNetNS(b)
+	if err != nil {
+		return false, false
+	}
+	return devA == devB && inoA == inoB, true
+}
+
 func readPodUID(path string) (types.UID, bool, error) {
 	fh, err := os.Open(path)
 	if err != nil {

@@ -84,3 +84,23 @@ func podCgroup(t *testing.T, uid types.UID) string {
 	testenv.SkipOrFail(t, "no writable cgroup hierarchy")
 	return ""
 }
+
+func TestSameTellsNetnsPathsApartByInode(t *testing.T) {
+	f := New("")
+	self := "/proc/self/ns/net"
+	byPID := "/proc/" + strconv.Itoa(os.Getpid()) + "/ns/net"
+	cases := []struct {
+		a, b        string
+		same, known bool
+	}{
+		{self, self, true, true},
+		{self, byPID, true, true},
+		{self, "/proc/self/ns/mnt", false, true},
+		{self, filepath.Join(t.TempDir(), "gone"), false, false},
+	}
+	for _, tc := range cases {
+		if same, known := f.Same(tc.a, tc.b); same != tc.same || known != tc.known {
+			t.Errorf("Same(%s, %s) = %v, %v; want %v, %v", tc.a, tc.b, same, known, tc.same, tc.known)
+		}
+	}
+}

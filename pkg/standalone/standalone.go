@@ -15,6 +15,9 @@
 //	spec: {serviceAccountName: web, nodeName: node-1}
 //
 // The agent's standalone source and the CNI plugin's fallback both read it.
+// Names and UIDs are checked as the API server would (pkg/identity): a file
+// holding a pod or namespace that Kubernetes would refuse is refused. A pod
+// may omit metadata.uid; the agent then gives it identity.StandaloneUID.
 package standalone
 
 import (
@@ -26,8 +29,11 @@ import (
 	"os"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 )
 
 // File is the parsed content of a pod file.
@@ -66,12 +72,14 @@ type typeMeta struct {
 }
 
 // Parse reads a YAML or JSON stream of Namespace and Pod objects. Unknown
-// kinds, missing names and duplicate pods are refused with the document's
-// position, so a typo never silently drops a pod out of the mesh.
+// kinds, missing or invalid names and UIDs, and duplicate pods or UIDs are
+// refused with the document's position, so a typo never silently drops a pod
+// out of the mesh and no name from the file reaches a path unchecked.
 func Parse(r io.Reader) (*File, error) {
 	f := &File{Namespaces: map[string]*corev1.Namespace{}}
 	reader := utilyaml.NewYAMLReader(bufio.NewReader(r))
 	seen := map[string]bool{}
+	uids := map[types.UID]string{} // namespace/name of each explicit uid
 	for doc := 1; ; doc++ {
 		raw, err := reader.Read()
 		if errors.Is(err, io.EOF) {
@@ -92,31 +100,64 @@ func Parse(r io.Reader) (*File, error) {
 		}
 		switch tm.Kind {
 		case "Namespace":
-			var ns corev1.Namespace
-			if err := yaml.UnmarshalStrict(raw, &ns); err != nil {
+			ns, err := parseNamespace(raw)
+			if err != nil {
 				return nil, fmt.Errorf("document %d (Namespace): %w", doc, err)
 			}
-			if ns.Name == "" {
-				return nil, fmt.Errorf("document %d: namespace without a name", doc)
-			}
-			f.Namespaces[ns.Name] = &ns
+			f.Namespaces[ns.Name] = ns
 		case "Pod":
-			var p corev1.Pod
-			if err := yaml.UnmarshalStrict(raw, &p); err != nil {
+			p, err := parsePod(raw)
+			if err != nil {
 				return nil, fmt.Errorf("document %d (Pod): %w", doc, err)
-			}
-			if p.Name == "" || p.Namespace == "" {
-				return nil, fmt.Errorf("document %d: pod needs metadata.name and metadata.namespace", doc)
 			}
 			key := p.Namespace + "/" + p.Name
 			if seen[key] {
 				return nil, fmt.Errorf("document %d: pod %s appears twice", doc, key)
 			}
 			seen[key] = true
-			f.Pods = append(f.Pods, &p)
+			if other, dup := uids[p.UID]; dup {
+				return nil, fmt.Errorf("document %d: pod %s has the uid of pod %s", doc, key, other)
+			}
+			if p.UID != "" {
+				uids[p.UID] = key
+			}
+			f.Pods = append(f.Pods, p)
 		default:
 			return nil, fmt.Errorf("document %d: kind %q, want Namespace or Pod", doc, tm.Kind)
 		}
 	}
 	return f, nil
+}
+
+func parseNamespace(raw []byte) (*corev1.Namespace, error) {
+	var ns corev1.Namespace
+	if err := yaml.UnmarshalStrict(raw, &ns); err != nil {
+		return nil, err
+	}
+	if ns.Name == "" {
+		return nil, errors.New("namespace without a name")
+	}
+	if err := identity.Namespace(ns.Name); err != nil {
+		return nil, err
+	}
+	return &ns, nil
+}
+
+func parsePod(raw []byte) (*corev1.Pod, error) {
+	var p corev1.Pod
+	if err := yaml.UnmarshalStrict(raw, &p); err != nil {
+		return nil, err
+	}
+	if p.Name == "" || p.Namespace == "" {
+		return nil, errors.New("pod needs metadata.name and metadata.namespace")
+	}
+	if err := identity.PodNames(p.Namespace, p.Name); err != nil {
+		return nil, err
+	}
+	if p.UID != "" {
+		if err := identity.PodUID(string(p.UID)); err != nil {
+			return nil, fmt.Errorf("pod %s/%s: %w", p.Namespace, p.Name, err)
+		}
+	}
+	return &p, nil
 }

@@ -111,6 +111,12 @@ func (n *agentNode) podAdd(t *testing.T, p *simnode.Pod) (*cniv1.PodAddResponse,
 
 func (n *agentNode) podDel(t *testing.T, p *simnode.Pod) {
 	t.Helper()
+	n.del(t, &cniv1.Pod{Name: p.Name, Namespace: p.Namespace, Uid: p.UID, Netns: p.NetnsPath()})
+}
+
+// del is the CNI plugin's DEL call with what the runtime gave.
+func (n *agentNode) del(t *testing.T, p *cniv1.Pod) {
+	t.Helper()
 	c, err := events.NewClient(n.cni)
 	if err != nil {
 		t.Fatal(err)
@@ -118,8 +124,8 @@ func (n *agentNode) podDel(t *testing.T, p *simnode.Pod) {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := c.PodDel(ctx, &cniv1.PodDelRequest{Pod: &cniv1.Pod{Name: p.Name, Namespace: p.Namespace, Uid: p.UID, Netns: p.NetnsPath()}}); err != nil {
-		t.Fatalf("pod DEL %s: %v", p.Name, err)
+	if err := c.PodDel(ctx, &cniv1.PodDelRequest{Pod: p}); err != nil {
+		t.Fatalf("pod DEL %v: %v", p, err)
 	}
 }
 

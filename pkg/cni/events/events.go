@@ -14,6 +14,7 @@ import (
 	"io/fs"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"time"
@@ -23,6 +24,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 )
 
 // DefaultSocketPath is where the agent listens and the plugin dials.
@@ -87,7 +89,7 @@ const gracePeriod = 5 * time.Second
 // clean stop and returns nil.
 func ServeListener(ctx context.Context, ln net.Listener, h Handler) error {
 	srv := grpc.NewServer()
-	cniv1.RegisterCNIEventsServer(srv, &server{h: h})
+	cniv1.RegisterCNIEventsServer(srv, &server{h: h, log: slog.Default()})
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -114,25 +116,28 @@ func ServeListener(ctx context.Context, ln net.Listener, h Handler) error {
 
 type server struct {
 	cniv1.UnimplementedCNIEventsServer
-	h Handler
+	h   Handler
+	log *slog.Logger
 }
 
 func (s *server) PodAdd(ctx context.Context, req *cniv1.PodAddRequest) (*cniv1.PodAddResponse, error) {
-	if err := validPod(req.GetPod()); err != nil {
-		return nil, err
+	if err := validAdd(req); err != nil {
+		s.log.WarnContext(ctx, "cni add refused", "error", err)
+		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
 	res, err := s.h.PodAdd(ctx, req)
 	if err != nil {
 		p := req.GetPod()
-		slog.WarnContext(ctx, "cni add failed", "pod", p.GetNamespace()+"/"+p.GetName(), "error", err)
+		s.log.WarnContext(ctx, "cni add failed", "pod", p.GetNamespace()+"/"+p.GetName(), "error", err)
 		return nil, toStatus(err)
 	}
 	return &cniv1.PodAddResponse{Enrolled: res.Enrolled, Reason: res.Reason}, nil
 }
 
 func (s *server) PodDel(ctx context.Context, req *cniv1.PodDelRequest) (*cniv1.PodDelResponse, error) {
-	if err := validPod(req.GetPod()); err != nil {
-		return nil, err
+	if err := validPod(req.GetPod(), false); err != nil {
+		s.log.WarnContext(ctx, "cni del refused", "error", err)
+		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
 	if err := s.h.PodDel(ctx, req); err != nil {
 		return nil, toStatus(err)
@@ -140,11 +145,45 @@ func (s *server) PodDel(ctx context.Context, req *cniv1.PodDelRequest) (*cniv1.P
 	return &cniv1.PodDelResponse{}, nil
 }
 
-func validPod(p *cniv1.Pod) error {
-	if p.GetName() == "" || p.GetNamespace() == "" {
-		return status.Error(codes.InvalidArgument, "pod name and namespace are required")
+// validAdd checks an ADD: the pod (validPod) and its addresses, which must
+// be IPs without a zone.
+func validAdd(req *cniv1.PodAddRequest) error {
+	if err := validPod(req.GetPod(), true); err != nil {
+		return err
+	}
+	for _, s := range req.GetIps() {
+		if a, err := netip.ParseAddr(s); err != nil || a.Zone() != "" {
+			return fmt.Errorf("invalid pod ip %q", s)
+		}
 	}
 	return nil
+}
+
+// validPod refuses, naming the field and the value, a pod whose identities
+// fail pkg/identity's checks; the server answers InvalidArgument. An ADD needs the pod's
+// namespace, name and netns; a DEL only something to find the pod by (uid,
+// container id, netns, or namespace and name). Every field given is checked.
+func validPod(p *cniv1.Pod, add bool) error {
+	var checks []error
+	switch {
+	case p.GetNamespace() != "" || p.GetName() != "" || add:
+		checks = append(checks, identity.PodNames(p.GetNamespace(), p.GetName()))
+	case p.GetUid() == "" && p.GetContainerId() == "" && p.GetNetns() == "":
+		return errors.New("pod uid, container id, netns or namespace and name required")
+	}
+	if p.GetUid() != "" {
+		checks = append(checks, identity.PodUID(p.GetUid()))
+	}
+	if p.GetContainerId() != "" {
+		checks = append(checks, identity.ContainerID(p.GetContainerId()))
+	}
+	if p.GetNetns() != "" || add {
+		checks = append(checks, identity.NetnsPath(p.GetNetns()))
+	}
+	if p.GetInterface() != "" {
+		checks = append(checks, identity.Interface(p.GetInterface()))
+	}
+	return errors.Join(checks...)
 }
 
 // toStatus maps a handler error to a status code. Unavailable and

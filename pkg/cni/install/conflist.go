@@ -139,10 +139,13 @@ func withPlugin(data []byte, entry map[string]any, convertedFrom string) ([]byte
 	return d.marshal()
 }
 
-// withoutPlugin removes every entry of type typ. It returns the new content
-// and, when the list had been converted from a .conf, that file's name and
-// its original single-plugin content instead.
-func withoutPlugin(data []byte, typ string) (out []byte, restoreAs string, changed bool, err error) {
+// withoutPlugin removes every entry of type typ from the content of the
+// conflist file named listName. It returns the new content and, when the
+// list had been converted from a .conf, that file's name and its original
+// single-plugin content instead. The name comes from the file, so it is
+// honoured only when it is the lone conf listName was made from (see
+// restoreName); the list is then merely unchained.
+func withoutPlugin(data []byte, typ, listName string) (out []byte, restoreAs string, changed bool, err error) {
 	d, err := parseDocument(data)
 	if err != nil {
 		return nil, "", false, err
@@ -156,7 +159,7 @@ func withoutPlugin(data []byte, typ string) (out []byte, restoreAs string, chang
 		}
 		var m map[string]any
 		if json.Unmarshal(p, &m) == nil {
-			if s, ok := m[convertedFromKey].(string); ok && s != "" {
+			if s, ok := m[convertedFromKey].(string); ok && restoreName(listName, s) {
 				restoreAs = s
 			}
 		}
@@ -172,6 +175,21 @@ func withoutPlugin(data []byte, typ string) (out []byte, restoreAs string, chang
 	}
 	out, err = d.marshal()
 	return out, "", true, err
+}
+
+// restoreName reports whether convertedFrom names the lone conf that the
+// conflist file listName was converted from: a bare .conf or .json file
+// name whose conflist name (convertedName) is listName. Anything else (a
+// path, "..", another file) would write outside the conf or over a file
+// that is not ours.
+func restoreName(listName, convertedFrom string) bool {
+	switch filepath.Ext(convertedFrom) {
+	case ".conf", ".json":
+	default:
+		return false
+	}
+	return filepath.Base(convertedFrom) == convertedFrom && !strings.ContainsRune(convertedFrom, 0) &&
+		convertedName(convertedFrom) == listName
 }
 
 func parseFieldsOrNil(data []byte) map[string]json.RawMessage {

@@ -222,7 +222,7 @@ func (i *Installer) chainInto(target string, data []byte, entry map[string]any) 
 	if existing, err := os.ReadFile(list); err == nil {
 		// Ours from an earlier conversion (the primary CNI has since
 		// rewritten its .conf): convert again. Anything else is not ours.
-		if _, from, _, err := withoutPlugin(existing, PluginType); err != nil || from != filepath.Base(target) {
+		if _, from, _, err := withoutPlugin(existing, PluginType, filepath.Base(list)); err != nil || from != filepath.Base(target) {
 			return "", fmt.Errorf("convert %s: %s already exists", target, list)
 		}
 	}
@@ -250,12 +250,12 @@ func (i *Installer) removeFrom(path string) error {
 	if err != nil {
 		return fmt.Errorf("read cni conf %s: %w", path, err)
 	}
-	out, restoreAs, changed, err := withoutPlugin(data, PluginType)
+	out, restoreAs, changed, err := withoutPlugin(data, PluginType, filepath.Base(path))
 	if err != nil || !changed {
 		return nil // not ours to fix
 	}
 	if restoreAs != "" {
-		orig := filepath.Join(filepath.Dir(path), filepath.Base(restoreAs))
+		orig := filepath.Join(filepath.Dir(path), restoreAs)
 		if err := writeIfChanged(orig, out, 0o644); err != nil {
 			return fmt.Errorf("restore %s: %w", orig, err)
 		}

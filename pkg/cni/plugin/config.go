@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/cni/pkg/version"
@@ -18,6 +19,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 )
 
 // PluginType is the "type" of our entry in a conflist, and the binary name.
@@ -133,26 +135,82 @@ func (c *Config) passesWithoutAgent(p *cniv1.Pod) (string, bool) {
 	return "", false
 }
 
-// podFromArgs reads the Kubernetes identity from CNI_ARGS
-// ("K8S_POD_NAMESPACE=a;K8S_POD_NAME=b;K8S_POD_UID=c;..."); unknown keys are
-// ignored. Name and namespace are empty when the caller is not a kubelet.
-func podFromArgs(cniArgs, containerID, netns, ifName string) *cniv1.Pod {
-	p := &cniv1.Pod{ContainerId: containerID, Netns: netns, Interface: ifName}
-	for _, kv := range strings.Split(cniArgs, ";") {
+// k8sArgs are the CNI_ARGS keys the plugin reads.
+type k8sArgs struct {
+	Namespace, Name, UID, InfraContainerID string
+}
+
+// parseCNIArgs reads the Kubernetes identity from CNI_ARGS
+// ("K8S_POD_NAMESPACE=a;K8S_POD_NAME=b;K8S_POD_UID=c;..."). Unknown keys and
+// pairs without '=' are ignored; one of the plugin's keys given twice is
+// refused, so two readers of the same CNI_ARGS cannot see different pods.
+// The values are checked by podFromArgs.
+func parseCNIArgs(s string) (k8sArgs, error) {
+	var a k8sArgs
+	fields := map[string]*string{
+		"K8S_POD_NAME":               &a.Name,
+		"K8S_POD_NAMESPACE":          &a.Namespace,
+		"K8S_POD_UID":                &a.UID,
+		"K8S_POD_INFRA_CONTAINER_ID": &a.InfraContainerID,
+	}
+	seen := map[string]bool{}
+	for kv := range strings.SplitSeq(s, ";") {
 		k, v, ok := strings.Cut(kv, "=")
 		if !ok {
 			continue
 		}
-		switch strings.TrimSpace(k) {
-		case "K8S_POD_NAME":
-			p.Name = v
-		case "K8S_POD_NAMESPACE":
-			p.Namespace = v
-		case "K8S_POD_UID":
-			p.Uid = v
+		k = strings.TrimSpace(k)
+		dst := fields[k]
+		if dst == nil {
+			continue
+		}
+		if seen[k] {
+			return k8sArgs{}, fmt.Errorf("cni_args: %s given twice", k)
+		}
+		seen[k] = true
+		*dst = v
+	}
+	return a, nil
+}
+
+// podFromArgs returns the pod a command is about, every identity in it
+// checked (pkg/identity): the names and UID from CNI_ARGS, the container ID,
+// the interface and, when given (DEL may come without it) or for an ADD, the
+// netns path. ok is false when CNI_ARGS names no Kubernetes pod. Errors are
+// *types.Error with code 4 (invalid environment variables).
+func podFromArgs(args *skel.CmdArgs, add bool) (pod *cniv1.Pod, ok bool, err error) {
+	invalid := func(err error) error {
+		return types.NewError(types.ErrInvalidEnvironmentVariables, err.Error(),
+			"ambient-ebpf-cni refuses pod, sandbox and interface names that Kubernetes or Linux would refuse")
+	}
+	k, err := parseCNIArgs(args.Args)
+	if err != nil {
+		return nil, false, invalid(err)
+	}
+	if k.Name == "" && k.Namespace == "" {
+		return nil, false, nil
+	}
+	checks := []func() error{
+		func() error { return identity.PodNames(k.Namespace, k.Name) },
+		func() error { return identity.ContainerID(args.ContainerID) },
+		func() error { return identity.Interface(args.IfName) },
+	}
+	if k.UID != "" {
+		checks = append(checks, func() error { return identity.PodUID(k.UID) })
+	}
+	if k.InfraContainerID != "" {
+		checks = append(checks, func() error { return identity.InfraContainerID(k.InfraContainerID) })
+	}
+	if add || args.Netns != "" {
+		checks = append(checks, func() error { return identity.NetnsPath(args.Netns) })
+	}
+	for _, check := range checks {
+		if err := check(); err != nil {
+			return nil, false, invalid(err)
 		}
 	}
-	return p
+	return &cniv1.Pod{Name: k.Name, Namespace: k.Namespace, Uid: k.UID,
+		ContainerId: args.ContainerID, Netns: args.Netns, Interface: args.IfName}, true, nil
 }
 
 // prevIPs returns the addresses in the previous result, without prefix

@@ -93,12 +93,15 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return types.NewError(types.ErrInvalidNetworkConfig, "missing prevResult",
 			"ambient-ebpf-cni must be chained after the primary CNI plugin in a conflist")
 	}
-	pod := podFromArgs(args.Args, args.ContainerID, args.Netns, args.IfName)
-	log := p.Log.With("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", args.ContainerID)
-	if pod.GetName() == "" || pod.GetNamespace() == "" {
-		log.Info("no K8S_POD_NAME/K8S_POD_NAMESPACE in CNI_ARGS, passing through")
+	pod, isPod, err := podFromArgs(args, true)
+	if err != nil {
+		return err
+	}
+	if !isPod {
+		p.Log.Info("no K8S_POD_NAME/K8S_POD_NAMESPACE in CNI_ARGS, passing through", "container", args.ContainerID)
 		return p.pass(conf)
 	}
+	log := p.Log.With("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", args.ContainerID)
 	if reason, ok := conf.passesWithoutAgent(pod); ok {
 		log.Info("passing through without the agent", "reason", reason)
 		return p.pass(conf)
@@ -181,14 +184,21 @@ func (p *Plugin) pass(conf *Config) error {
 }
 
 // Del tells the agent; it never fails because the agent is down (the agent
-// reconciles removed pods by itself).
+// reconciles removed pods by itself). A DEL naming an invalid identity is
+// logged and not forwarded, but succeeds: the ADD refused that identity, so
+// nothing of ours exists for it, and failing would stop the runtime from
+// running the primary CNI's DEL.
 func (p *Plugin) Del(args *skel.CmdArgs) error {
 	conf, err := ParseConfig(args.StdinData)
 	if err != nil {
 		return err
 	}
-	pod := podFromArgs(args.Args, args.ContainerID, args.Netns, args.IfName)
-	if pod.GetName() == "" || pod.GetNamespace() == "" {
+	pod, isPod, err := podFromArgs(args, false)
+	if err != nil {
+		p.Log.Warn("cni del not forwarded", "container", args.ContainerID, "error", err)
+		return nil
+	}
+	if !isPod {
 		return nil
 	}
 	if _, ok := conf.passesWithoutAgent(pod); ok {

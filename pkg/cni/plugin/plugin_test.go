@@ -27,6 +27,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 )
 
 // fakeAgent records calls and answers with err (nil: enrolled).
@@ -406,4 +407,80 @@ func TestHungAgentTimesOutAndTheFallbackDecides(t *testing.T) {
 	if err := p.Del(cmdArgs("mesh", "web", conf("1.0.0", "", extra))); err != nil {
 		t.Errorf("DEL with a hung agent = %v", err)
 	}
+}
+
+// An ADD naming an identity Kubernetes or Linux would refuse fails with CNI
+// error 4 before anyone is asked; its DEL succeeds without reaching the
+// agent (nothing was enrolled, and the primary CNI's DEL must still run).
+func TestAddAndDelRefuseInvalidIdentities(t *testing.T) {
+	cases := map[string]func(a *skel.CmdArgs){
+		"traversal pod name": func(a *skel.CmdArgs) { a.Args = "K8S_POD_NAMESPACE=mesh;K8S_POD_NAME=../../links;K8S_POD_UID=u" },
+		"traversal uid":      func(a *skel.CmdArgs) { a.Args = "K8S_POD_NAMESPACE=mesh;K8S_POD_NAME=web;K8S_POD_UID=../../links" },
+		"nul in namespace":   func(a *skel.CmdArgs) { a.Args = "K8S_POD_NAMESPACE=me\x00sh;K8S_POD_NAME=web" },
+		"unicode pod name":   func(a *skel.CmdArgs) { a.Args = "K8S_POD_NAMESPACE=mesh;K8S_POD_NAME=wéb" },
+		"overlong namespace": func(a *skel.CmdArgs) { a.Args = "K8S_POD_NAMESPACE=" + strings.Repeat("m", 64) + ";K8S_POD_NAME=web" },
+		"container id":       func(a *skel.CmdArgs) { a.ContainerID = "../../x" },
+		"interface":          func(a *skel.CmdArgs) { a.IfName = "eth0/../lo" },
+	}
+	for name, edit := range cases {
+		t.Run(name, func(t *testing.T) {
+			agent := &fakeAgent{}
+			h := newHarness(agent, testSource())
+			add := cmdArgs("mesh", "web", conf("1.0.0", prev100, ""))
+			edit(add)
+			err := h.p.Add(add)
+			var cniErr *types.Error
+			if !errors.As(err, &cniErr) || cniErr.Code != types.ErrInvalidEnvironmentVariables || !strings.HasPrefix(cniErr.Msg, "invalid ") {
+				t.Errorf("Add = %v; want CNI error 4 naming the field", err)
+			}
+			del := cmdArgs("mesh", "web", conf("1.0.0", "", ""))
+			edit(del)
+			if err := h.p.Del(del); err != nil {
+				t.Errorf("Del = %v; want success", err)
+			}
+			if h.dialed != 0 || len(agent.adds)+len(agent.dels) != 0 || h.out.Len() != 0 {
+				t.Errorf("agent dialed %d times (adds %v, dels %v), output %q", h.dialed, agent.adds, agent.dels, h.out)
+			}
+		})
+	}
+}
+
+// Whatever the runtime passes, ADD and DEL answer with nil or a CNI error,
+// never panic, and what reaches the agent is a pod whose every identity
+// passed pkg/identity's checks.
+func FuzzAddDel(f *testing.F) {
+	f.Add("IgnoreUnknown=1;K8S_POD_NAMESPACE=mesh;K8S_POD_NAME=web;K8S_POD_UID=uid-web", "sandbox-1", "/var/run/netns/p", "eth0", conf("1.0.0", prev100, ""))
+	f.Add("K8S_POD_NAMESPACE=mesh;K8S_POD_NAME=../../links", "sandbox-1", "/var/run/netns/p", "eth0", conf("1.1.0", prev100, ""))
+	f.Add("K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=dns", "c", "/n", "eth0", conf("0.3.1", `{"cniVersion":"0.3.1","ips":[{"version":"4","address":"198.18.0.7/24"}]}`, ""))
+	f.Add("K8S_POD_NAMESPACE=mesh;K8S_POD_NAME=web", "c", "", "eth0", conf("1.0.0", "", ""))
+	f.Add("", "", "", "", []byte("{"))
+	f.Fuzz(func(t *testing.T, cniArgs, containerID, netns, ifName string, stdin []byte) {
+		agent := &fakeAgent{}
+		h := newHarness(agent, testSource())
+		args := &skel.CmdArgs{Args: cniArgs, ContainerID: containerID, Netns: netns, IfName: ifName, StdinData: stdin}
+		for cmd, run := range map[string]func(*skel.CmdArgs) error{"add": h.p.Add, "del": h.p.Del} {
+			if err := run(args); err != nil {
+				var cniErr *types.Error
+				if !errors.As(err, &cniErr) {
+					t.Fatalf("%s error %v (%T) is not a CNI error", cmd, err, err)
+				}
+			}
+		}
+		var pods []*cniv1.Pod
+		for _, r := range agent.adds {
+			pods = append(pods, r.GetPod())
+		}
+		for _, r := range agent.dels {
+			pods = append(pods, r.GetPod())
+		}
+		for _, p := range pods {
+			err := errors.Join(identity.PodNames(p.GetNamespace(), p.GetName()), identity.ContainerID(p.GetContainerId()), identity.Interface(p.GetInterface()))
+			if p.GetUid() != "" {
+				err = errors.Join(err, identity.PodUID(p.GetUid()))
+			}
+			if err != nil {
+				t.Fatalf("the agent got pod %v: %v", p, err)
+			}
+		}
+	})
 }
