@@ -11,6 +11,8 @@
 package standin
 
 import (
+	"golang.org/x/sys/unix"
+
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -81,6 +83,7 @@ type Proxy struct {
 
 type pod struct {
 	uid       string
+	netnsID   [2]uint64 // (device, inode): how ztunnel tells netns apart (Z9)
 	ns        *sockutil.Netns
 	listeners []net.Listener
 	closers   []io.Closer
@@ -98,11 +101,25 @@ func New(cfg Config) *Proxy {
 // AddPod opens the pod's listeners inside netns. Adding a pod again
 // replaces its listeners. An error means ztunnel would NACK.
 func (p *Proxy) AddPod(uid string, netns *os.File) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(netns.Fd()), &st); err != nil {
+		return fmt.Errorf("pod %s: stat netns: %w", uid, err)
+	}
+	id := [2]uint64{st.Dev, st.Ino}
+	// A repeated Add for the same netns (a restarted agent's snapshot) is
+	// harmless, as with ztunnel (Z9): the pod's listeners stay, and so do
+	// the connections waiting in their accept queues.
+	p.mu.Lock()
+	same := p.pods[uid] != nil && p.pods[uid].netnsID == id
+	p.mu.Unlock()
+	if same {
+		return nil
+	}
 	ns, err := sockutil.EnterNetns(netns)
 	if err != nil {
 		return fmt.Errorf("pod %s: enter netns: %w", uid, err)
 	}
-	pd := &pod{uid: uid, ns: ns}
+	pd := &pod{uid: uid, netnsID: id, ns: ns}
 	opts := sockutil.Opts{Mark: Mark, ReusePort: true, Transparent: true}
 	for _, port := range []uint16{OutboundPort, InboundPort, HBONEPort} {
 		l, err := ns.Listen(netip.AddrPortFrom(netip.IPv6Unspecified(), port), opts)
