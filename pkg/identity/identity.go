@@ -94,19 +94,7 @@ func PodName(name string) error {
 
 // PodUID checks a pod's UID: it must be usable as one file name.
 func PodUID(uid string) error {
-	const field = "pod uid"
-	switch {
-	case uid == "":
-		return refuse(field, uid, "must not be empty")
-	case len(uid) > MaxUIDLen:
-		return refuse(field, uid, fmt.Sprintf("must be at most %d bytes", MaxUIDLen))
-	case uid == "." || uid == "..":
-		return refuse(field, uid, `must not be "." or ".."`)
-	}
-	if i := strings.IndexFunc(uid, func(r rune) bool { return !safeChar(r) }); i >= 0 {
-		return refuse(field, uid, fmt.Sprintf("byte %d is not one of [A-Za-z0-9._-]", i))
-	}
-	return nil
+	return element("pod uid", uid, MaxUIDLen, safeChar, "is not one of [A-Za-z0-9._-]")
 }
 
 // Pod checks a pod's namespace, name and UID.
@@ -138,35 +126,31 @@ func InfraContainerID(id string) error {
 }
 
 func containerID(field, id string) error {
-	switch {
-	case id == "":
-		return refuse(field, id, "must not be empty")
-	case len(id) > MaxContainerIDLen:
-		return refuse(field, id, fmt.Sprintf("must be at most %d bytes", MaxContainerIDLen))
-	case !alnum(rune(id[0])):
+	if id != "" && !alnum(rune(id[0])) {
 		return refuse(field, id, "must start with [A-Za-z0-9]")
 	}
-	if i := strings.IndexFunc(id, func(r rune) bool { return !safeChar(r) }); i >= 0 {
-		return refuse(field, id, fmt.Sprintf("byte %d is not one of [A-Za-z0-9._-]", i))
-	}
-	return nil
+	return element(field, id, MaxContainerIDLen, safeChar, "is not one of [A-Za-z0-9._-]")
 }
 
 // Interface checks a network interface name.
 func Interface(name string) error {
-	const field = "interface name"
+	return element("interface name", name, MaxInterfaceLen, ifnameChar, "is '/', ':', whitespace, a control character or not UTF-8")
+}
+
+// element checks value as one path element: not empty, at most maxLen bytes,
+// neither "." nor "..", every rune passing ok (why says what a rune that
+// fails is). Invalid UTF-8 fails ok as utf8.RuneError.
+func element(field, value string, maxLen int, ok func(rune) bool, why string) error {
 	switch {
-	case name == "":
-		return refuse(field, name, "must not be empty")
-	case len(name) > MaxInterfaceLen:
-		return refuse(field, name, fmt.Sprintf("must be at most %d bytes", MaxInterfaceLen))
-	case name == "." || name == "..":
-		return refuse(field, name, `must not be "." or ".."`)
+	case value == "":
+		return refuse(field, value, "must not be empty")
+	case len(value) > maxLen:
+		return refuse(field, value, fmt.Sprintf("must be at most %d bytes", maxLen))
+	case value == "." || value == "..":
+		return refuse(field, value, `must not be "." or ".."`)
 	}
-	for i, r := range name {
-		if r == '/' || r == ':' || r == unicode.ReplacementChar || unicode.IsSpace(r) || unicode.IsControl(r) {
-			return refuse(field, name, fmt.Sprintf("byte %d is '/', ':', whitespace, a control character or not UTF-8", i))
-		}
+	if i := strings.IndexFunc(value, func(r rune) bool { return !ok(r) }); i >= 0 {
+		return refuse(field, value, fmt.Sprintf("byte %d %s", i, why))
 	}
 	return nil
 }
@@ -202,3 +186,7 @@ func alnum(r rune) bool {
 }
 
 func safeChar(r rune) bool { return alnum(r) || r == '.' || r == '_' || r == '-' }
+
+func ifnameChar(r rune) bool {
+	return r != '/' && r != ':' && r != unicode.ReplacementChar && !unicode.IsSpace(r) && !unicode.IsControl(r)
+}

@@ -57,21 +57,58 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-func TestFileSourceEnrollsAndRemovesPodsAsTheFileChanges(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "pods.yaml")
-	writeAtomically(t, path, strings.ReplaceAll(podFile, "NSMODE", "ambient"))
-	mesh := kubetest.NewMesh()
-	src, err := kube.NewFileSource(kube.Config{NodeName: "node-1", Enrollment: enrollment.DefaultConfig(), Logger: slog.New(slog.DiscardHandler)}, path, mesh)
-	if err != nil {
+// serve runs src as the agent does: Start, then between (the agent's
+// snapshot step, when set), then Run in the background. stop ends Run and
+// checks its error.
+func serve(t *testing.T, src kube.Source, between func()) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := src.Start(ctx); err != nil {
+		cancel()
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	if err := src.Start(ctx); err != nil {
-		t.Fatal(err)
+	if between != nil {
+		between()
 	}
 	done := make(chan error, 1)
 	go func() { done <- src.Run(ctx) }()
+	stopped := false
+	stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("run: %v", err)
+		}
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+// testConfig is the controller configuration of these tests: node-1, the
+// default enrollment, no log.
+func testConfig() kube.Config {
+	return kube.Config{NodeName: "node-1", Enrollment: enrollment.DefaultConfig(), Logger: slog.New(slog.DiscardHandler)}
+}
+
+// serveFile writes content as a pod file at path and serves a FileSource
+// over it with a fake Mesh.
+func serveFile(t *testing.T, content string) (src *kube.FileSource, mesh *kubetest.Mesh, path string, stop func()) {
+	t.Helper()
+	path = filepath.Join(t.TempDir(), "pods.yaml")
+	writeAtomically(t, path, content)
+	mesh = kubetest.NewMesh()
+	src, err := kube.NewFileSource(testConfig(), path, mesh)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src, mesh, path, serve(t, src, nil)
+}
+
+func TestFileSourceEnrollsAndRemovesPodsAsTheFileChanges(t *testing.T) {
+	src, mesh, path, stop := serveFile(t, strings.ReplaceAll(podFile, "NSMODE", "ambient"))
 
 	web := types.UID("web-uid")
 	waitFor(t, "web enrolled from the file", func() bool { return mesh.Redirection(web) == kube.RedirectionEnabled })
@@ -90,10 +127,7 @@ func TestFileSourceEnrollsAndRemovesPodsAsTheFileChanges(t *testing.T) {
 	if calls := mesh.CallsFor("other-uid"); len(calls) != 0 {
 		t.Errorf("pod of another node got mesh calls %+v", calls)
 	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Errorf("run: %v", err)
-	}
+	stop()
 }
 
 func TestFileSourceRefusesRepairModesThatNeedTheAPI(t *testing.T) {

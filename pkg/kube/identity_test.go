@@ -6,7 +6,6 @@ package kube_test
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -65,26 +64,17 @@ func TestControllerSkipsPodsWithInvalidIdentity(t *testing.T) {
 		}
 	}
 	mesh := kubetest.NewMesh()
-	c, err := kube.New(kube.Config{NodeName: "node-1", Enrollment: enrollment.DefaultConfig(), Logger: slog.New(slog.DiscardHandler)}, client, mesh)
+	c, err := kube.New(testConfig(), client, mesh)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	if err := c.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	snap, err := c.Snapshot()
-	if err != nil || len(snap) != 0 {
-		t.Fatalf("snapshot = %d pods, %v; want none of the invalid ones", len(snap), err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
+	stop := serve(t, c, func() {
+		if snap, err := c.Snapshot(); err != nil || len(snap) != 0 {
+			t.Errorf("snapshot = %d pods, %v; want none of the invalid ones", len(snap), err)
+		}
+	})
 	waitFor(t, "the valid pod enrolled", func() bool { return mesh.Redirection("uid-good") == kube.RedirectionEnabled })
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	stop()
 	for _, call := range mesh.Calls() {
 		if call.UID != "uid-good" {
 			t.Errorf("mesh call for a pod with an invalid identity: %+v", call)
@@ -101,29 +91,12 @@ func TestControllerSkipsPodsWithInvalidIdentity(t *testing.T) {
 // uid, one path element; a file with the pod named shop/../../links, whose
 // pins once went into links/, is refused as a whole.
 func TestFileSourceGivesUIDlessPodsASafeStandaloneUID(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "pods.yaml")
 	pod := "apiVersion: v1\nkind: Pod\nmetadata: {name: NAME, namespace: shop, labels: {istio.io/dataplane-mode: ambient}}\n" +
 		"spec: {nodeName: node-1, containers: [{name: app, image: app}]}\nstatus: {phase: Running, podIP: 198.18.0.5}\n"
-	writeAtomically(t, path, strings.ReplaceAll(pod, "NAME", "web"))
-	mesh := kubetest.NewMesh()
-	cfg := kube.Config{NodeName: "node-1", Enrollment: enrollment.DefaultConfig(), Logger: slog.New(slog.DiscardHandler)}
-	src, err := kube.NewFileSource(cfg, path, mesh)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	if err := src.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- src.Run(ctx) }()
+	_, mesh, _, stop := serveFile(t, strings.ReplaceAll(pod, "NAME", "web"))
 	uid := types.UID(identity.StandaloneUID("shop", "web"))
 	waitFor(t, "web enrolled under its standalone uid", func() bool { return mesh.Redirection(uid) == kube.RedirectionEnabled })
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	stop()
 	for _, call := range mesh.Calls() {
 		if err := identity.PodUID(string(call.UID)); err != nil || call.UID != uid {
 			t.Errorf("mesh call %+v: %v", call, err)
@@ -134,7 +107,7 @@ func TestFileSourceGivesUIDlessPodsASafeStandaloneUID(t *testing.T) {
 	if err := os.WriteFile(bad, []byte(strings.ReplaceAll(pod, "NAME", "../../links")), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	src, err = kube.NewFileSource(cfg, bad, kubetest.NewMesh())
+	src, err := kube.NewFileSource(testConfig(), bad, kubetest.NewMesh())
 	if err != nil {
 		t.Fatal(err)
 	}
