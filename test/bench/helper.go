@@ -31,6 +31,7 @@ const (
 	roleServer  = "bench-server"
 	roleZtunnel = "bench-ztunnel"
 	roleAgent   = "bench-agent"
+	roleRuntime = "bench-runtime"
 )
 
 // RunHelper runs this package's helper role named in the environment, or
@@ -49,6 +50,8 @@ func RunHelper() {
 		h = newZtunnel()
 	case roleAgent:
 		h = &agent{}
+	case roleRuntime:
+		h = cniRuntime{}
 	default:
 		simnode.RunHelper()
 		return
