@@ -325,18 +325,26 @@ func (e *env) zdsCounts() zdsCounts {
 	return c
 }
 
-// pinned returns the pods the node's pinned maps list, by UID.
-func (e *env) pinned() map[string]dataplane.EnrolledPod {
+// pinnedView opens the node's pinned maps and lists their pods; the caller
+// closes the view.
+func (e *env) pinnedView() (*dataplane.Pinned, []dataplane.EnrolledPod) {
 	e.t.Helper()
 	view, err := dataplane.OpenPinned(e.node.BPFFSDir)
 	if err != nil {
 		e.t.Fatalf("open pinned maps: %v", err)
 	}
-	defer view.Close()
 	pods, err := view.Pods()
 	if err != nil {
+		view.Close()
 		e.t.Fatalf("pinned pods: %v", err)
 	}
+	return view, pods
+}
+
+// pinned returns the pods the node's pinned maps list, by UID.
+func (e *env) pinned() map[string]dataplane.EnrolledPod {
+	view, pods := e.pinnedView()
+	view.Close()
 	out := map[string]dataplane.EnrolledPod{}
 	for _, p := range pods {
 		out[p.UID] = p
@@ -347,15 +355,8 @@ func (e *env) pinned() map[string]dataplane.EnrolledPod {
 // dpStats reads a pod's counters from the node's pinned maps.
 func (e *env) dpStats(p *simnode.Pod) dataplane.Stats {
 	e.t.Helper()
-	view, err := dataplane.OpenPinned(e.node.BPFFSDir)
-	if err != nil {
-		e.t.Fatalf("open pinned maps: %v", err)
-	}
+	view, pods := e.pinnedView()
 	defer view.Close()
-	pods, err := view.Pods()
-	if err != nil {
-		e.t.Fatalf("pinned pods: %v", err)
-	}
 	i := slices.IndexFunc(pods, func(ep dataplane.EnrolledPod) bool { return ep.UID == p.UID })
 	if i < 0 {
 		e.t.Fatalf("%s is not in the pinned maps", p.Name)

@@ -73,9 +73,17 @@ func (e *env) enrollment(res *Results) {
 		}
 	}
 	// One more batch per path, profiled: the sampling would weigh on the
-	// figures' own batches.
+	// figures' own batches. First the plugin's start alone: exec of CNI
+	// VERSION, which answers without any work.
 	for _, name := range []string{pathIptables, pathEBPF} {
 		pods := e.cniBatch(e.s.reps, name)
+		v, err := e.cni(name, "VERSION", pods, 1)
+		if err != nil {
+			e.t.Fatalf("CNI VERSION on %s: %v", name, err)
+		}
+		lat := slices.Sorted(slices.Values(v.Latencies))
+		res.Notes["enroll_cni: the plugin's start alone (exec of CNI VERSION to its exit), "+name] = fmt.Sprintf("p50 %.2f ms, p99 %.2f ms; %.2f ms CPU per exec",
+			ms(percentile(lat, 50)), ms(percentile(lat, 99)), ms(v.PluginCPU)/float64(len(pods)))
 		dir := e.t.TempDir()
 		machine := startMachineProfiler(dir)
 		var agent *profiler
@@ -83,7 +91,8 @@ func (e *env) enrollment(res *Results) {
 			agent = startProfiler(e.agent.proc.PID(), dir, true)
 		}
 		e.cniEnroll(name, pods)
-		res.Notes["enroll_cni: CPU by process while enrolling one at a time (perf -a, one extra batch), "+name] = machine.byProcess(8)
+		res.Notes["enroll_cni: CPU by process while enrolling one at a time (perf -a, share of all samples, one extra batch), "+name] = machine.byProcess(
+			"ambient-ebpf-ag", "ambient-ebpf-cn", iptablesPlugin, "iptables-restor", "ip6tables-resto", "bench.test")
 		if agent != nil {
 			waits, cpu := agent.finish(agentFrames)
 			res.Notes["enroll_cni: where the agent's threads wait in the kernel (one extra batch), ebpf"] = waits

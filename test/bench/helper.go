@@ -6,12 +6,16 @@
 // measurements run as TestBench, which skips unless AMBIENT_EBPF_BENCH=1
 // (`make bench` sets it), so `go test ./...` stays fast.
 //
-// The moving parts are helper processes, the test binary re-executed in a
-// role (simnode.StartHelper): a load generator in the client pod's netns
+// The node runs the real agent binary (cmd/ambient-ebpf-agent, built for
+// the run), which enrolls the eBPF pods through the real CNI plugin. The
+// other moving parts are helper processes, the test binary re-executed in
+// a role (simnode.StartHelper): a load generator in the client pod's netns
 // and cgroup, a server in the server pod, the ztunnel stand-in in the node
-// netns, and an agent that owns the dataplane, so its memory is its own.
-// Each helper gets one JSON request per measurement and answers with the
-// numbers, so the protocol costs nothing while the clock runs.
+// netns (also the ztunnel the agent talks ZDS to), the container runtime's
+// side of CNI, which execs the plugins, and a process owning a dataplane
+// of its own for timing the dataplane API. Each helper gets one JSON
+// request per measurement and answers with the numbers, so the protocol
+// costs nothing while the clock runs.
 //go:build bench
 
 package bench

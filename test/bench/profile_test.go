@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -149,19 +150,46 @@ func (p *profiler) finish(match *regexp.Regexp) (waits, cpu string) {
 	return waits, "cumulative: " + cum + "; own time: " + self
 }
 
-// byProcess stops and lists the CPU samples' shares by command name.
-func (p *profiler) byProcess(n int) string {
+// byProcess stops and lists the CPU samples' shares of the command names
+// ours (comm is cut at 15 characters), then what the kernel's threads,
+// idle CPUs and everything else on the machine took.
+func (p *profiler) byProcess(ours ...string) string {
 	p.stop()
 	if p.perf == nil {
 		return p.err
 	}
 	defer os.Remove(p.data)
-	top, err := perfTop(p.data, "comm", false, n, nil)
+	out, err := exec.Command("perf", "report", "-i", p.data, "--stdio", "--no-header", "--no-children", "--sort", "comm", "-g", "none").Output()
 	if err != nil {
-		return "no CPU profile: " + err.Error()
+		return "no CPU profile: perf report: " + err.Error()
 	}
-	return top
+	var parts []string
+	var kernel, idle, other float64
+	for l := range strings.Lines(string(out)) {
+		f := strings.Fields(l)
+		if len(f) < 2 || !strings.HasSuffix(f[0], "%") {
+			continue
+		}
+		share, err := strconv.ParseFloat(strings.TrimSuffix(f[0], "%"), 64)
+		if err != nil {
+			continue
+		}
+		comm := strings.Join(f[1:], " ")
+		switch {
+		case slices.Contains(ours, comm):
+			parts = append(parts, fmt.Sprintf("%.1f%% %s", share, comm))
+		case comm == "swapper":
+			idle += share
+		case kernelThread.MatchString(comm):
+			kernel += share
+		default:
+			other += share
+		}
+	}
+	return fmt.Sprintf("%s; kernel threads %.1f%%; idle %.1f%%; other processes on the machine %.1f%%", strings.Join(parts, "; "), kernel, idle, other)
 }
+
+var kernelThread = regexp.MustCompile(`^(kworker|ksoftirqd|rcu_|migration|kthreadd|cpuhp|idle_inject|irq/)`)
 
 // perfTop lists the n heaviest entries of a perf.data file sorted by key
 // (symbol or comm) as "share name" pairs: by cumulative share (children),
