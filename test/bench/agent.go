@@ -12,7 +12,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"runtime/pprof"
 	"strconv"
 	"strings"
 	"time"
@@ -23,19 +22,19 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 )
 
-// agent owns the dataplane in a process of its own, in the node netns,
-// as the node agent would: its RSS is the dataplane's cost.
+// agent times the dataplane API (enroll_latency): it owns a dataplane of
+// its own in a process of its own, in the node netns, with pins in a
+// directory of the node's bpffs beside the node agent's and socket hooks on
+// an empty cgroup, so nothing it enrolls meets the node agent's state.
 type agent struct {
-	dp      *dataplane.Dataplane
-	profile *os.File // a CPU profile being written
+	dp *dataplane.Dataplane
 }
 
 type agentRequest struct {
-	Op     string           `json:"op"` // new, enroll, remove, stats, mem, progs, uninstall, pprof-start, pprof-stop
+	Op     string           `json:"op"` // new, enroll, remove, uninstall
 	Config dataplane.Config `json:"config,omitzero"`
 	Pods   []dataplane.Pod  `json:"pods,omitempty"`
 	UIDs   []string         `json:"uids,omitempty"`
-	Path   string           `json:"path,omitempty"` // pprof-start: where the CPU profile goes
 }
 
 // enrollResult times each Enroll call, from the request to redirection
@@ -45,36 +44,27 @@ type enrollResult struct {
 	Total     time.Duration   `json:"total"`
 }
 
-// memResult is the agent's memory: resident set now and at its peak, and
-// the kernel memory charged to the pinned maps.
+// memResult is the node agent's memory: resident set now and at its peak,
+// and the kernel memory charged to the pinned maps.
 type memResult struct {
-	RSSBytes  int64 `json:"rssBytes"`
-	HWMBytes  int64 `json:"hwmBytes"`
-	MapBytes  int64 `json:"mapBytes"`
-	MapsCount int   `json:"mapsCount"`
+	RSSBytes  int64
+	AnonBytes int64 // of RSS: anonymous memory (heap, stacks)
+	HWMBytes  int64
+	MapBytes  int64
+	MapsCount int
 }
 
 // progStat is one BPF program's run count and time (kernel.bpf_stats_enabled).
 type progStat struct {
-	Name    string        `json:"name"`
-	Runs    uint64        `json:"runs"`
-	Runtime time.Duration `json:"runtime"`
+	Name    string
+	Runs    uint64
+	Runtime time.Duration
 }
 
 func (a *agent) handle(line []byte) (any, error) {
 	req, err := decode[agentRequest](line)
 	if err != nil {
 		return nil, err
-	}
-	switch req.Op {
-	case "pprof-start":
-		if a.profile, err = os.Create(req.Path); err != nil {
-			return nil, err
-		}
-		return nil, pprof.StartCPUProfile(a.profile)
-	case "pprof-stop":
-		pprof.StopCPUProfile()
-		return nil, a.profile.Close()
 	}
 	if req.Op != "new" && a.dp == nil {
 		return nil, errors.New("no dataplane loaded")
@@ -102,12 +92,6 @@ func (a *agent) handle(line []byte) (any, error) {
 			}
 		}
 		return nil, nil
-	case "stats":
-		return a.dp.Stats(req.UIDs[0])
-	case "mem":
-		return a.mem(req.Config.BPFFSDir)
-	case "progs":
-		return progStats(req.Config.BPFFSDir)
 	case "uninstall":
 		err := a.dp.Uninstall()
 		a.dp = nil
@@ -123,14 +107,16 @@ func (a *agent) close() {
 	}
 }
 
-func (a *agent) mem(bpffs string) (memResult, error) {
+// memory reads a process's memory and that of the maps pinned under bpffs.
+func memory(pid int, bpffs string) (memResult, error) {
 	var m memResult
-	status, err := os.ReadFile("/proc/self/status")
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return m, err
 	}
 	m.RSSBytes = statusKiB(string(status), "VmRSS:") << 10
 	m.HWMBytes = statusKiB(string(status), "VmHWM:") << 10
+	m.AnonBytes = statusKiB(string(status), "RssAnon:") << 10
 	err = filepath.WalkDir(filepath.Join(bpffs, "maps"), func(path string, d fs.DirEntry, err error) error {
 		if err != nil || d.IsDir() {
 			return err

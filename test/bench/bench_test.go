@@ -10,11 +10,14 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -91,8 +94,11 @@ func TestBench(t *testing.T) {
 		"traffic":           "IPv4, client pod to server pod on the same node; meshed: both pods enrolled (outbound and inbound capture, two stand-in relays)",
 		"connection close":  map[bool]string{false: "client first; tcp_tw_reuse=1 in the pods, no TIME_WAIT in server pods (tcp_max_tw_buckets=0); ephemeral ports 32768-46999 in client pods, 47000-60999 in server pods (see below)", true: "server first, shared ephemeral port range (BENCH_EXPOSE_COLLISIONS=1)"}[s.exposeCollisions],
 		"ztunnel stand-in":  "test/ztunnel/standin (Go, io.Copy relay), one process serving both meshed paths",
-		"enrollment timing": "ebpf: dataplane.Enroll in the agent process (the CNI/agent hop is not included); iptables: istio-cni's rules applied with iptables-restore, ip rule/route and ipset (test/reference)",
+		"enrollment timing": "enroll_cni: exec of the CNI plugin (ebpf: cmd/ambient-ebpf-cni through the node agent; iptables: test/reference/iptables-cni) to its exit 0 and redirection in place; enroll_latency: ebpf: dataplane.Enroll in a process of its own, iptables: istio-cni's rules applied with iptables-restore, ip rule/route and ipset commands (test/reference)",
+		"node agent":        "cmd/ambient-ebpf-agent, standalone (pod file), its ZDS peer a client that acks every request at once",
+		"scale concurrency": fmt.Sprintf("%d CNI calls in flight", scaleConc),
 	}}
+	res.Commit = gitCommit()
 	start := time.Now()
 	e.traffic(res)
 	slog.Info("traffic done", "elapsed", time.Since(start).Round(time.Second))
@@ -115,21 +121,35 @@ func TestBench(t *testing.T) {
 		t.Fatalf("write doc: %v", err)
 	}
 	t.Logf("results in %s and %s:\n%s", s.results, s.doc, markdown(res))
+	e.teardown()
 }
 
 // env is the simulated node of a run: a client and a server pod per path,
-// the ztunnel stand-in serving the iptables and the eBPF pods, and the
-// agent owning the dataplane.
+// the ztunnel stand-in serving the iptables and the eBPF pods, the node
+// agent owning the node's dataplane, the container runtime's side of CNI,
+// and a dataplane of its own for timing the dataplane API.
 type env struct {
 	t     *testing.T
 	s     settings
 	node  *simnode.Node
 	ipt   reference.Iptables
-	agent *simnode.Proc
+	agent *nodeAgent
 	zt    *simnode.Proc
+	// runtime execs the CNI plugins (cniRuntime).
+	runtime *simnode.Proc
+	// ebpfList and iptablesList are the conflists it execs from: the
+	// installer's, and the same with iptables-cni in our plugin's place.
+	ebpfList, iptablesList []byte
+	// dpapi owns the dataplane of dpCfg (agent), for enroll_latency.
+	dpapi *simnode.Proc
 	dpCfg dataplane.Config
 	paths map[string]*path
 	light *lightPods // pods without apps, for enrollment and scale
+	// cniPods (per repetition, and one batch more) and scalePods are the
+	// pods the node agent enrolls through the CNI plugin: its pod file
+	// names them.
+	cniPods   [][]*simnode.Pod
+	scalePods []*simnode.Pod
 	// failures are the connections that failed, by path: reported, not
 	// fatal unless there are many.
 	failures map[string]failures
@@ -154,7 +174,6 @@ type path struct {
 func newEnv(t *testing.T, s settings) *env {
 	n := simnode.New(t)
 	e := &env{t: t, s: s, node: n, paths: map[string]*path{}, failures: map[string]failures{}}
-	e.dpCfg = dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
 	for _, name := range allPaths {
 		p := &path{name: name, client: n.AddPod(name + "-c"), server: n.AddPod(name + "-s")}
 		e.paths[name] = p
@@ -179,12 +198,34 @@ func newEnv(t *testing.T, s settings) *env {
 		}
 	}
 	e.ipt.Setup(t, n)
-	e.agent = simnode.StartHelper(t, roleAgent, n.NodeNS, e.cgroup("agent"))
-	if err := call(e.agent, agentRequest{Op: "new", Config: e.dpCfg}, nil); err != nil {
-		t.Fatalf("load dataplane: %v", err)
-	}
 	e.zt = simnode.StartHelper(t, roleZtunnel, n.NodeNS, e.cgroup("ztunnel"))
 	e.light = newLightPods(t, n)
+
+	// The node agent, its pod file naming every pod it will be asked
+	// about; the stand-in's ZDS client connects to it.
+	ebpf := e.paths[pathEBPF]
+	known := []*simnode.Pod{ebpf.client, ebpf.server}
+	e.cniPods = make([][]*simnode.Pod, s.reps+1) // the last: a profiled batch
+	for rep := range s.reps + 1 {
+		e.cniPods[rep] = e.light.plan(fmt.Sprintf("c%d-", rep), s.enrollPods)
+		known = append(known, e.cniPods[rep]...)
+	}
+	e.scalePods = e.light.plan("s", s.scalePods)
+	e.agent = newNodeAgent(t, n, e.cgroup("agent"), append(known, e.scalePods...))
+	e.agent.start()
+	e.ebpfList, e.iptablesList = e.agent.conflists()
+	if err := call(e.zt, ztunnelRequest{Op: "zds", Socket: e.agent.zds}, nil); err != nil {
+		t.Fatalf("connect to the agent over ZDS: %v", err)
+	}
+	e.agent.waitFor("ztunnel to connect", func(st cli.Status) bool { return st.Agent.ZtunnelConnections > 0 })
+	e.runtime = simnode.StartHelper(t, roleRuntime, n.NodeNS, e.cgroup("runtime"))
+
+	e.dpapi = simnode.StartHelper(t, roleAgent, n.NodeNS, e.cgroup("dpapi-agent"))
+	e.dpCfg = dataplane.Config{BPFFSDir: filepath.Join(filepath.Dir(n.BPFFSDir), "dpapi"), CgroupRoot: e.cgroup("dpapi"),
+		NodeNetns: simnode.NetnsPath(n.NodeNS)}
+	if err := call(e.dpapi, agentRequest{Op: "new", Config: e.dpCfg}, nil); err != nil {
+		t.Fatalf("load dataplane: %v", err)
+	}
 
 	for _, name := range allPaths {
 		p := e.paths[name]
@@ -195,8 +236,8 @@ func newEnv(t *testing.T, s settings) *env {
 				e.ipt.Enroll(t, pod, reference.Opts{})
 			case pathEBPF:
 				e.ztAdd(pod)
-				if _, err := e.enroll([]*simnode.Pod{pod}); err != nil {
-					t.Fatalf("enroll %s: %v", pod.Name, err)
+				if _, err := e.cni(pathEBPF, "ADD", []*simnode.Pod{pod}, 1); err != nil {
+					t.Fatalf("CNI ADD %s: %v", pod.Name, err)
 				}
 			}
 		}
@@ -231,14 +272,14 @@ func dpPod(p *simnode.Pod) dataplane.Pod {
 	return dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs()}
 }
 
-// enroll enrolls pods one after the other through the agent.
+// enroll enrolls pods one after the other through the dataplane API.
 func (e *env) enroll(pods []*simnode.Pod) (enrollResult, error) {
 	req := agentRequest{Op: "enroll"}
 	for _, p := range pods {
 		req.Pods = append(req.Pods, dpPod(p))
 	}
 	var res enrollResult
-	err := call(e.agent, req, &res)
+	err := call(e.dpapi, req, &res)
 	return res, err
 }
 
@@ -247,7 +288,25 @@ func (e *env) remove(pods []*simnode.Pod) error {
 	for _, p := range pods {
 		req.UIDs = append(req.UIDs, p.UID)
 	}
-	return call(e.agent, req, nil)
+	return call(e.dpapi, req, nil)
+}
+
+// cni has the runtime exec the path's CNI plugin (ADD or DEL) for pods,
+// conc calls in flight.
+func (e *env) cni(path, command string, pods []*simnode.Pod, conc int) (cniResult, error) {
+	req := cniRequest{Command: command, BinDir: e.agent.cniBin, Conc: conc, Pods: toCNIPods(pods)}
+	switch path {
+	case pathEBPF:
+		req.Conflist, req.Plugin, req.Check, req.BPFFS = e.ebpfList, plugin.PluginType, checkNetns, e.node.BPFFSDir
+	case pathIptables:
+		req.Conflist, req.Plugin, req.Check = e.iptablesList, iptablesPlugin, checkIptables
+	}
+	var res cniResult
+	if err := call(e.runtime, req, &res); err != nil {
+		out := e.agent.proc.Output.String()
+		return res, fmt.Errorf("%w; the agent's latest output:\n%s", err, out[max(0, len(out)-4000):])
+	}
+	return res, nil
 }
 
 func (e *env) ztCounts() ztunnelCounts {
@@ -258,9 +317,52 @@ func (e *env) ztCounts() ztunnelCounts {
 	return c
 }
 
+func (e *env) zdsCounts() zdsCounts {
+	var c zdsCounts
+	if err := call(e.zt, ztunnelRequest{Op: "zds-counts"}, &c); err != nil {
+		e.t.Fatalf("zds counts: %v", err)
+	}
+	return c
+}
+
+// pinnedView opens the node's pinned maps and lists their pods; the caller
+// closes the view.
+func (e *env) pinnedView() (*dataplane.Pinned, []dataplane.EnrolledPod) {
+	e.t.Helper()
+	view, err := dataplane.OpenPinned(e.node.BPFFSDir)
+	if err != nil {
+		e.t.Fatalf("open pinned maps: %v", err)
+	}
+	pods, err := view.Pods()
+	if err != nil {
+		view.Close()
+		e.t.Fatalf("pinned pods: %v", err)
+	}
+	return view, pods
+}
+
+// pinned returns the pods the node's pinned maps list, by UID.
+func (e *env) pinned() map[string]dataplane.EnrolledPod {
+	view, pods := e.pinnedView()
+	view.Close()
+	out := map[string]dataplane.EnrolledPod{}
+	for _, p := range pods {
+		out[p.UID] = p
+	}
+	return out
+}
+
+// dpStats reads a pod's counters from the node's pinned maps.
 func (e *env) dpStats(p *simnode.Pod) dataplane.Stats {
-	var st dataplane.Stats
-	if err := call(e.agent, agentRequest{Op: "stats", UIDs: []string{p.UID}}, &st); err != nil {
+	e.t.Helper()
+	view, pods := e.pinnedView()
+	defer view.Close()
+	i := slices.IndexFunc(pods, func(ep dataplane.EnrolledPod) bool { return ep.UID == p.UID })
+	if i < 0 {
+		e.t.Fatalf("%s is not in the pinned maps", p.Name)
+	}
+	st, err := view.Stats(pods[i].Slot)
+	if err != nil {
 		e.t.Fatalf("dataplane stats of %s: %v", p.Name, err)
 	}
 	return st

@@ -6,12 +6,16 @@
 // measurements run as TestBench, which skips unless AMBIENT_EBPF_BENCH=1
 // (`make bench` sets it), so `go test ./...` stays fast.
 //
-// The moving parts are helper processes, the test binary re-executed in a
-// role (simnode.StartHelper): a load generator in the client pod's netns
+// The node runs the real agent binary (cmd/ambient-ebpf-agent, built for
+// the run), which enrolls the eBPF pods through the real CNI plugin. The
+// other moving parts are helper processes, the test binary re-executed in
+// a role (simnode.StartHelper): a load generator in the client pod's netns
 // and cgroup, a server in the server pod, the ztunnel stand-in in the node
-// netns, and an agent that owns the dataplane, so its memory is its own.
-// Each helper gets one JSON request per measurement and answers with the
-// numbers, so the protocol costs nothing while the clock runs.
+// netns (also the ztunnel the agent talks ZDS to), the container runtime's
+// side of CNI, which execs the plugins, and a process owning a dataplane
+// of its own for timing the dataplane API. Each helper gets one JSON
+// request per measurement and answers with the numbers, so the protocol
+// costs nothing while the clock runs.
 //go:build bench
 
 package bench
@@ -31,6 +35,7 @@ const (
 	roleServer  = "bench-server"
 	roleZtunnel = "bench-ztunnel"
 	roleAgent   = "bench-agent"
+	roleRuntime = "bench-runtime"
 )
 
 // RunHelper runs this package's helper role named in the environment, or
@@ -49,6 +54,8 @@ func RunHelper() {
 		h = newZtunnel()
 	case roleAgent:
 		h = &agent{}
+	case roleRuntime:
+		h = cniRuntime{}
 	default:
 		simnode.RunHelper()
 		return

@@ -11,8 +11,10 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"runtime"
 	"testing"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -23,15 +25,16 @@ import (
 
 // lightPods makes pods the cheap way, for the scale and enrollment runs: a
 // named netns with lo up and eth0 (dual-stack, /32 and /128), a veth to the
-// node with the node's routes to it, no cgroup and no app. It uses
-// netlink in process, because simnode.AddPod's `ip` commands would take
-// minutes for a thousand pods. Names follow simnode's scheme, so the
-// node's leftover check covers them; everything is removed at cleanup.
+// node with the node's routes to it, and no app. It uses netlink in
+// process, because simnode.AddPod's `ip` commands would take minutes for a
+// thousand pods. Names follow simnode's scheme, so the node's leftover
+// check covers them; everything is removed at cleanup, or by remove.
 type lightPods struct {
-	t    testing.TB
-	node *simnode.Node
-	nh   *netlink.Handle // in the node netns
-	next int
+	t     testing.TB
+	node  *simnode.Node
+	nh    *netlink.Handle // in the node netns
+	next  int
+	pause map[string]*simnode.Process // by pod UID
 }
 
 // firstLightIndex keeps light pods' indices, names and addresses clear of
@@ -49,38 +52,83 @@ func newLightPods(t testing.TB, n *simnode.Node) *lightPods {
 	if err != nil {
 		t.Fatalf("netlink in node netns: %v", err)
 	}
-	lp := &lightPods{t: t, node: n, nh: nh, next: firstLightIndex}
+	lp := &lightPods{t: t, node: n, nh: nh, next: firstLightIndex, pause: map[string]*simnode.Process{}}
 	t.Cleanup(nh.Close)
 	return lp
 }
 
-// add makes count pods named prefix-<i>.
+// add makes count pods named prefix<i>.
 func (lp *lightPods) add(prefix string, count int) ([]*simnode.Pod, error) {
-	pods := make([]*simnode.Pod, 0, count)
-	for i := range count {
-		p, err := lp.addOne(fmt.Sprintf("%s%d", prefix, i))
-		if err != nil {
-			return pods, err
-		}
-		pods = append(pods, p)
-	}
-	return pods, nil
+	pods := lp.plan(prefix, count)
+	return pods, lp.create(pods, false)
 }
 
-func (lp *lightPods) addOne(name string) (*simnode.Pod, error) {
-	idx := lp.next
-	lp.next++
-	off := idx - firstLightIndex + 1
-	p := &simnode.Pod{
-		Name: name, Namespace: "scale", UID: fmt.Sprintf("%s-0000-4000-8000-%012d", lp.node.ID, idx),
-		NS:       "ae" + lp.node.ID + "-" + name,
-		V4:       netip.AddrFrom4([4]byte{198, 18, byte(64 + off>>8), byte(off)}),
-		V6:       netip.MustParseAddr(fmt.Sprintf("fd00:198:18:2::%x", off)),
-		HostVeth: fmt.Sprintf("veth%s%d", lp.node.ID[:4], idx),
+// plan names count pods prefix<i> and gives them addresses, UIDs and veth
+// names, making nothing yet: the agent's pod file can name pods before
+// they exist, as the API server knows pods before their sandboxes.
+func (lp *lightPods) plan(prefix string, count int) []*simnode.Pod {
+	pods := make([]*simnode.Pod, 0, count)
+	for i := range count {
+		idx := lp.next
+		lp.next++
+		off := idx - firstLightIndex + 1
+		name := fmt.Sprintf("%s%d", prefix, i)
+		pods = append(pods, &simnode.Pod{
+			Name: name, Namespace: "scale", UID: fmt.Sprintf("%s-0000-4000-8000-%012d", lp.node.ID, idx),
+			NS:       "ae" + lp.node.ID + "-" + name,
+			V4:       netip.AddrFrom4([4]byte{198, 18, byte(64 + off>>8), byte(off)}),
+			V6:       netip.MustParseAddr(fmt.Sprintf("fd00:198:18:2::%x", off)),
+			HostVeth: fmt.Sprintf("veth%s%d", lp.node.ID[:4], idx),
+		})
 	}
+	return pods
+}
+
+// create makes planned pods. With pause, each pod also gets a cgroup
+// pod<uid> below the node's cgroup root with a sleeping process in its
+// netns, as a pod's sandbox (pause) process: what an agent finds when it
+// looks for pods' netns in /proc.
+func (lp *lightPods) create(pods []*simnode.Pod, pause bool) error {
+	for _, p := range pods {
+		if err := lp.createOne(p); err != nil {
+			return err
+		}
+		if pause {
+			p.Cgroup = filepath.Join(lp.node.CgroupRoot, "pod"+p.UID)
+			if err := os.Mkdir(p.Cgroup, 0o755); err != nil {
+				return fmt.Errorf("cgroup of %s: %w", p.Name, err)
+			}
+			lp.pause[p.UID] = simnode.StartProcess(lp.t, p.NS, p.Cgroup, "sleep", "infinity")
+		}
+	}
+	return nil
+}
+
+// remove takes pods away again: their pause process, netns (and with it
+// the veth pair) and cgroup.
+func (lp *lightPods) remove(pods []*simnode.Pod) error {
+	var errs []error
+	for _, p := range pods {
+		if pr := lp.pause[p.UID]; pr != nil {
+			pr.Terminate(5 * time.Second)
+			delete(lp.pause, p.UID)
+		}
+		if err := netns.DeleteNamed(p.NS); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("delete netns %s: %w", p.NS, err))
+		}
+		if p.Cgroup != "" {
+			if err := unix.Rmdir(p.Cgroup); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, fmt.Errorf("remove cgroup %s: %w", p.Cgroup, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (lp *lightPods) createOne(p *simnode.Pod) error {
 	podNS, err := newNamedNetns(p.NS)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	lp.t.Cleanup(func() {
 		if err := netns.DeleteNamed(p.NS); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -90,13 +138,13 @@ func (lp *lightPods) addOne(name string) (*simnode.Pod, error) {
 	defer podNS.Close()
 	ph, err := netlink.NewHandleAt(podNS)
 	if err != nil {
-		return nil, fmt.Errorf("netlink in %s: %w", p.NS, err)
+		return fmt.Errorf("netlink in %s: %w", p.NS, err)
 	}
 	defer ph.Close()
 
 	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: p.HostVeth}, PeerName: "eth0", PeerNamespace: netlink.NsFd(podNS)}
 	if err := lp.nh.LinkAdd(veth); err != nil {
-		return nil, fmt.Errorf("add veth %s: %w", p.HostVeth, err)
+		return fmt.Errorf("add veth %s: %w", p.HostVeth, err)
 	}
 	lp.t.Cleanup(func() {
 		// Deleting the pod's netns removes the pair; the explicit delete
@@ -107,39 +155,39 @@ func (lp *lightPods) addOne(name string) (*simnode.Pod, error) {
 	})
 	host, err := lp.nh.LinkByName(p.HostVeth)
 	if err != nil {
-		return nil, fmt.Errorf("find %s: %w", p.HostVeth, err)
+		return fmt.Errorf("find %s: %w", p.HostVeth, err)
 	}
 	for _, a := range []netip.Addr{simnode.GatewayV4, simnode.GatewayV6} {
 		if err := lp.nh.AddrAdd(host, hostAddr(a)); err != nil {
-			return nil, fmt.Errorf("address %s on %s: %w", a, p.HostVeth, err)
+			return fmt.Errorf("address %s on %s: %w", a, p.HostVeth, err)
 		}
 	}
 	if err := lp.nh.LinkSetUp(host); err != nil {
-		return nil, fmt.Errorf("up %s: %w", p.HostVeth, err)
+		return fmt.Errorf("up %s: %w", p.HostVeth, err)
 	}
 	for _, a := range p.IPs() {
 		if err := lp.nh.RouteAdd(&netlink.Route{LinkIndex: host.Attrs().Index, Dst: prefixNet(a), Scope: netlink.SCOPE_LINK}); err != nil {
-			return nil, fmt.Errorf("route to %s: %w", a, err)
+			return fmt.Errorf("route to %s: %w", a, err)
 		}
 	}
 
 	for _, ifname := range []string{"lo", "eth0"} {
 		l, err := ph.LinkByName(ifname)
 		if err != nil {
-			return nil, fmt.Errorf("find %s in %s: %w", ifname, p.NS, err)
+			return fmt.Errorf("find %s in %s: %w", ifname, p.NS, err)
 		}
 		if ifname == "eth0" {
 			for _, a := range p.IPs() {
 				if err := ph.AddrAdd(l, hostAddr(a)); err != nil {
-					return nil, fmt.Errorf("address %s in %s: %w", a, p.NS, err)
+					return fmt.Errorf("address %s in %s: %w", a, p.NS, err)
 				}
 			}
 		}
 		if err := ph.LinkSetUp(l); err != nil {
-			return nil, fmt.Errorf("up %s in %s: %w", ifname, p.NS, err)
+			return fmt.Errorf("up %s in %s: %w", ifname, p.NS, err)
 		}
 	}
-	return p, nil
+	return nil
 }
 
 // hostAddr is a /32 or /128 address without duplicate address detection.

@@ -6,11 +6,16 @@
 package bench
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -34,12 +39,13 @@ func (e *env) profile(res *Results) {
 	defer func() { _ = os.WriteFile(bpfStatsSysctl, old, 0o644) }()
 
 	p := e.paths[pathEBPF]
-	var before, after []progStat
-	if err := call(e.agent, agentRequest{Op: "progs", Config: e.dpCfg}, &before); err != nil {
+	before, err := progStats(e.node.BPFFSDir)
+	if err != nil {
 		e.t.Fatalf("program stats: %v", err)
 	}
 	r := e.measure(p, loadRequest{Op: "conn", Addr: p.echo, Duration: e.s.duration})
-	if err := call(e.agent, agentRequest{Op: "progs", Config: e.dpCfg}, &after); err != nil {
+	after, err := progStats(e.node.BPFFSDir)
+	if err != nil {
 		e.t.Fatalf("program stats: %v", err)
 	}
 	prev := map[string]progStat{}
@@ -64,33 +70,166 @@ func (e *env) profile(res *Results) {
 		r.Conns, num(rate(r)), us(perConn), float64(r.ztCPU.Microseconds())/float64(max(r.Conns, 1)), strings.Join(parts, "; "))
 }
 
-// pprofTop summarizes a CPU profile of this test binary (the helpers are
-// the same executable) with `go tool pprof`: the heaviest functions by
-// cumulative time, as "share name" pairs. A profile it cannot read gives
-// the reason instead: a benchmark fails only on errors of the thing measured.
-func pprofTop(profile string, n int, match *regexp.Regexp) string {
-	self, err := os.Executable()
+// profiler watches work while it runs: with a process to follow, its
+// threads' kernel stacks (stackSampler: where it waits); when perf is on
+// PATH, CPU time by function, kernel and user space (perf record on the
+// software clock; the binaries keep their symbols and Go's frame pointers
+// give the call chains), of the process or of the whole machine.
+type profiler struct {
+	stacks *stackSampler
+	perf   *exec.Cmd
+	data   string
+	err    string // why there is no CPU profile
+}
+
+// startProfiler follows process pid. With settle it returns once perf
+// samples (it takes a moment to start), else at once.
+func startProfiler(pid int, dir string, settle bool) *profiler {
+	p := startPerf(dir, settle, "-p", strconv.Itoa(pid))
+	p.stacks = startStackSampler(pid)
+	return p
+}
+
+// startMachineProfiler samples every CPU, for work spread over short-lived
+// processes (CNI plugins and what they run).
+func startMachineProfiler(dir string) *profiler { return startPerf(dir, true, "-a") }
+
+// perfStartup is how long perf record takes to sample after its start.
+const perfStartup = 500 * time.Millisecond
+
+func startPerf(dir string, settle bool, target ...string) *profiler {
+	p := &profiler{data: filepath.Join(dir, fmt.Sprintf("perf-%d.data", time.Now().UnixNano()))}
+	path, err := exec.LookPath("perf")
 	if err != nil {
-		return "no profile: " + err.Error()
+		p.err = "no CPU profile: perf is not on PATH"
+		return p
 	}
-	out, err := exec.Command("go", "tool", "pprof", "-top", "-cum", "-nodecount=200", self, profile).Output()
+	p.perf = exec.Command(path, append([]string{"record", "-q", "-e", "cpu-clock", "-F", "499", "-g", "-o", p.data}, target...)...)
+	if err := p.perf.Start(); err != nil {
+		p.err, p.perf = "no CPU profile: "+err.Error(), nil
+	} else if settle {
+		time.Sleep(perfStartup)
+	}
+	return p
+}
+
+// stop ends the sampling; waits are the top kernel wait stacks.
+func (p *profiler) stop() (waits string) {
+	if p.stacks != nil {
+		waits = p.stacks.finish(6)
+	}
+	if p.perf == nil {
+		return waits
+	}
+	_ = p.perf.Process.Signal(os.Interrupt)
+	// perf record writes its data and then re-raises the SIGINT.
+	var exit *exec.ExitError
+	if err := p.perf.Wait(); err != nil && !(errors.As(err, &exit) && exit.Sys().(syscall.WaitStatus).Signal() == syscall.SIGINT) {
+		p.err, p.perf = "no CPU profile: perf record: "+err.Error(), nil
+	}
+	return waits
+}
+
+// finish stops and summarizes: the top kernel wait stacks, and the CPU
+// profile's heaviest functions, cumulative (those matching match) and by
+// their own time.
+func (p *profiler) finish(match *regexp.Regexp) (waits, cpu string) {
+	waits = p.stop()
+	if p.perf == nil {
+		return waits, p.err
+	}
+	defer os.Remove(p.data)
+	cum, err := perfTop(p.data, "symbol", true, 10, match)
 	if err != nil {
-		return "no profile: " + err.Error()
+		return waits, "no CPU profile: " + err.Error()
+	}
+	self, err := perfTop(p.data, "symbol", false, 6, nil)
+	if err != nil {
+		return waits, "no CPU profile: " + err.Error()
+	}
+	return waits, "cumulative: " + cum + "; own time: " + self
+}
+
+// byProcess stops and lists the CPU samples' shares of the command names
+// ours (comm is cut at 15 characters), then what the kernel's threads,
+// idle CPUs and everything else on the machine took.
+func (p *profiler) byProcess(ours ...string) string {
+	p.stop()
+	if p.perf == nil {
+		return p.err
+	}
+	defer os.Remove(p.data)
+	out, err := exec.Command("perf", "report", "-i", p.data, "--stdio", "--no-header", "--no-children", "--sort", "comm", "-g", "none").Output()
+	if err != nil {
+		return "no CPU profile: perf report: " + err.Error()
+	}
+	var parts []string
+	var kernel, idle, other float64
+	for l := range strings.Lines(string(out)) {
+		f := strings.Fields(l)
+		if len(f) < 2 || !strings.HasSuffix(f[0], "%") {
+			continue
+		}
+		share, err := strconv.ParseFloat(strings.TrimSuffix(f[0], "%"), 64)
+		if err != nil {
+			continue
+		}
+		comm := strings.Join(f[1:], " ")
+		switch {
+		case slices.Contains(ours, comm):
+			parts = append(parts, fmt.Sprintf("%.1f%% %s", share, comm))
+		case comm == "swapper":
+			idle += share
+		case kernelThread.MatchString(comm):
+			kernel += share
+		default:
+			other += share
+		}
+	}
+	return fmt.Sprintf("%s; kernel threads %.1f%%; idle %.1f%%; other processes on the machine %.1f%%", strings.Join(parts, "; "), kernel, idle, other)
+}
+
+var kernelThread = regexp.MustCompile(`^(kworker|ksoftirqd|rcu_|migration|kthreadd|cpuhp|idle_inject|irq/)`)
+
+// perfTop lists the n heaviest entries of a perf.data file sorted by key
+// (symbol or comm) as "share name" pairs: by cumulative share (children),
+// or by own time.
+func perfTop(data, key string, children bool, n int, match *regexp.Regexp) (string, error) {
+	mode := "--no-children"
+	if children {
+		mode = "--children"
+	}
+	out, err := exec.Command("perf", "report", "-i", data, "--stdio", "--no-header", mode, "--sort", key, "-g", "none", "--percent-limit", "0.5").Output()
+	if err != nil {
+		return "", fmt.Errorf("perf report: %w", err)
 	}
 	var parts []string
 	for l := range strings.Lines(string(out)) {
 		f := strings.Fields(l)
-		// flat flat% sum% cum cum% name...
-		if len(f) < 6 || !strings.HasSuffix(f[4], "%") || !match.MatchString(f[5]) {
+		// children% self% [.] symbol; self% [.] symbol; self% comm
+		i := 1
+		if children {
+			i = 2
+		}
+		if key == "symbol" {
+			if len(f) <= i+1 || !strings.HasPrefix(f[i], "[") {
+				continue
+			}
+			i++
+		}
+		if len(f) <= i || !strings.HasSuffix(f[0], "%") || strings.HasPrefix(f[0], "#") {
 			continue
 		}
-		parts = append(parts, f[4]+" "+f[5])
+		if match != nil && !match.MatchString(f[i]) {
+			continue
+		}
+		parts = append(parts, f[0]+" "+f[i])
 		if len(parts) == n {
 			break
 		}
 	}
 	if len(parts) == 0 {
-		return "no samples"
+		return "no samples", nil
 	}
-	return strings.Join(parts, "; ")
+	return strings.Join(parts, "; "), nil
 }

@@ -6,10 +6,12 @@
 package bench
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"maps"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -48,6 +50,8 @@ type Figure struct {
 	RatioEBPFDirect   *float64 `json:"ratio_ebpf_direct,omitempty"`
 	// Target is the issue's goal for this figure, for the table.
 	Target string `json:"target,omitempty"`
+	// Note says how the figure is measured where the table cannot.
+	Note string `json:"note,omitempty"`
 }
 
 // Machine describes where the run happened.
@@ -61,6 +65,9 @@ type Machine struct {
 
 // Results is bench/results.json.
 type Results struct {
+	// Commit is the git commit the run measured, with "-dirty" when
+	// tracked files differed from it.
+	Commit  string            `json:"commit"`
 	Machine Machine           `json:"machine"`
 	Config  map[string]string `json:"config"`
 	Figures []Figure          `json:"figures"`
@@ -99,6 +106,12 @@ func newFigure(name, unit, better, target string, samples map[string][]float64) 
 	return f
 }
 
+// withNote returns the figure with a note on how it is taken.
+func (f Figure) withNote(note string) Figure {
+	f.Note = note
+	return f
+}
+
 // percentile of sorted durations, nearest rank.
 func percentile(sorted []time.Duration, p float64) time.Duration {
 	if len(sorted) == 0 {
@@ -106,6 +119,21 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 	}
 	i := int(p/100*float64(len(sorted))+0.5) - 1
 	return sorted[min(max(i, 0), len(sorted)-1)]
+}
+
+// gitCommit names the checkout the benchmark runs in: HEAD, "-dirty" when
+// a tracked file differs from it.
+func gitCommit() string {
+	out, err := exec.Command("git", "rev-parse", "HEAD").Output()
+	if err != nil {
+		return "unknown (" + err.Error() + ")"
+	}
+	commit := strings.TrimSpace(string(out))
+	status, err := exec.Command("git", "status", "--porcelain", "--untracked-files=no").Output()
+	if err != nil || len(bytes.TrimSpace(status)) > 0 {
+		commit += "-dirty"
+	}
+	return commit
 }
 
 func describeMachine() Machine {
@@ -164,7 +192,7 @@ func writeDoc(path string, r *Results) error {
 func markdown(r *Results) string {
 	var b strings.Builder
 	m := r.Machine
-	fmt.Fprintf(&b, "Run of %s on %d cores (%s), kernel %s, %s.\n\n", m.Date, m.Cores, m.CPU, m.Kernel, m.GoVersion)
+	fmt.Fprintf(&b, "Run of %s at commit %s on %d cores (%s), kernel %s, %s.\n\n", m.Date, r.Commit, m.Cores, m.CPU, m.Kernel, m.GoVersion)
 	keys := slices.Sorted(maps.Keys(r.Config))
 	for _, k := range keys {
 		fmt.Fprintf(&b, "- %s: %s\n", k, r.Config[k])
@@ -175,6 +203,16 @@ func markdown(r *Results) string {
 	for _, f := range r.Figures {
 		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s | %s | %s | %s | %s |\n", f.Name, f.Unit, f.Better,
 			cell(f.Direct), cell(f.Iptables), cell(f.EBPF), ratioCell(f.RatioEBPFIptables), ratioCell(f.RatioEBPFDirect), f.Target)
+	}
+	var notes []string
+	for _, f := range r.Figures {
+		if f.Note != "" {
+			notes = append(notes, fmt.Sprintf("- `%s`: %s\n", f.Name, f.Note))
+		}
+	}
+	if len(notes) > 0 {
+		b.WriteString("\nHow the figures are taken:\n\n")
+		b.WriteString(strings.Join(notes, ""))
 	}
 	if len(r.Notes) > 0 {
 		b.WriteString("\nMeasured along the way:\n\n")

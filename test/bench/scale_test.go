@@ -6,32 +6,47 @@
 package bench
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strings"
 	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
-// scale enrolls scalePods lightweight pods into the dataplane, one after
-// the other as CNI ADDs would arrive, and measures the time, the agent's
-// memory, and the eBPF path's sequential connection rate before and
-// after.
+// scaleConc is how many CNI calls the scale run has in flight: a kubelet
+// starting pods after a node reboot.
+const scaleConc = 16
+
+// scale takes scalePods pods (each with a pause process, as real pods have)
+// through the node agent's life: CNI ADDs with scaleConc in flight, the
+// agent's restart adopting them all, CNI DELs with scaleConc in flight. It
+// measures the times, the agent's CPU and memory, and the eBPF path's
+// sequential connection rate before and after the pods are in; afterwards
+// nothing of the pods may be left.
 func (e *env) scale(res *Results) {
 	n := e.s.scalePods
+	pods := e.scalePods
 	p := e.paths[pathEBPF]
 	t0 := time.Now()
-	pods, err := e.light.add("s", n)
-	if err != nil {
+	if err := e.light.create(pods, true); err != nil {
 		e.t.Fatalf("make %d pods: %v", n, err)
 	}
-	res.Notes["scale: making the pods (netns + veth, not timed)"] = time.Since(t0).Round(time.Millisecond).String()
+	res.Notes["scale: making the pods (netns + veth + pause process, not timed)"] = time.Since(t0).Round(time.Millisecond).String()
 
-	var memBefore memResult
-	if err := call(e.agent, agentRequest{Op: "mem", Config: e.dpCfg}, &memBefore); err != nil {
-		e.t.Fatalf("agent memory: %v", err)
+	memBefore := e.agentMemory()
+	dpMem, err := memory(e.dpapi.PID(), e.dpCfg.BPFFSDir)
+	if err != nil {
+		e.t.Fatalf("memory of the dataplane API process: %v", err)
 	}
+	res.Notes["scale: memory of a process holding only a dataplane (the dataplane API's, no pods)"] = fmt.Sprintf("RSS %.1f MiB (%.1f MiB anonymous)",
+		mib(dpMem.RSSBytes), mib(dpMem.AnonBytes))
 	// The eBPF path's rate, alternated with the iptables path's: the
 	// iptables path goes through the same stand-in and does not depend
 	// on the dataplane's pod count, so ebpf/iptables cancels the drift
@@ -47,28 +62,44 @@ func (e *env) scale(res *Results) {
 	}
 	at1, norm1 := rateAt()
 
-	profile := filepath.Join(e.t.TempDir(), "agent-enroll.pprof")
-	if err := call(e.agent, agentRequest{Op: "pprof-start", Path: profile}, nil); err != nil {
-		e.t.Fatalf("agent profile: %v", err)
-	}
-	sampler := startStackSampler(e.agent.PID())
-	cpu0 := cpuTime(e.agent.PID())
-	r, err := e.enroll(pods)
-	agentCPU := cpuTime(e.agent.PID()) - cpu0
-	res.Notes["scale: where the agent's threads wait in the kernel while enrolling"] = sampler.finish(6)
-	if err := call(e.agent, agentRequest{Op: "pprof-stop"}, nil); err != nil {
-		e.t.Fatalf("agent profile: %v", err)
-	}
-	res.Notes["scale: agent CPU profile while enrolling (cumulative share of the samples)"] = pprofTop(profile, 12, agentFrames)
+	// Enrollment: CNI ADDs, scaleConc in flight.
+	pid := e.agent.proc.PID()
+	prof := startProfiler(pid, e.t.TempDir(), true)
+	cpu0, zds0 := cpuTime(pid), e.zdsCounts()
+	add, err := e.cni(pathEBPF, "ADD", pods, scaleConc)
+	agentCPU := cpuTime(pid) - cpu0
+	waits, cpu := prof.finish(agentFrames)
 	if err != nil {
-		e.t.Fatalf("enroll %d pods: %v", n, err)
+		e.t.Fatalf("CNI ADD of %d pods: %v", n, err)
 	}
-	var mem memResult
-	if err := call(e.agent, agentRequest{Op: "mem", Config: e.dpCfg}, &mem); err != nil {
-		e.t.Fatalf("agent memory: %v", err)
+	res.Notes["scale: where the agent's threads wait in the kernel while enrolling"] = waits
+	res.Notes["scale: agent CPU profile while enrolling (perf, share of the samples)"] = cpu
+	if got := e.zdsCounts().Adds - zds0.Adds; got < int64(n) {
+		e.t.Fatalf("the agent enrolled %d pods but handed %d to ztunnel", n, got)
 	}
-	slog.Info("scale enrolled", "pods", n, "total", r.Total, "rss_mib", mib(mem.RSSBytes))
+	mem := e.agentMemory()
+	slog.Info("scale enrolled", "pods", n, "total", add.Total, "rss_mib", mib(mem.RSSBytes))
 	atN, normN := rateAt()
+
+	// Adoption: the agent stops (pins stay) and starts again.
+	adopt, adoptCPU := e.adopt(res)
+	slog.Info("scale adopted", "pods", n, "total", adopt)
+
+	// Removal: CNI DELs, scaleConc in flight.
+	e.agent.waitFor("ztunnel to reconnect", func(st cli.Status) bool { return st.Agent.ZtunnelConnections > 0 })
+	pid = e.agent.proc.PID()
+	prof = startProfiler(pid, e.t.TempDir(), true)
+	cpu0 = cpuTime(pid)
+	del, err := e.cni(pathEBPF, "DEL", pods, scaleConc)
+	removeCPU := cpuTime(pid) - cpu0
+	waits, cpu = prof.finish(agentFrames)
+	if err != nil {
+		e.t.Fatalf("CNI DEL of %d pods: %v", n, err)
+	}
+	res.Notes["scale: where the agent's threads wait in the kernel while removing"] = waits
+	res.Notes["scale: agent CPU profile while removing (perf, share of the samples)"] = cpu
+	slog.Info("scale removed", "pods", n, "total", del.Total)
+	e.checkScaleLeftovers(pods)
 
 	// The figure: per repetition, the normalized rate at N over the one
 	// at 1.
@@ -77,34 +108,141 @@ func (e *env) scale(res *Results) {
 		ratios[i] = normN[i] / norm1[i]
 	}
 	one := func(v float64) map[string][]float64 { return map[string][]float64{pathEBPF: {v}} }
+	scaleNote := fmt.Sprintf("%d pods (BENCH_SCALE_PODS), each a netns with a veth and a pause process in its pod cgroup; ", n)
 	res.Figures = append(res.Figures,
-		newFigure("scale_enroll_1000_s", "s", "lower", "<= 5 s", one(r.Total.Seconds())),
-		newFigure("scale_agent_rss_mib", "MiB", "lower", "<= 64 MiB", one(mib(mem.RSSBytes))),
+		newFigure("scale_enroll_1000_s", "s", "lower", "<= 5 s", one(add.Total.Seconds())).withNote(scaleNote+
+			fmt.Sprintf("CNI ADD execs of ambient-ebpf-cni, %d in flight, from the first exec to the last pod's ae_netns entry (each call as enroll_cni)", scaleConc)),
+		newFigure("scale_remove_1000_s", "s", "lower", "<= 5 s", one(del.Total.Seconds())).withNote(
+			fmt.Sprintf("the same pods' CNI DEL execs, %d in flight, to the last ae_netns entry gone, after the adoption", scaleConc)),
+		newFigure("scale_adopt_1000_s", "s", "lower", "<= 2 s", one(adopt.Seconds())).withNote(
+			"the agent SIGTERMed with every pod enrolled (pins stay) and started again: from the exec to /readyz 200 with every pod adopted "+
+				"(the inspection API's enrolled pods and the pinned maps' pods both at the count before)"),
+		newFigure("agent_cpu_ms_per_enroll", "ms", "lower", "<= 1 ms", one(ms(agentCPU)/float64(n))).withNote(
+			"the agent process's user+system time (/proc/<pid>/stat) over scale_enroll_1000_s, divided by the pods"),
+		newFigure("scale_agent_rss_mib", "MiB", "lower", "<= 64 MiB", one(mib(mem.RSSBytes))).withNote("the node agent's VmRSS with the scale pods enrolled"),
 		newFigure("scale_bpf_map_mib", "MiB", "lower", "", one(mib(mem.MapBytes))),
 		newFigure("scale_rate_1000_vs_1", "ratio", "higher", ">= 0.95", map[string][]float64{pathEBPF: ratios}),
 	)
-	res.Notes["scale: agent CPU while enrolling"] = fmt.Sprintf("%s CPU in %s wall time (%.1f ms CPU per pod)",
-		agentCPU.Round(time.Millisecond), r.Total.Round(time.Millisecond), ms(agentCPU)/float64(n))
-	lat := slices.Clone(r.Latencies)
-	slices.Sort(lat)
-	res.Notes["scale: per-pod Enroll latency while enrolling"] = fmt.Sprintf("p50 %.2f ms, p99 %.2f ms, max %.2f ms",
-		ms(percentile(lat, 50)), ms(percentile(lat, 99)), ms(lat[len(lat)-1]))
-	res.Notes["scale: agent memory"] = fmt.Sprintf("RSS %.1f MiB before, %.1f MiB at %d pods, peak %.1f MiB; %d pinned maps charge %.1f MiB (preallocated, the same at 1 pod: %.1f MiB)",
-		mib(memBefore.RSSBytes), mib(mem.RSSBytes), n, mib(mem.HWMBytes), mem.MapsCount, mib(mem.MapBytes), mib(memBefore.MapBytes))
+	res.Notes["scale: agent CPU"] = fmt.Sprintf("enrolling %s in %s wall time (%.2f ms per pod); adopting %s; removing %s (%.2f ms per pod)",
+		agentCPU.Round(time.Millisecond), add.Total.Round(time.Millisecond), ms(agentCPU)/float64(n), adoptCPU.Round(time.Millisecond),
+		removeCPU.Round(time.Millisecond), ms(removeCPU)/float64(n))
+	for _, c := range []struct {
+		what string
+		r    cniResult
+	}{{"ADD", add}, {"DEL", del}} {
+		lat := slices.Sorted(slices.Values(c.r.Latencies))
+		note := fmt.Sprintf("p50 %.2f ms, p99 %.2f ms, max %.2f ms; plugin processes %.2f ms CPU per call", ms(percentile(lat, 50)), ms(percentile(lat, 99)),
+			ms(lat[len(lat)-1]), ms(c.r.PluginCPU)/float64(n))
+		if c.r.Retried > 0 {
+			note += fmt.Sprintf("; %d ADDs failed and were retried after a DEL, the first: %s", c.r.Retried, c.r.FirstError)
+		}
+		res.Notes["scale: per-call CNI "+c.what+" latency, exec to check, "+fmt.Sprint(scaleConc)+" in flight"] = note
+	}
+	res.Notes["scale: agent memory"] = fmt.Sprintf("RSS %.1f MiB before (%.1f MiB of it anonymous), %.1f MiB at %d pods (%.1f MiB anonymous), peak %.1f MiB; "+
+		"%d pinned maps charge %.1f MiB (preallocated, the same at 2 pods: %.1f MiB)",
+		mib(memBefore.RSSBytes), mib(memBefore.AnonBytes), mib(mem.RSSBytes), n, mib(mem.AnonBytes), mib(mem.HWMBytes), mem.MapsCount, mib(mem.MapBytes), mib(memBefore.MapBytes))
 	res.Notes["scale: conn_rate_seq on the ebpf path"] = fmt.Sprintf("%s conn/s at 1 enrolled pair, %s conn/s at %d more pods; "+
 		"raw ratio %.2fx; relative to the iptables path alternated with it, %.2f and %.2f (the figure uses these)",
 		num(summarize(at1).Median), num(summarize(atN).Median), n, summarize(atN).Median/summarize(at1).Median,
 		summarize(norm1).Median, summarize(normN).Median)
+}
 
-	t0 = time.Now()
-	if err := e.remove(pods); err != nil {
-		e.t.Fatalf("remove %d pods: %v", n, err)
+// adopt stops the node agent and starts it again, now to uninstall on its
+// way out (teardown), and returns the time from the exec until it is
+// ready with every pinned pod adopted, and its CPU time until then.
+func (e *env) adopt(res *Results) (time.Duration, time.Duration) {
+	want := len(e.pinned())
+	e.agent.stop()
+	if got := len(e.pinned()); got != want {
+		e.t.Fatalf("the agent's stop changed the pins: %d pods pinned, %d before", got, want)
 	}
-	res.Notes["scale: removing the pods"] = time.Since(t0).Round(time.Millisecond).String()
+	t0 := e.agent.exec("--uninstall-on-exit")
+	pid := e.agent.proc.PID()
+	prof := startProfiler(pid, e.t.TempDir(), false) // perf misses the first moment
+	took := e.agent.waitReady(t0)
+	adopted := func(st cli.Status) bool { return int(st.Agent.GetEnrolledPods()) == want && st.PinnedPods == want }
+	if st := e.agent.status(); st.Agent == nil || !adopted(st) {
+		// Ready before every pod was adopted: the figure runs on.
+		e.agent.waitFor(fmt.Sprintf("%d pods adopted", want), adopted)
+		took = time.Since(t0)
+	}
+	cpu := cpuTime(pid)
+	waits, profile := prof.finish(agentFrames)
+	res.Notes["scale: where the agent's threads wait in the kernel while adopting"] = waits
+	res.Notes["scale: agent CPU profile while adopting (perf, share of the samples)"] = profile
+	return took, cpu
+}
+
+// checkScaleLeftovers fails the run unless the removed pods left nothing:
+// no pinned pod but the traffic pair, no pods/<uid> pins (TCX links), and,
+// once the pods themselves are gone, no netns or cgroup of theirs.
+func (e *env) checkScaleLeftovers(pods []*simnode.Pod) {
+	pair := e.paths[pathEBPF]
+	keep := []string{pair.client.UID, pair.server.UID}
+	for uid := range e.pinned() {
+		if !slices.Contains(keep, uid) {
+			e.t.Errorf("pod %s is still in the pinned maps after its DEL", uid)
+		}
+	}
+	entries, err := os.ReadDir(filepath.Join(e.node.BPFFSDir, "pods"))
+	if err != nil {
+		e.t.Fatalf("pinned pods: %v", err)
+	}
+	for _, d := range entries {
+		if !slices.Contains(keep, d.Name()) {
+			left, _ := os.ReadDir(filepath.Join(e.node.BPFFSDir, "pods", d.Name()))
+			e.t.Errorf("pins of pod %s left after its DEL: %d", d.Name(), len(left))
+		}
+	}
+	if err := e.light.remove(pods); err != nil {
+		e.t.Errorf("remove the scale pods: %v", err)
+	}
+	for _, p := range pods {
+		for _, path := range []string{p.NetnsPath(), p.Cgroup} {
+			if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+				e.t.Errorf("%s of pod %s left behind (%v)", path, p.Name, err)
+			}
+		}
+	}
+}
+
+// teardown removes the traffic pair through CNI DEL, stops the node agent
+// (which uninstalls) and the dataplane API's dataplane, and fails the run
+// if anything of either is left on the node's bpffs.
+func (e *env) teardown() {
+	pair := e.paths[pathEBPF]
+	if _, err := e.cni(pathEBPF, "DEL", []*simnode.Pod{pair.client, pair.server}, 1); err != nil {
+		e.t.Errorf("CNI DEL of the traffic pods: %v", err)
+	}
+	e.agent.stop()
+	if err := call(e.dpapi, agentRequest{Op: "uninstall"}, nil); err != nil {
+		e.t.Errorf("uninstall the dataplane API's dataplane: %v", err)
+	}
+	var left []string
+	root := filepath.Dir(e.node.BPFFSDir)
+	_ = filepath.WalkDir(root, func(path string, _ os.DirEntry, err error) error {
+		// maps.debug and progs.debug are the kernel's own (bpf_preload).
+		if err == nil && path != root && !slices.Contains([]string{"maps.debug", "progs.debug"}, strings.TrimPrefix(path, root+"/")) {
+			left = append(left, path)
+		}
+		return nil
+	})
+	if len(left) > 0 {
+		e.t.Errorf("left on the node's bpffs after the uninstall: %s", strings.Join(left, ", "))
+	}
+}
+
+// agentMemory is the node agent's memory and its pinned maps'.
+func (e *env) agentMemory() memResult {
+	m, err := memory(e.agent.proc.PID(), e.node.BPFFSDir)
+	if err != nil {
+		e.t.Fatalf("agent memory: %v", err)
+	}
+	return m
 }
 
 // agentFrames are the functions worth naming in the agent's profile: the
-// dataplane's and the libraries it calls, not the runtime's plumbing.
-var agentFrames = regexp.MustCompile(`dataplane\.|ebpf\.|link\.|netlink\.|^net\.|syscall\.|unix\.|runtime\.(gcBgMarkWorker|mallocgc)$`)
+// agent's and the libraries it calls, not the runtime's plumbing.
+var agentFrames = regexp.MustCompile(`ambient-ebpf/pkg/|cilium/ebpf|vishvananda|grpc|^net\.|^syscall\.|x/sys/unix|yaml|json|runtime\.(gcBgMarkWorker|mallocgc)$`)
 
 func mib(b int64) float64 { return float64(b) / (1 << 20) }

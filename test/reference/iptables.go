@@ -11,15 +11,12 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-ebpf/ambient-ebpf/test/reference/rules"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
 // Opts are the per-pod modes (R12-R14).
-type Opts struct {
-	DNS         bool     // R9/R13: DNS capture
-	IngressMode bool     // R12: ambient.istio.io/bypass-inbound-capture
-	Reroute     []string // R14: istio.io/reroute-virtual-interfaces
-}
+type Opts = rules.Opts
 
 // Iptables applies istio-cni's documented rules (contract sections
 // 2 and 3): in-pod rules in each pod netns, and the host-probe SNAT rule
@@ -35,57 +32,15 @@ type Iptables struct {
 // Setup installs the node-level rule and ipsets.
 func (b *Iptables) Setup(t testing.TB, n *simnode.Node) {
 	b.node = n
-	b.ipsets = map[string]string{"inet": "ae-pods-v4", "inet6": "ae-pods-v6"}
+	b.ipsets = map[string]string{"inet": rules.IpsetV4, "inet6": rules.IpsetV6}
 	node := simnode.NetnsPath(n.NodeNS)
 	for fam, set := range b.ipsets {
 		run(t, node, "", "ipset", "create", set, "hash:ip", "family", fam, "comment")
 	}
 	run(t, node, "", "iptables", "-t", "nat", "-A", "POSTROUTING", "-m", "owner", "--socket-exists", "-p", "tcp",
-		"-m", "set", "--match-set", b.ipsets["inet"], "dst", "-j", "SNAT", "--to-source", "169.254.7.127")
+		"-m", "set", "--match-set", b.ipsets["inet"], "dst", "-j", "SNAT", "--to-source", rules.Probe4)
 	run(t, node, "", "ip6tables", "-t", "nat", "-A", "POSTROUTING", "-m", "owner", "--socket-exists", "-p", "tcp",
-		"-m", "set", "--match-set", b.ipsets["inet6"], "dst", "-j", "SNAT", "--to-source", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
-}
-
-// InpodRules renders istio-cni's in-pod rules for one family: inbound by
-// nat REDIRECT (ztunnel reads SO_ORIGINAL_DST), the original-source return
-// path by connmark, DNS with its own conntrack zone.
-func InpodRules(o Opts, loopback, probe string) string {
-	mangle := []string{
-		"-A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff",
-		"-A ISTIO_OUTPUT -m connmark --mark 0x111/0xfff -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff",
-	}
-	var nat, raw []string
-	for _, v := range o.Reroute {
-		nat = append(nat, "-A ISTIO_PRERT -i "+v+" -p tcp -j REDIRECT --to-ports 15001", "-A ISTIO_PRERT -i "+v+" -p tcp -j RETURN")
-	}
-	if !o.IngressMode {
-		nat = append(nat, "-A ISTIO_PRERT -s PROBE -p tcp -m tcp -j ACCEPT")
-	}
-	nat = append(nat, "-A ISTIO_OUTPUT -d PROBE -p tcp -m tcp -j ACCEPT")
-	if !o.IngressMode {
-		nat = append(nat, "-A ISTIO_PRERT ! -d LOOPBACK -p tcp ! --dport 15008 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15006")
-	}
-	if o.DNS {
-		nat = append(nat,
-			"-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark 0x539/0xfff -m udp --dport 53 -j REDIRECT --to-port 15053",
-			"-A ISTIO_OUTPUT ! -d LOOPBACK -p tcp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053")
-		raw = append(raw,
-			"-A ISTIO_OUTPUT -p udp -m mark --mark 0x539/0xfff -m udp --dport 53 -j CT --zone 1",
-			"-A ISTIO_PRERT -p udp -m mark ! --mark 0x539/0xfff -m udp --sport 53 -j CT --zone 1")
-	}
-	nat = append(nat,
-		"-A ISTIO_OUTPUT -p tcp -m mark --mark 0x111/0xfff -j ACCEPT",
-		"-A ISTIO_OUTPUT ! -d LOOPBACK -o lo -j ACCEPT",
-		"-A ISTIO_OUTPUT ! -d LOOPBACK -p tcp -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001")
-	table := func(name string, rules []string) string {
-		return "*" + name + "\n:ISTIO_PRERT - [0:0]\n:ISTIO_OUTPUT - [0:0]\n-A PREROUTING -j ISTIO_PRERT\n-A OUTPUT -j ISTIO_OUTPUT\n" +
-			strings.Join(rules, "\n") + "\nCOMMIT\n"
-	}
-	out := table("mangle", mangle) + table("nat", nat)
-	if len(raw) > 0 {
-		out += table("raw", raw)
-	}
-	return strings.NewReplacer("LOOPBACK", loopback, "PROBE", probe).Replace(out)
+		"-m", "set", "--match-set", b.ipsets["inet6"], "dst", "-j", "SNAT", "--to-source", rules.Probe6)
 }
 
 func run(t testing.TB, netnsPath, stdin string, args ...string) string {
@@ -103,8 +58,8 @@ func run(t testing.TB, netnsPath, stdin string, args ...string) string {
 func (b *Iptables) Enroll(t testing.TB, p *simnode.Pod, o Opts) {
 	t.Helper()
 	ns := p.NetnsPath()
-	run(t, ns, InpodRules(o, "127.0.0.1/32", "169.254.7.127"), "iptables-restore", "--noflush")
-	run(t, ns, InpodRules(o, "::1/128", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"), "ip6tables-restore", "--noflush")
+	run(t, ns, rules.Inpod(o, rules.Loopback4, rules.Probe4), "iptables-restore", "--noflush")
+	run(t, ns, rules.Inpod(o, rules.Loopback6, rules.Probe6), "ip6tables-restore", "--noflush")
 	for _, fam := range []string{"-4", "-6"} {
 		run(t, ns, "", "ip", fam, "rule", "add", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
 	}

@@ -237,16 +237,37 @@ func (z *Ztunnel) Records() []standin.Record {
 // HTTPGet fetches url from inside netns ns (for an agent's health and
 // metrics endpoints, which live in the node netns).
 func HTTPGet(ns, url string) (int, string, error) {
-	f, err := os.Open(NetnsPath(ns))
+	c, done, err := HTTPClient(ns)
 	if err != nil {
 		return 0, "", err
+	}
+	defer done()
+	return Get(c, url)
+}
+
+// Get fetches url with c and returns the status code and body.
+func Get(c *http.Client, url string) (int, string, error) {
+	resp, err := c.Get(url)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), err
+}
+
+// HTTPClient returns a client that makes its connections inside netns ns,
+// for polling an agent's endpoints, and what releases it.
+func HTTPClient(ns string) (*http.Client, func(), error) {
+	f, err := os.Open(NetnsPath(ns))
+	if err != nil {
+		return nil, nil, err
 	}
 	defer f.Close()
 	nsf, err := sockutil.EnterNetns(f)
 	if err != nil {
-		return 0, "", err
+		return nil, nil, err
 	}
-	defer nsf.Close()
 	// The transport dials on goroutines of its own: sockets must come from
 	// the thread parked in the netns.
 	dial := func(_ context.Context, _, addr string) (net.Conn, error) {
@@ -257,11 +278,5 @@ func HTTPGet(ns, url string) (int, string, error) {
 		return nsf.Dial(ap, sockutil.Opts{}, 2*time.Second)
 	}
 	c := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{DisableKeepAlives: true, DialContext: dial}}
-	resp, err := c.Get(url)
-	if err != nil {
-		return 0, "", err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b), err
+	return c, nsf.Close, nil
 }

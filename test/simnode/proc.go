@@ -153,6 +153,10 @@ func StartProcess(t TB, ns, cgroup string, argv ...string) *Process {
 	return p
 }
 
+// PID returns the process id (nsenter execs the program in place, so it is
+// the program's).
+func (p *Process) PID() int { return p.cmd.Process.Pid }
+
 // Kill ends the process with SIGKILL and waits.
 func (p *Process) Kill() {
 	_ = p.cmd.Process.Signal(syscall.SIGKILL)

@@ -1,0 +1,249 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+//go:build bench
+
+package bench
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/yaml"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+)
+
+// nodeAgent is the real agent binary (cmd/ambient-ebpf-agent), built for
+// the run, serving the simulated node as its DaemonSet pod would:
+// standalone with a pod file, in the node netns, pins under the node's
+// bpffs, socket hooks on the node's cgroup root, sockets and CNI
+// directories in a temporary directory, health and metrics on the node
+// netns's loopback. Its installer chains the real CNI plugin
+// (cmd/ambient-ebpf-cni) into a primary conflist; the runtime helper execs
+// it from there.
+type nodeAgent struct {
+	t                 *testing.T
+	node              *simnode.Node
+	cgroup            string
+	bin, plugin       string // the agent and the CNI plugin it installs
+	cniBin, confDir   string // CNI_PATH and the runtime's conflist directory
+	podFile           string
+	zds, cni, inspect string
+	proc              *simnode.Process
+	http              *http.Client
+}
+
+const (
+	benchNodeName = "bench-node"
+	readyzURL     = "http://127.0.0.1:8000/readyz"
+	metricsURL    = "http://127.0.0.1:15014/metrics"
+	// iptablesPlugin is test/reference/iptables-cni: istio-cni's iptables
+	// enrollment, exec'd like ambient-ebpf-cni.
+	iptablesPlugin = "iptables-cni"
+)
+
+// newNodeAgent builds the binaries, writes the pod file naming pods (all
+// in ambient namespaces) and the primary CNI's conflist; start runs it.
+func newNodeAgent(t *testing.T, n *simnode.Node, cgroup string, pods []*simnode.Pod) *nodeAgent {
+	t.Helper()
+	dir := t.TempDir()
+	a := &nodeAgent{t: t, node: n, cgroup: cgroup, cniBin: filepath.Join(dir, "cni-bin"), confDir: filepath.Join(dir, "net.d"),
+		podFile: filepath.Join(dir, "pods.yaml"), zds: filepath.Join(dir, "ztunnel.sock"), cni: filepath.Join(dir, "cni.sock"),
+		inspect: filepath.Join(dir, "inspect.sock")}
+	for _, d := range []string{a.cniBin, a.confDir, filepath.Join(dir, "build")} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const mod = "github.com/ambient-ebpf/ambient-ebpf/"
+	a.bin = simnode.BuildBinary(t, filepath.Join(dir, "build"), mod+"cmd/ambient-ebpf-agent")
+	a.plugin = simnode.BuildBinary(t, filepath.Join(dir, "build"), mod+"cmd/ambient-ebpf-cni")
+	simnode.BuildBinary(t, a.cniBin, mod+"test/reference/"+iptablesPlugin)
+	if err := writePodFile(a.podFile, pods); err != nil {
+		t.Fatalf("write pod file: %v", err)
+	}
+	// The primary CNI's conflist (ptp + host-local, never run here: the
+	// pods' interfaces are made by lightPods and simnode, and the runtime
+	// helper passes what ptp would have returned as prevResult).
+	primary := fmt.Sprintf(`{"cniVersion": "1.1.0", "name": "bench", "plugins": [
+  {"type": "ptp", "mtu": 1500, "ipam": {"type": "host-local", "dataDir": %q,
+   "ranges": [[{"subnet": "198.18.64.0/18"}], [{"subnet": "fd00:198:18:2::/64"}]]}}]}`, filepath.Join(dir, "ipam"))
+	if err := os.WriteFile(filepath.Join(a.confDir, "10-bench.conflist"), []byte(primary), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var err error
+	var closeHTTP func()
+	if a.http, closeHTTP, err = simnode.HTTPClient(n.NodeNS); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(closeHTTP)
+	return a
+}
+
+// writePodFile writes the standalone pod file: the pods' namespaces,
+// labelled ambient, and the pods on this node.
+func writePodFile(path string, pods []*simnode.Pod) error {
+	var objs []any
+	var namespaces []string
+	for _, p := range pods {
+		if !slices.Contains(namespaces, p.Namespace) {
+			namespaces = append(namespaces, p.Namespace)
+			objs = append(objs, &corev1.Namespace{TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Namespace"},
+				ObjectMeta: metav1.ObjectMeta{Name: p.Namespace, Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}}})
+		}
+	}
+	for _, p := range pods {
+		objs = append(objs, &corev1.Pod{TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Pod"},
+			ObjectMeta: metav1.ObjectMeta{Name: p.Name, Namespace: p.Namespace, UID: types.UID(p.UID)},
+			Spec:       corev1.PodSpec{NodeName: benchNodeName, ServiceAccountName: "bench"}})
+	}
+	var b bytes.Buffer
+	for _, o := range objs {
+		y, err := yaml.Marshal(o)
+		if err != nil {
+			return err
+		}
+		b.WriteString("---\n")
+		b.Write(y)
+	}
+	return os.WriteFile(path, b.Bytes(), 0o644)
+}
+
+// start runs the agent (extra flags appended) and returns when /readyz
+// answers 200, with the time from the exec.
+func (a *nodeAgent) start(extra ...string) time.Duration {
+	a.t.Helper()
+	return a.waitReady(a.exec(extra...))
+}
+
+// exec starts the agent and returns when.
+func (a *nodeAgent) exec(extra ...string) time.Time {
+	a.t.Helper()
+	args := append([]string{a.bin, "--standalone-pods", a.podFile, "--node-name", benchNodeName,
+		"--bpffs-dir", a.node.BPFFSDir, "--cgroup-root", a.node.CgroupRoot, "--node-netns", simnode.NetnsPath(a.node.NodeNS),
+		"--zds-socket", a.zds, "--cni-socket", a.cni, "--inspect-socket", a.inspect, "--proc-root", "/proc",
+		"--health-addr", "127.0.0.1:8000", "--metrics-addr", "127.0.0.1:15014",
+		"--cni-bin-dir", a.cniBin, "--cni-conf-dir", a.confDir, "--cni-plugin-binary", a.plugin}, extra...)
+	t0 := time.Now()
+	a.proc = simnode.StartProcess(a.t, a.node.NodeNS, a.cgroup, args...)
+	return t0
+}
+
+// waitReady polls /readyz until it answers 200 and returns the time since
+// t0.
+func (a *nodeAgent) waitReady(t0 time.Time) time.Duration {
+	a.t.Helper()
+	for deadline := t0.Add(2 * time.Minute); ; time.Sleep(5 * time.Millisecond) {
+		if code, _, err := simnode.Get(a.http, readyzURL); err == nil && code == http.StatusOK {
+			return time.Since(t0)
+		}
+		if a.proc.Exited() || time.Now().After(deadline) {
+			a.t.Fatalf("agent not ready; its output:\n%s", a.proc.Output.String())
+		}
+	}
+}
+
+// stop sends SIGTERM and fails the test unless the agent exits cleanly.
+func (a *nodeAgent) stop() {
+	a.t.Helper()
+	if !a.proc.Terminate(time.Minute) {
+		a.t.Fatalf("agent did not stop cleanly; its output:\n%s", a.proc.Output.String())
+	}
+}
+
+// status is `ambient-ebpf status`: the agent's view over the inspection
+// socket and the pinned maps' count.
+func (a *nodeAgent) status() cli.Status {
+	a.t.Helper()
+	var out bytes.Buffer
+	cmd := cli.NewCommand(&out)
+	cmd.SetErr(io.Discard)
+	cmd.SetArgs([]string{"--bpffs", a.node.BPFFSDir, "--inspect-socket", a.inspect, "-o", "json", "status"})
+	if err := cmd.Execute(); err != nil {
+		a.t.Fatalf("ambient-ebpf status: %v", err)
+	}
+	var st cli.Status
+	if err := json.Unmarshal(out.Bytes(), &st); err != nil {
+		a.t.Fatalf("ambient-ebpf status: %v: %s", err, out.String())
+	}
+	return st
+}
+
+// waitFor polls status until cond holds.
+func (a *nodeAgent) waitFor(what string, cond func(cli.Status) bool) {
+	a.t.Helper()
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(10 * time.Millisecond) {
+		st := a.status()
+		if st.Agent != nil && cond(st) {
+			return
+		}
+		if time.Now().After(deadline) {
+			a.t.Fatalf("agent: timed out waiting for %s (status %+v); its output:\n%s", what, st, a.proc.Output.String())
+		}
+	}
+}
+
+// metric reads one unlabelled sample (or the sum of a histogram's
+// name_sum, name_count) from /metrics.
+func (a *nodeAgent) metric(name string) float64 {
+	a.t.Helper()
+	code, body, err := simnode.Get(a.http, metricsURL)
+	if err != nil || code != http.StatusOK {
+		a.t.Fatalf("agent metrics: %d %v", code, err)
+	}
+	for l := range strings.Lines(body) {
+		if rest, ok := strings.CutPrefix(l, name+" "); ok {
+			v, _ := strconv.ParseFloat(strings.TrimSpace(rest), 64)
+			return v
+		}
+	}
+	return 0
+}
+
+// conflists returns the conflist the installer wrote (primary +
+// ambient-ebpf-cni) and the same list with iptables-cni in our plugin's
+// place, as istio-cni would be chained.
+func (a *nodeAgent) conflists() (ebpfList, iptablesList []byte) {
+	a.t.Helper()
+	files, err := libcni.ConfFiles(a.confDir, []string{".conflist"})
+	if err != nil || len(files) != 1 {
+		a.t.Fatalf("conflists in %s: %v, %v", a.confDir, files, err)
+	}
+	list, err := libcni.NetworkConfFromFile(files[0])
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	var doc map[string]any
+	if err := json.Unmarshal(list.Bytes, &doc); err != nil {
+		a.t.Fatal(err)
+	}
+	plugins, _ := doc["plugins"].([]any)
+	i := slices.IndexFunc(plugins, func(p any) bool { m, _ := p.(map[string]any); return m["type"] == plugin.PluginType })
+	if i < 0 {
+		a.t.Fatalf("the installer did not chain %s into %s", plugin.PluginType, list.Bytes)
+	}
+	plugins[i] = map[string]any{"type": iptablesPlugin, "dnsCapture": true}
+	ipt, err := json.Marshal(doc)
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	return list.Bytes, ipt
+}
