@@ -250,13 +250,28 @@ func (a *agent) reconcileAtStart(ctx context.Context, m *mesh, src podSource, sn
 	for _, p := range m.dp.List() {
 		adopted[p.UID] = p
 	}
+	// One scan of /proc for every pod: a scan per pod made a restart with
+	// a thousand pods quadratic.
+	uids := make([]types.UID, 0, len(snap)+len(adopted))
+	for _, pod := range snap {
+		uids = append(uids, pod.UID)
+	}
+	for uid := range adopted {
+		uids = append(uids, types.UID(uid))
+	}
+	netnsOf, err := m.netns.FindAll(uids)
+	if err != nil {
+		a.log.Warn("scan for pods' netns failed", "error", err)
+		netnsOf = map[types.UID]podnetns.NetNS{}
+	}
 	seen := map[string]bool{}
 	for _, pod := range snap {
 		uid := string(pod.UID)
 		seen[uid] = true
 		mb := &member{uid: uid, namespace: pod.Namespace, name: pod.Name, serviceAccount: pod.Spec.ServiceAccountName, state: kube.RedirectionEnabled}
-		ns, err := m.netns.Find(pod.UID)
-		if err != nil {
+		ns, ok := netnsOf[pod.UID]
+		if !ok {
+			err := fmt.Errorf("pod uid %s: %w", pod.UID, podnetns.ErrNotFound)
 			if _, ok := adopted[uid]; !ok {
 				a.log.Warn("snapshot pod has no netns and no pinned state; left to repair", "pod", pod.Namespace+"/"+pod.Name, "error", err)
 				continue
@@ -286,7 +301,7 @@ func (a *agent) reconcileAtStart(ctx context.Context, m *mesh, src podSource, sn
 		pod, ns, err := src.Lookup(ctx, p.Namespace, p.Name)
 		if err == nil && string(pod.UID) == uid && enrollment.Decide(a.cfg.Enrollment, pod, ns).Ambient {
 			mb := &member{uid: uid, namespace: p.Namespace, name: p.Name, serviceAccount: pod.Spec.ServiceAccountName, state: kube.RedirectionEnabled}
-			if found, ferr := m.netns.Find(types.UID(uid)); ferr == nil {
+			if found, ok := netnsOf[types.UID(uid)]; ok {
 				mb.netns = found.Path
 			}
 			m.keep(mb)

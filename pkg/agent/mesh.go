@@ -43,6 +43,7 @@ type (
 	}
 	netnsFinder interface {
 		Find(uid types.UID) (podnetns.NetNS, error)
+		FindAll(uids []types.UID) (map[types.UID]podnetns.NetNS, error)
 		Same(a, b string) (same, known bool)
 	}
 )

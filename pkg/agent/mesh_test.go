@@ -103,6 +103,14 @@ func (fakeFinder) Find(types.UID) (podnetns.NetNS, error) {
 	return podnetns.NetNS{Path: "/proc/1/ns/net"}, nil
 }
 
+func (f fakeFinder) FindAll(uids []types.UID) (map[types.UID]podnetns.NetNS, error) {
+	out := map[types.UID]podnetns.NetNS{}
+	for _, u := range uids {
+		out[u], _ = f.Find(u)
+	}
+	return out, nil
+}
+
 func (f fakeFinder) Same(a, b string) (same, known bool) {
 	if a == b {
 		return true, true
