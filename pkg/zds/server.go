@@ -176,8 +176,16 @@ func (s *Server) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// Two goroutines close the listener: the AfterFunc below on
+	// cancellation and the deferred call on every return. A second
+	// net.Listener.Close returns at once while the first may not have
+	// closed the descriptor yet, so Run could return with its listener
+	// still open and the descriptor close later, under whoever counts or
+	// reuses descriptors next. The OnceFunc makes every caller wait for
+	// the one close.
+	closeListener := sync.OnceFunc(func() { _ = l.Close() })
 	defer removeIfSame(s.cfg.SocketPath, ino)
-	defer l.Close()
+	defer closeListener()
 	s.log.Info("listening")
 	close(s.ready)
 
@@ -187,7 +195,7 @@ func (s *Server) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer cancel()
-	stop := context.AfterFunc(ctx, func() { _ = l.Close() })
+	stop := context.AfterFunc(ctx, closeListener)
 	defer stop()
 	backoff := time.Duration(0)
 	for id := uint64(1); ; id++ {
