@@ -7,6 +7,8 @@ import (
 	"bytes"
 	"context"
 	"os"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -175,4 +177,31 @@ func repeatFD(fd, n int) []int {
 		fds[i] = fd
 	}
 	return fds
+}
+
+// TestPanicWhileServingEndsOnlyThatConnection: a panic in a connection's
+// session (here from the snapshot callback) is recovered and logged with
+// its stack; the server and the other connections keep working.
+func TestPanicWhileServingEndsOnlyThatConnection(t *testing.T) {
+	var calls atomic.Int32
+	h := startServer(t, Config{Snapshot: func() []Workload {
+		if calls.Add(1) == 2 {
+			panic("snapshot exploded")
+		}
+		return []Workload{{UID: "s1"}}
+	}})
+	good := dialRaw(t, h.path)
+	good.handshake(1)
+	bad := dialRaw(t, h.path)
+	bad.hello()
+	bad.expectClosed(3 * time.Second)
+	line := h.logs.waitLine(t, "ERROR connection ended", "panic serving ztunnel: snapshot exploded")
+	if !strings.Contains(line, "goroutine") {
+		t.Errorf("logged without a stack: %s", line)
+	}
+	eventually(t, 2*time.Second, func() bool { return h.srv.Connections() == 1 }, "only the good peer left")
+	h.delThrough(t, "s1", good)
+	if got := uids(dialRaw(t, h.path).handshake(1)); len(got) != 1 || got[0] != "keep:s1" {
+		t.Fatalf("new peer snapshot %v", got)
+	}
 }
