@@ -9,8 +9,8 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 )
 
@@ -45,9 +45,10 @@ func (i *inspector) Status(context.Context, *inspectv1.StatusRequest) (*inspectv
 }
 
 // serveInspect serves the inspection API on a root-only unix socket until
-// ctx ends.
+// ctx ends. Like the other sockets it replaces only a stale socket of ours
+// (internal/unixsock).
 func serveInspect(ctx context.Context, path string, srv inspectv1.InspectServer) (<-chan error, error) {
-	ln, err := events.Listen(path)
+	ln, err := unixsock.Listen("unix", path)
 	if err != nil {
 		return nil, fmt.Errorf("inspection socket: %w", err)
 	}

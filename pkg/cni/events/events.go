@@ -11,17 +11,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"net"
-	"os"
-	"path/filepath"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 )
 
@@ -50,24 +48,17 @@ type Handler interface {
 // connected to the agent.
 var ErrNoZtunnel = errors.New("no ztunnel connected")
 
-// Listen removes a stale socket file at socketPath, creates its directory
-// (0700) and listens there with a socket file only root can use (0600).
+// Listen listens on socketPath with a socket only root can use from the
+// moment it exists, creating its directory (0700) when missing. A stale
+// socket left by a previous agent is replaced; anything else at the path
+// (a live socket such as ztunnel's, a regular file, a directory) is
+// refused and left alone (internal/unixsock).
 func Listen(socketPath string) (net.Listener, error) {
-	if err := os.MkdirAll(filepath.Dir(socketPath), 0o700); err != nil {
-		return nil, fmt.Errorf("create socket directory for %s: %w", socketPath, err)
-	}
-	if err := os.Remove(socketPath); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("remove stale socket %s: %w", socketPath, err)
-	}
-	ln, err := net.Listen("unix", socketPath)
+	l, err := unixsock.Listen("unix", socketPath)
 	if err != nil {
-		return nil, fmt.Errorf("listen on %s: %w", socketPath, err)
+		return nil, err
 	}
-	if err := os.Chmod(socketPath, 0o600); err != nil {
-		_ = ln.Close()
-		return nil, fmt.Errorf("restrict socket %s to root: %w", socketPath, err)
-	}
-	return ln, nil
+	return l, nil
 }
 
 // Serve listens on socketPath and serves h until ctx is cancelled.

@@ -7,12 +7,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 )
 
@@ -113,23 +115,56 @@ func TestPodAddAndDelReachTheHandler(t *testing.T) {
 	}
 }
 
-func TestSocketIsRootOnlyAndStaleFileIsReplaced(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "cni.sock")
-	if err := os.WriteFile(path, []byte("stale"), 0o644); err != nil {
+// TestListenReplacesOnlyAStaleSocket: a dead agent's socket is replaced
+// by a root-only one; a regular file, or ztunnel's live ZDS socket given
+// as --cni-socket, is refused and left as it was.
+func TestListenReplacesOnlyAStaleSocket(t *testing.T) {
+	dir := t.TempDir()
+	stale := filepath.Join(dir, "cni.sock")
+	dead, err := net.ListenUnix("unix", &net.UnixAddr{Name: stale, Net: "unix"})
+	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := Listen(path)
+	dead.SetUnlinkOnClose(false)
+	_ = dead.Close()
+	ln, err := Listen(stale)
 	if err != nil {
-		t.Fatalf("Listen over a stale file: %v", err)
+		t.Fatalf("Listen over a stale socket: %v", err)
 	}
 	defer ln.Close()
-	fi, err := os.Stat(path)
+	fi, err := os.Stat(stale)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if fi.Mode()&os.ModeSocket == 0 || fi.Mode().Perm() != 0o600 {
 		t.Errorf("socket mode = %v, want a 0600 socket", fi.Mode())
 	}
+
+	file := filepath.Join(dir, "file.sock")
+	if err := os.WriteFile(file, []byte("not ours"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Listen(file); !errors.Is(err, unixsock.ErrNotSocket) {
+		t.Errorf("Listen over a regular file: %v", err)
+	}
+	if b, _ := os.ReadFile(file); string(b) != "not ours" {
+		t.Errorf("the file now holds %q", b)
+	}
+
+	ztunnel := filepath.Join(dir, "ztunnel.sock")
+	zl, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: ztunnel, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer zl.Close()
+	if _, err := Listen(ztunnel); !errors.Is(err, unixsock.ErrInUse) {
+		t.Errorf("Listen over a live ZDS socket: %v", err)
+	}
+	c, err := net.Dial("unixpacket", ztunnel)
+	if err != nil {
+		t.Fatalf("the ZDS socket no longer answers: %v", err)
+	}
+	_ = c.Close()
 }
 
 func TestClientErrorsSayWhichFailClosedCaseHappened(t *testing.T) {
