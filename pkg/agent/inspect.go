@@ -55,7 +55,11 @@ func serveInspect(ctx context.Context, path string, srv inspectv1.InspectServer)
 	g := grpc.NewServer()
 	inspectv1.RegisterInspectServer(g, srv)
 	done := make(chan error, 1)
-	go func() { done <- g.Serve(ln) }()
+	go func() {
+		err := g.Serve(ln)
+		_ = ln.Close() // done means the socket file is gone
+		done <- err
+	}()
 	go func() {
 		<-ctx.Done()
 		g.Stop()

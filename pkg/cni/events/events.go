@@ -74,9 +74,10 @@ func Serve(ctx context.Context, socketPath string, h Handler) error {
 const gracePeriod = 5 * time.Second
 
 // ServeListener serves h on ln until ctx is cancelled, then lets in-flight
-// calls finish for a short grace period. It closes ln. A cancelled ctx is a
-// clean stop and returns nil.
+// calls finish for a short grace period. It closes ln before it returns. A
+// cancelled ctx is a clean stop and returns nil.
 func ServeListener(ctx context.Context, ln net.Listener, h Handler) error {
+	defer ln.Close()
 	srv := grpc.NewServer()
 	cniv1.RegisterCNIEventsServer(srv, &server{h: h})
 	done := make(chan struct{})
