@@ -167,7 +167,7 @@ func (a *agent) run(parent context.Context) error {
 	}
 	srv.run("cni event server", func() error { return events.ServeListener(ctx, cniLn, m) })
 	srv.background(func() { a.watchZtunnel(ctx, m) })
-	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m})
+	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m}, log.With("component", "inspect"))
 	if err != nil {
 		return stop(err)
 	}

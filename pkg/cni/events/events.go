@@ -13,10 +13,13 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"runtime/debug"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
@@ -76,14 +79,21 @@ const gracePeriod = 5 * time.Second
 // ServeListener serves h on ln until ctx is cancelled, then lets in-flight
 // calls finish for a short grace period. It closes ln before it returns. A
 // cancelled ctx is a clean stop and returns nil.
+//
+// Besides the CNIEvents service it serves the standard gRPC health service,
+// which the plugin's STATUS asks (Probe), and it recovers a panic in any
+// call into an Internal error, logged with its stack.
 func ServeListener(ctx context.Context, ln net.Listener, h Handler) error {
 	defer ln.Close()
-	srv := grpc.NewServer()
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(RecoverUnary(slog.Default())))
 	cniv1.RegisterCNIEventsServer(srv, &server{h: h})
+	hs := health.NewServer()
+	healthpb.RegisterHealthServer(srv, hs)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		<-ctx.Done()
+		hs.Shutdown()
 		stopped := make(chan struct{})
 		go func() { srv.GracefulStop(); close(stopped) }()
 		select {
@@ -102,6 +112,21 @@ func ServeListener(ctx context.Context, ln net.Listener, h Handler) error {
 		return fmt.Errorf("serve cni events on %s: %w", ln.Addr(), err)
 	}
 	return nil
+}
+
+// RecoverUnary is a gRPC interceptor that turns a panic in a handler into
+// an Internal error for that call, logged with the stack, so one request
+// cannot take the agent down.
+func RecoverUnary(log *slog.Logger) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp any, err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				log.ErrorContext(ctx, "grpc handler panicked", "method", info.FullMethod, "panic", r, "stack", string(debug.Stack()))
+				resp, err = nil, status.Errorf(codes.Internal, "%s panicked: %v", info.FullMethod, r)
+			}
+		}()
+		return handler(ctx, req)
+	}
 }
 
 type server struct {

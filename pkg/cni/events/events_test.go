@@ -10,11 +10,13 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 )
 
@@ -228,5 +230,52 @@ func TestRequestWithoutPodIsRefused(t *testing.T) {
 	}
 	if len(h.adds) != 0 {
 		t.Errorf("handler saw %d adds", len(h.adds))
+	}
+}
+
+// TestProbeNeedsAnAnswerInTime: Probe passes for a serving agent and fails
+// for a missing socket and, within its deadline, for one that accepts the
+// connection but never answers.
+func TestProbeNeedsAnAnswerInTime(t *testing.T) {
+	probe := func(path string) (time.Duration, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		err := Probe(ctx, path)
+		return time.Since(start), err
+	}
+	if _, err := probe(start(t, &fakeHandler{})); err != nil {
+		t.Errorf("Probe of a serving agent: %v", err)
+	}
+	if _, err := probe(filepath.Join(t.TempDir(), "missing.sock")); !errors.Is(err, ErrAgentUnreachable) {
+		t.Errorf("Probe of a missing socket: %v", err)
+	}
+	took, err := probe(unixsocktest.Mute(t))
+	if !errors.Is(err, ErrAgentTimeout) {
+		t.Errorf("Probe of an agent that never answers: %v", err)
+	}
+	if took > 2*time.Second {
+		t.Errorf("Probe took %v with a 300ms deadline", took)
+	}
+}
+
+// panicky panics in PodAdd.
+type panicky struct{ fakeHandler }
+
+func (*panicky) PodAdd(context.Context, *cniv1.PodAddRequest) (AddResult, error) {
+	panic("handler exploded")
+}
+
+// TestPanicInAHandlerFailsOnlyThatCall: the call gets an error, the server
+// keeps serving.
+func TestPanicInAHandlerFailsOnlyThatCall(t *testing.T) {
+	c := client(t, start(t, &panicky{}))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := c.PodAdd(ctx, addReq()); !errors.Is(err, ErrNotEnrolled) || !strings.Contains(err.Error(), "handler exploded") {
+		t.Fatalf("PodAdd into a panicking handler: %v", err)
+	}
+	if err := c.PodDel(ctx, &cniv1.PodDelRequest{Pod: addReq().Pod}); err != nil {
+		t.Fatalf("PodDel after the panic: %v", err)
 	}
 }
