@@ -5,6 +5,7 @@ package deploy
 
 import (
 	"fmt"
+	"net"
 	"reflect"
 	"slices"
 	"sort"
@@ -135,15 +136,22 @@ func checkInvariants(t *testing.T, r *rendered) {
 			t.Errorf("%s probe GET %s on %s, want %s on %d", p.name, g.Path, g.Port.String(), p.path, healthPort)
 		}
 	}
+	// Metrics on agent.metricsAddress; announced to Prometheus unless that
+	// is loopback, which no scraper off the node reaches.
+	metricsHost := strings.Trim(valueString(r, "agent.metricsAddress"), "[]")
 	ann := ds.Spec.Template.Annotations
-	if ann["prometheus.io/scrape"] != "true" || ann["prometheus.io/port"] != fmt.Sprint(metricsPort) || ann["prometheus.io/path"] != "/metrics" {
+	if loopback := metricsHost == "localhost" || metricsHost == "127.0.0.1" || metricsHost == "::1"; loopback {
+		if _, ok := ann["prometheus.io/scrape"]; ok {
+			t.Errorf("prometheus annotations %v for metrics on loopback", ann)
+		}
+	} else if ann["prometheus.io/scrape"] != "true" || ann["prometheus.io/port"] != fmt.Sprint(metricsPort) || ann["prometheus.io/path"] != "/metrics" {
 		t.Errorf("prometheus annotations %v, want scrape on :%d/metrics", ann, metricsPort)
 	}
 	if got := flag1(t, c, "health-addr"); got != fmt.Sprintf(":%d", healthPort) {
 		t.Errorf("--health-addr=%s, want :%d", got, healthPort)
 	}
-	if got := flag1(t, c, "metrics-addr"); got != fmt.Sprintf(":%d", metricsPort) {
-		t.Errorf("--metrics-addr=%s, want :%d", got, metricsPort)
+	if got, want := flag1(t, c, "metrics-addr"), net.JoinHostPort(metricsHost, fmt.Sprint(metricsPort)); got != want {
+		t.Errorf("--metrics-addr=%s, want %s", got, want)
 	}
 
 	// Downward API.
@@ -353,6 +361,33 @@ hostPaths: {ztunnelSocketDir: /run/ztunnel}
 					t.Errorf("resources %+v do not replace the defaults", res)
 				}
 			},
+		},
+		{
+			name:   "metrics on loopback only",
+			values: "agent: {metricsAddress: 127.0.0.1}",
+			check:  func(*testing.T, *rendered) {}, // the invariants check flag and annotations
+		},
+		{
+			name:   "metrics on IPv6 loopback",
+			values: `agent: {metricsAddress: "::1"}`,
+			check:  func(*testing.T, *rendered) {},
+		},
+		{
+			name:   "metrics on the node's address",
+			values: `agent: {metricsAddress: "$(HOST_IP)"}`,
+			check: func(t *testing.T, r *rendered) {
+				for _, e := range r.agent(t).Env {
+					if e.Name == "HOST_IP" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.hostIP" {
+						return
+					}
+				}
+				t.Error("no HOST_IP from status.hostIP for --metrics-addr=$(HOST_IP):15014")
+			},
+		},
+		{
+			name:    "metrics address with a port fails the schema",
+			values:  "agent: {metricsAddress: \"127.0.0.1:15014\"}",
+			wantErr: "/agent/metricsAddress",
 		},
 		{
 			name:   "existing service account",

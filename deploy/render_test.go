@@ -281,3 +281,13 @@ func valueBool(t *testing.T, r *rendered, key string) bool {
 	b, _ := v.(bool)
 	return b
 }
+
+// valueString is the string value at key, "" when unset.
+func valueString(r *rendered, key string) string {
+	v, err := r.values.PathValue(key)
+	if err != nil {
+		return ""
+	}
+	str, _ := v.(string)
+	return str
+}

@@ -14,6 +14,7 @@
 package zdswire
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -38,6 +39,8 @@ var (
 	ErrOversized = errors.New("oversized datagram")
 	// ErrControlTruncated: ancillary data did not fit (MSG_CTRUNC).
 	ErrControlTruncated = errors.New("ancillary data truncated")
+	// ErrControlMalformed: ancillary data that does not parse.
+	ErrControlMalformed = errors.New("malformed ancillary data")
 	// ErrUnknownMessage: the datagram decoded but carries no known payload.
 	ErrUnknownMessage = errors.New("unknown message")
 	// ErrDecode: the datagram is not a valid protobuf of the expected type.
@@ -105,24 +108,31 @@ func Recv(c *net.UnixConn) ([]byte, []int, error) {
 // ParseRights returns the descriptors carried as SCM_RIGHTS in oob. It does
 // not close anything; descriptors found before a parse error are returned
 // with the error so the caller can close them.
+//
+// It decodes the descriptor array itself instead of calling
+// unix.ParseUnixRights, which indexes past its slice (and panics) when a
+// message's data is not a whole number of 4-byte descriptors. The kernel
+// never writes such a message, but oob is what a peer caused to arrive.
 func ParseRights(oob []byte) ([]int, error) {
 	if len(oob) == 0 {
 		return nil, nil
 	}
 	msgs, err := unix.ParseSocketControlMessage(oob)
 	if err != nil {
-		return nil, fmt.Errorf("parse control message: %w", err)
+		return nil, fmt.Errorf("parse control message: %w: %w", ErrControlMalformed, err)
 	}
 	var fds []int
 	for i := range msgs {
 		if msgs[i].Header.Level != unix.SOL_SOCKET || msgs[i].Header.Type != unix.SCM_RIGHTS {
 			continue
 		}
-		got, err := unix.ParseUnixRights(&msgs[i])
-		if err != nil {
-			return fds, fmt.Errorf("parse rights: %w", err)
+		data := msgs[i].Data
+		if len(data)%4 != 0 {
+			return fds, fmt.Errorf("parse rights: %d bytes of descriptors, not a multiple of 4: %w", len(data), ErrControlMalformed)
 		}
-		fds = append(fds, got...)
+		for ; len(data) > 0; data = data[4:] {
+			fds = append(fds, int(int32(binary.NativeEndian.Uint32(data))))
+		}
 	}
 	return fds, nil
 }

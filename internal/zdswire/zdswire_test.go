@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"testing"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
@@ -104,16 +105,52 @@ func FuzzDecodeRequest(f *testing.F) {
 	})
 }
 
+// rightsWithDataLen is one SCM_RIGHTS control message whose header claims
+// n bytes of descriptors, with room for them.
+func rightsWithDataLen(n int) []byte {
+	oob := make([]byte, unix.CmsgSpace(n))
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))
+	h.Level, h.Type = unix.SOL_SOCKET, unix.SCM_RIGHTS
+	h.SetLen(unix.CmsgLen(n))
+	for i := unix.CmsgLen(0); i < len(oob); i++ {
+		oob[i] = 3
+	}
+	return oob
+}
+
+// TestParseRightsRefusesPartialDescriptors: a rights message whose length is
+// not a multiple of 4 made unix.ParseUnixRights panic; it is an error that
+// still returns the descriptors of the whole messages before it.
+func TestParseRightsRefusesPartialDescriptors(t *testing.T) {
+	for _, n := range []int{1, 2, 3, 5, 7, 9} {
+		if _, err := ParseRights(rightsWithDataLen(n)); !errors.Is(err, ErrControlMalformed) {
+			t.Errorf("%d bytes of descriptors: %v", n, err)
+		}
+	}
+	fds, err := ParseRights(append(unix.UnixRights(7, 8), rightsWithDataLen(5)...))
+	if !errors.Is(err, ErrControlMalformed) || len(fds) != 2 || fds[0] != 7 || fds[1] != 8 {
+		t.Errorf("whole message then a partial one: %v, %v", fds, err)
+	}
+	fds, err = ParseRights(unix.UnixRights(7, 8, 9))
+	if err != nil || len(fds) != 3 || fds[2] != 9 {
+		t.Errorf("three descriptors: %v, %v", fds, err)
+	}
+}
+
 // FuzzParseRights: arbitrary ancillary bytes never panic; the parser
-// returns descriptor numbers without closing anything.
+// returns descriptor numbers without closing anything, or a typed error.
 func FuzzParseRights(f *testing.F) {
 	f.Add(unix.UnixRights(3))
 	f.Add(unix.UnixRights(3, 4, 5))
 	f.Add([]byte{})
 	f.Add([]byte{1, 2, 3})
 	f.Add(unix.UnixRights(7)[:12])
+	f.Add(rightsWithDataLen(5))
+	f.Add(append(unix.UnixRights(3), rightsWithDataLen(6)...))
 	f.Fuzz(func(t *testing.T, oob []byte) {
-		_, _ = ParseRights(oob)
+		if _, err := ParseRights(oob); err != nil && !errors.Is(err, ErrControlMalformed) {
+			t.Fatalf("untyped error %v", err)
+		}
 	})
 }
 

@@ -6,8 +6,12 @@
 // mesh, which drives the data path and hands pods to ztunnel over ZDS;
 // around it the CNI installer, health and metrics.
 //
-// Start-up follows contract section 6: caches synced, snapshot built, data
-// path adopted and reconciled, handlers started, ZDS served, then ready.
+// Start-up checks every socket path, the pod file and the listen addresses
+// first, so a bad one fails before anything touches the kernel. Then it
+// follows contract section 6: caches synced, snapshot built, data path
+// adopted and reconciled, handlers started, ZDS served, then (with the CNI
+// plugin's socket and the inspection socket listening too) ready. Every
+// way out stops all servers first, so Run returns with their sockets gone.
 // On shutdown everything stays in place (redirection keeps working while
 // the agent restarts or upgrades) unless the agent is being uninstalled.
 package agent
@@ -50,6 +54,11 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := cfg.setDefaults(); err != nil {
 		return err
 	}
+	// Every path and address is checked before anything touches the
+	// kernel, so a bad one leaves nothing behind.
+	if err := cfg.validate(); err != nil {
+		return err
+	}
 	a := &agent{cfg: cfg, log: cfg.Logger, metrics: newMetrics()}
 	return a.run(ctx)
 }
@@ -75,9 +84,9 @@ func (a *agent) ready() (bool, string) {
 	return true, ""
 }
 
-func (a *agent) run(ctx context.Context) error {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+func (a *agent) run(parent context.Context) error {
+	srv, ctx := newServers(parent)
+	defer srv.stop()
 	log := a.log
 
 	// Liveness answers from the first moment; readiness waits for the end.
@@ -85,14 +94,16 @@ func (a *agent) run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("health server: %w", err)
 	}
+	srv.watch("health server", healthDone)
 	metricsDone, err := serveHTTP(ctx, a.cfg.MetricsAddr, promhttp.HandlerFor(a.metrics.reg, promhttp.HandlerOpts{}), log)
 	if err != nil {
 		return fmt.Errorf("metrics server: %w", err)
 	}
+	srv.watch("metrics server", metricsDone)
 
 	if a.cfg.Install != nil {
 		a.inst = install.New(*a.cfg.Install)
-		go a.runInstaller(ctx)
+		srv.background(func() { a.runInstaller(ctx) })
 	}
 
 	kcfg := kube.Config{NodeName: a.cfg.NodeName, Enrollment: a.cfg.Enrollment, Repair: a.cfg.Repair, Logger: log.With("component", "kube"),
@@ -127,52 +138,51 @@ func (a *agent) run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("load data path: %w", err)
 	}
+	// From here every way out stops the servers (which use the data path)
+	// before the data path is kept or removed.
+	stop := func(err error) error {
+		srv.stop()
+		return a.shutdown(dp, err)
+	}
 	m.dp = dp
 	a.metrics.reg.MustRegister(newRedirectCollector(dp))
 	m.setSource(src)
 	a.reconcileAtStart(ctx, m, src, snap)
 
 	// 4. Handlers.
-	srcDone := make(chan error, 1)
-	go func() { srcDone <- src.Run(ctx) }()
-	// 5. ZDS and the CNI plugin's channel.
-	zdsDone := make(chan error, 1)
-	go func() { zdsDone <- zsrv.Run(ctx) }()
+	srv.run("pod source", func() error { return src.Run(ctx) })
+	// 5. ZDS, the CNI plugin's channel and the inspection API, each
+	// listening before the agent says it is ready.
+	srv.run("zds server", func() error { return zsrv.Run(ctx) })
 	select {
 	case <-zsrv.Ready():
-	case err := <-zdsDone:
-		return a.shutdown(dp, fmt.Errorf("zds server: %w", err))
+	case err := <-srv.stopped():
+		return stop(err)
+	case <-ctx.Done():
+		return stop(nil)
 	}
-	cniDone := make(chan error, 1)
-	go func() { cniDone <- events.Serve(ctx, a.cfg.CNISocket, m) }()
-	go a.watchZtunnel(ctx, m)
-	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m})
+	cniLn, err := events.Listen(a.cfg.CNISocket)
 	if err != nil {
-		return a.shutdown(dp, err)
+		return stop(fmt.Errorf("cni socket: %w", err))
 	}
-	// 6. Ready.
+	srv.run("cni event server", func() error { return events.ServeListener(ctx, cniLn, m) })
+	srv.background(func() { a.watchZtunnel(ctx, m) })
+	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m}, log.With("component", "inspect"))
+	if err != nil {
+		return stop(err)
+	}
+	srv.watch("inspection server", inspectDone)
+	// 6. Ready: every listener is up.
 	a.serving.Store(true)
 	log.Info("agent ready", "node", a.cfg.NodeName, "enrolled", m.count(), "zds", a.cfg.ZDSSocket, "cni", a.cfg.CNISocket)
 
 	var runErr error
 	select {
 	case <-ctx.Done():
-	case err := <-srcDone:
-		runErr = fmt.Errorf("pod source stopped: %w", err)
-	case err := <-zdsDone:
-		runErr = fmt.Errorf("zds server stopped: %w", err)
-	case err := <-cniDone:
-		runErr = fmt.Errorf("cni event server stopped: %w", err)
-	case err := <-healthDone:
-		runErr = fmt.Errorf("health server stopped: %w", err)
-	case err := <-metricsDone:
-		runErr = fmt.Errorf("metrics server stopped: %w", err)
-	case err := <-inspectDone:
-		runErr = fmt.Errorf("inspection server stopped: %w", err)
+	case runErr = <-srv.stopped():
 	}
 	a.serving.Store(false)
-	cancel()
-	return a.shutdown(dp, runErr)
+	return stop(runErr)
 }
 
 func (a *agent) newSource(kcfg kube.Config, m *mesh) (source, error) {

@@ -66,7 +66,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.inspectSocket, "inspect-socket", "", "socket the CLI asks (default "+DefaultInspectSocket+")")
 	fs.StringVar(&f.procRoot, "proc-root", DefaultProcRoot, "the host's /proc, scanned for running pods' netns")
 	fs.StringVar(&f.healthAddr, "health-addr", DefaultHealthAddr, "address of /healthz and /readyz")
-	fs.StringVar(&f.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address of /metrics")
+	fs.StringVar(&f.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address of /metrics; the metrics name pods, so restrict it (127.0.0.1:15014 keeps them on the node)")
 	fs.BoolVar(&f.installCNI, "install-cni", true, "install the CNI plugin on the host and keep it installed")
 	fs.Var(&f.cniBinDirs, "cni-bin-dir", "host CNI bin directory (repeatable; default /host/opt/cni/bin)")
 	fs.StringVar(&f.cniConfDir, "cni-conf-dir", "/host/etc/cni/net.d", "host CNI configuration directory")

@@ -6,9 +6,11 @@ package agent
 import (
 	"context"
 	"fmt"
+	"log/slog"
 
 	"google.golang.org/grpc"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
@@ -45,16 +47,21 @@ func (i *inspector) Status(context.Context, *inspectv1.StatusRequest) (*inspectv
 }
 
 // serveInspect serves the inspection API on a root-only unix socket until
-// ctx ends.
-func serveInspect(ctx context.Context, path string, srv inspectv1.InspectServer) (<-chan error, error) {
-	ln, err := events.Listen(path)
+// ctx ends. Like the other sockets it replaces only a stale socket of ours
+// (internal/unixsock); a panic in a call fails that call, logged.
+func serveInspect(ctx context.Context, path string, srv inspectv1.InspectServer, log *slog.Logger) (<-chan error, error) {
+	ln, err := unixsock.Listen("unix", path)
 	if err != nil {
 		return nil, fmt.Errorf("inspection socket: %w", err)
 	}
-	g := grpc.NewServer()
+	g := grpc.NewServer(grpc.ChainUnaryInterceptor(events.RecoverUnary(log)))
 	inspectv1.RegisterInspectServer(g, srv)
 	done := make(chan error, 1)
-	go func() { done <- g.Serve(ln) }()
+	go func() {
+		err := g.Serve(ln)
+		_ = ln.Close() // done means the socket file is gone
+		done <- err
+	}()
 	go func() {
 		<-ctx.Done()
 		g.Stop()

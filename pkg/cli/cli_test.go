@@ -11,7 +11,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -95,5 +97,23 @@ func TestBpftoolPrintsFieldNames(t *testing.T) {
 		if !bytes.Contains(out, []byte(field)) {
 			t.Errorf("bpftool dump lacks field %s:\n%s", field, out)
 		}
+	}
+}
+
+// TestStatusGivesUpOnAnAgentThatNeverAnswers: an agent that accepts the
+// connection but never answers is reported unreachable within the deadline.
+func TestStatusGivesUpOnAnAgentThatNeverAnswers(t *testing.T) {
+	start := time.Now()
+	out := run(t, "--bpffs", filepath.Join(t.TempDir(), "none"), "--inspect-socket", unixsocktest.Mute(t),
+		"--agent-timeout", "300ms", "-o", "json", "status")
+	var st Status
+	if err := json.Unmarshal([]byte(out), &st); err != nil {
+		t.Fatalf("status -o json: %v\n%s", err, out)
+	}
+	if st.Agent != nil || !strings.Contains(st.AgentError, "no answer within 300ms") {
+		t.Errorf("status of a mute agent: %+v", st)
+	}
+	if took := time.Since(start); took > 3*time.Second {
+		t.Errorf("status took %v with a 300ms agent timeout", took)
 	}
 }

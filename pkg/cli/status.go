@@ -13,18 +13,22 @@ import (
 
 	"github.com/spf13/cobra"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 )
 
-// agentOptions say where the agent answers.
+// agentOptions say where the agent answers and how long to wait for it.
 type agentOptions struct {
 	inspectSocket string
+	timeout       time.Duration
 }
 
 func (a *agentOptions) addFlags(cmd *cobra.Command) {
 	cmd.PersistentFlags().StringVar(&a.inspectSocket, "inspect-socket", "/var/run/ambient-ebpf/inspect.sock", "the agent's inspection socket")
+	cmd.PersistentFlags().DurationVar(&a.timeout, "agent-timeout", 3*time.Second, "how long to wait for the agent's answer; an agent that accepts but does not answer in time is reported unreachable")
 }
 
 // Status is what `ambient-ebpf status` reports.
@@ -53,10 +57,12 @@ func statusCommand(o *options) *cobra.Command {
 		Short: "Agent readiness, ztunnel connections, enrolled pods and kernel features in use",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			ctx, cancel := context.WithTimeout(cmd.Context(), 3*time.Second)
+			ctx, cancel := context.WithTimeout(cmd.Context(), o.agent.timeout)
 			defer cancel()
 			var st Status
-			if resp, err := askAgent(ctx, o.agent.inspectSocket); err != nil {
+			if resp, err := askAgent(ctx, o.agent.inspectSocket); status.Code(err) == codes.DeadlineExceeded {
+				st.AgentError = fmt.Sprintf("agent not reachable on %s: no answer within %v", o.agent.inspectSocket, o.agent.timeout)
+			} else if err != nil {
 				st.AgentError = fmt.Sprintf("agent not reachable on %s: %v", o.agent.inspectSocket, err)
 			} else {
 				st.Agent = resp

@@ -49,7 +49,7 @@ type Config struct {
 	// Failpoint, when set, is called at each step of enrolment and
 	// removal with the step's name (see Steps). The crash-injection tests
 	// kill the process there; nothing else sets it.
-	Failpoint func(step string)
+	Failpoint func(step string) `json:"-"`
 }
 
 // Steps are the failpoints of Enroll and Remove, in order: after each the

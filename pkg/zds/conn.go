@@ -10,6 +10,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -121,6 +122,15 @@ func (c *conn) do(ctx context.Context, r *request) error {
 	select {
 	case err := <-r.result:
 		return err
+	case <-c.done:
+		// The connection answers every request it took before it ends,
+		// unless it ended in a recovered panic.
+		select {
+		case err := <-r.result:
+			return err
+		default:
+			return ErrConnectionClosed
+		}
 	case <-ctx.Done():
 		return ctx.Err()
 	}
@@ -128,11 +138,9 @@ func (c *conn) do(ctx context.Context, r *request) error {
 
 func (c *conn) readLoop() {
 	for {
-		data, fds, err := zdswire.Recv(c.uc)
-		// ztunnel never sends descriptors; close them before anything else.
-		zdswire.CloseAll(fds)
+		data, nfds, err := c.recv()
 		select {
-		case c.in <- inbound{data: data, nfds: len(fds), err: err}:
+		case c.in <- inbound{data: data, nfds: nfds, err: err}:
 		case <-c.done:
 			return
 		}
@@ -142,16 +150,41 @@ func (c *conn) readLoop() {
 	}
 }
 
+// recv reads one datagram. ztunnel never sends descriptors, so any that
+// came along are closed at once and only counted. A panic while reading
+// or parsing what the peer sent becomes an error that ends only this
+// connection.
+func (c *conn) recv() (data []byte, nfds int, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = panicError("reading from ztunnel", r)
+		}
+	}()
+	data, fds, err := zdswire.Recv(c.uc)
+	zdswire.CloseAll(fds)
+	return data, len(fds), err
+}
+
+// errPanic marks a connection ended by a recovered panic.
+var errPanic = errors.New("panic")
+
+// panicError turns a recovered value into an error carrying the stack.
+func panicError(where string, r any) error {
+	return fmt.Errorf("%w %s: %v\n%s", errPanic, where, r, debug.Stack())
+}
+
 // serveConn runs one connection from hello to its end and logs why it ended.
 func (s *Server) serveConn(ctx context.Context, c *conn) {
 	var reader sync.WaitGroup
 	reader.Go(c.readLoop)
-	err := s.session(ctx, c)
+	err := s.safeSession(ctx, c)
 	s.unregister(c)
 	close(c.done)
 	_ = c.uc.Close()
 	reader.Wait()
 	switch {
+	case errors.Is(err, errPanic):
+		c.log.Error("connection ended", "reason", err.Error())
 	case ctx.Err() != nil && errors.Is(err, ctx.Err()):
 		c.log.Info("connection closed: server stopping")
 	case errors.Is(err, io.EOF) && c.snapshotSent:
@@ -159,6 +192,17 @@ func (s *Server) serveConn(ctx context.Context, c *conn) {
 	default:
 		c.log.Warn("connection ended", "reason", err.Error())
 	}
+}
+
+// safeSession runs session and turns a panic in it into the reason the
+// connection ends, so one peer cannot take the agent down.
+func (s *Server) safeSession(ctx context.Context, c *conn) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = panicError("serving ztunnel", r)
+		}
+	}()
+	return s.session(ctx, c)
 }
 
 // session speaks the protocol on c until it fails or ctx ends; it always

@@ -52,12 +52,11 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"os"
 	"path/filepath"
 	"sync"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 )
 
 // DefaultSocketPath is where ztunnel looks for the agent.
@@ -159,10 +158,12 @@ func (s *Server) Connections() int {
 	return len(s.conns)
 }
 
-// Run listens (replacing a stale socket file; the socket is 0600, so only
-// root can connect) and serves connections until ctx is done. It then
-// closes every connection, removes the socket file (unless another server
-// has replaced it) and returns nil. Run may be called once.
+// Run listens and serves connections until ctx is done. It replaces a
+// stale socket file at the path but refuses anything else there, a socket
+// another listener answers on included; the socket is 0600 from the
+// moment it appears, so only root can connect (internal/unixsock). When
+// ctx is done it closes every connection, removes the socket file (unless
+// it is no longer this server's) and returns nil. Run may be called once.
 func (s *Server) Run(ctx context.Context) error {
 	s.mu.Lock()
 	if s.ran {
@@ -172,11 +173,12 @@ func (s *Server) Run(ctx context.Context) error {
 	s.ran = true
 	s.mu.Unlock()
 
-	l, ino, err := listen(s.cfg.SocketPath)
+	l, err := unixsock.Listen("unixpacket", s.cfg.SocketPath)
 	if err != nil {
 		return err
 	}
-	defer removeIfSame(s.cfg.SocketPath, ino)
+	// Close is called twice, here and on cancellation; each call returns
+	// only once the listener is closed, so Run never returns with it open.
 	defer l.Close()
 	s.log.Info("listening")
 	close(s.ready)
@@ -285,52 +287,5 @@ func (s *Server) unregister(c *conn) {
 			s.conns = append(s.conns[:i], s.conns[i+1:]...)
 			return
 		}
-	}
-}
-
-// listen binds the socket root-only and moves it into place at path,
-// replacing a stale socket file. The socket is bound in a private 0700
-// directory next to path and made 0600 before it appears at path, so no
-// other user can connect in between. It returns the socket's inode so the
-// server removes only its own file.
-func listen(path string) (*net.UnixListener, uint64, error) {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, 0, fmt.Errorf("create socket directory: %w", err)
-	}
-	if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() != os.ModeSocket {
-		return nil, 0, fmt.Errorf("%s exists and is not a socket", path)
-	}
-	private, err := os.MkdirTemp(dir, ".zds-")
-	if err != nil {
-		return nil, 0, fmt.Errorf("create private bind directory: %w", err)
-	}
-	defer os.RemoveAll(private)
-	tmp := filepath.Join(private, "s")
-	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: tmp, Net: "unixpacket"})
-	if err != nil {
-		return nil, 0, fmt.Errorf("listen on %s: %w", path, err)
-	}
-	// The file moves and a newer server may replace it before this one
-	// stops; removeIfSame takes care of our own file only.
-	l.SetUnlinkOnClose(false)
-	var st unix.Stat_t
-	if err := errors.Join(unix.Chmod(tmp, 0o600), unix.Stat(tmp, &st)); err != nil {
-		_ = l.Close()
-		return nil, 0, fmt.Errorf("prepare socket: %w", err)
-	}
-	// rename replaces a stale socket atomically.
-	if err := os.Rename(tmp, path); err != nil {
-		_ = l.Close()
-		return nil, 0, fmt.Errorf("move socket into place: %w", err)
-	}
-	return l, st.Ino, nil
-}
-
-// removeIfSame removes path if it is still the socket with inode ino.
-func removeIfSame(path string, ino uint64) {
-	var st unix.Stat_t
-	if unix.Stat(path, &st) == nil && st.Ino == ino {
-		_ = os.Remove(path)
 	}
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/nstest"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 )
 
 // pods is a concurrency-safe pod list standing in for the agent's state.
@@ -103,14 +104,21 @@ func TestRunRemovesStaleSocketAndListensRootOnly(t *testing.T) {
 	p.expectClosed(2 * time.Second)
 }
 
-// TestStoppingAReplacedServerKeepsTheNewSocket: during an agent upgrade the
-// new agent takes over the path; the old one stopping must not unlink it.
-func TestStoppingAReplacedServerKeepsTheNewSocket(t *testing.T) {
+// TestSecondServerOnALiveSocketIsRefused: a server whose path another
+// listener answers on (another agent, or the CNI socket's path given to
+// the wrong flag) refuses to start and leaves that listener working.
+func TestSecondServerOnALiveSocketIsRefused(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "zds.sock")
-	old := startServer(t, Config{SocketPath: path})
-	startServer(t, Config{SocketPath: path})
-	old.stop()
+	first := startServer(t, Config{SocketPath: path})
+	s, err := NewServer(Config{SocketPath: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Run(context.Background()); !errors.Is(err, unixsock.ErrInUse) || !strings.Contains(err.Error(), path) {
+		t.Fatalf("Run on a live socket: %v", err)
+	}
 	dialRaw(t, path).handshake(0)
+	eventually(t, time.Second, func() bool { return first.srv.Connections() == 1 }, "the first server still serves")
 }
 
 func TestRunRefusesToRemoveANonSocket(t *testing.T) {
@@ -122,8 +130,11 @@ func TestRunRefusesToRemoveANonSocket(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Run(context.Background()); err == nil || !strings.Contains(err.Error(), "not a socket") {
+	if err := s.Run(context.Background()); !errors.Is(err, unixsock.ErrNotSocket) {
 		t.Fatalf("Run: %v", err)
+	}
+	if b, err := os.ReadFile(path); err != nil || string(b) != "x" {
+		t.Fatalf("the file is now %q, %v", b, err)
 	}
 }
 

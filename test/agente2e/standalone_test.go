@@ -70,6 +70,16 @@ func (n *agentNode) startAgent(t *testing.T, extra ...string) {
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		if code, _ := n.get("/readyz"); code == http.StatusOK {
+			// Ready means every listener is up.
+			for _, s := range []struct{ network, path string }{
+				{"unixpacket", n.zds}, {"unix", n.cni}, {"unix", filepath.Join(n.dir, "inspect.sock")},
+			} {
+				c, err := net.Dial(s.network, s.path)
+				if err != nil {
+					t.Fatalf("agent ready but %s does not answer: %v", s.path, err)
+				}
+				_ = c.Close()
+			}
 			return
 		}
 		if n.agent.Exited() || time.Now().After(deadline) {

@@ -89,7 +89,8 @@ func (r *agentRun) start(extra ...string) {
 	r.t.Helper()
 	args := append([]string{r.bin, "--kubeconfig", r.kubeconfig, "--node-name", r.nodeName,
 		"--bpffs-dir", r.node.BPFFSDir, "--cgroup-root", r.node.CgroupRoot, "--node-netns", simnode.NetnsPath(r.node.NodeNS),
-		"--zds-socket", r.zds, "--cni-socket", r.cni, "--health-addr", r.health, "--metrics-addr", r.metrics,
+		"--zds-socket", r.zds, "--cni-socket", r.cni, "--inspect-socket", filepath.Join(r.dir, "inspect.sock"),
+		"--health-addr", r.health, "--metrics-addr", r.metrics,
 		"--cni-bin-dir", r.binDir, "--cni-conf-dir", r.confDir, "--cni-plugin-binary", filepath.Join(r.dir, "ambient-ebpf-cni"),
 		"--token-path", filepath.Join(r.dir, "token"), "--ca-path", "/dev/null", "--api-server", r.c.Config.Host,
 		"--daemonset-namespace", r.ns, "--daemonset-name", "ambient-ebpf", "--log-level", "debug"}, extra...)

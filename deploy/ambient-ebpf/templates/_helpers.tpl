@@ -63,3 +63,21 @@ host mounts later.
 {{- define "ambient-ebpf.bpffsPropagation" -}}
 {{- if .Values.securityContext.privileged }}Bidirectional{{ else }}HostToContainer{{ end }}
 {{- end }}
+
+{{/*
+--metrics-addr: agent.metricsAddress (empty: every address of the node) and
+agent.metricsPort; an IPv6 literal gets its brackets.
+*/}}
+{{- define "ambient-ebpf.metricsAddr" -}}
+{{- $host := .Values.agent.metricsAddress | default "" | toString }}
+{{- if and (contains ":" $host) (not (hasPrefix "[" $host)) }}
+{{- printf "[%s]:%v" $host .Values.agent.metricsPort }}
+{{- else }}
+{{- printf "%s:%v" $host .Values.agent.metricsPort }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when metrics are bound to loopback, where no scraper off the node reaches them. */}}
+{{- define "ambient-ebpf.metricsLoopback" -}}
+{{- if has (.Values.agent.metricsAddress | default "" | toString) (list "127.0.0.1" "::1" "[::1]" "localhost") }}true{{ end }}
+{{- end }}

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
@@ -61,6 +62,28 @@ func (c *Client) PodAdd(ctx context.Context, req *cniv1.PodAddRequest) (*cniv1.P
 func (c *Client) PodDel(ctx context.Context, req *cniv1.PodDelRequest) error {
 	if _, err := c.rpc.PodDel(ctx, req); err != nil {
 		return classify(ctx, err)
+	}
+	return nil
+}
+
+// Probe asks the agent at socketPath whether it serves, through the gRPC
+// health service, and waits no longer than ctx allows. Accepting the
+// connection is not enough: an agent that accepts but never answers is
+// reported as ErrAgentTimeout, a missing or refusing one as
+// ErrAgentUnreachable, and one that answers but does not serve (it is
+// stopping) as ErrAgentUnreachable too.
+func Probe(ctx context.Context, socketPath string) error {
+	c, err := NewClient(socketPath)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrAgentUnreachable, err)
+	}
+	defer c.Close()
+	resp, err := healthpb.NewHealthClient(c.conn).Check(ctx, &healthpb.HealthCheckRequest{})
+	if err != nil {
+		return classify(ctx, err)
+	}
+	if st := resp.GetStatus(); st != healthpb.HealthCheckResponse_SERVING {
+		return fmt.Errorf("%w: agent reports %s", ErrAgentUnreachable, st)
 	}
 	return nil
 }

@@ -11,18 +11,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
+	"runtime/debug"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 )
@@ -52,24 +53,17 @@ type Handler interface {
 // connected to the agent.
 var ErrNoZtunnel = errors.New("no ztunnel connected")
 
-// Listen removes a stale socket file at socketPath, creates its directory
-// (0700) and listens there with a socket file only root can use (0600).
+// Listen listens on socketPath with a socket only root can use from the
+// moment it exists, creating its directory (0700) when missing. A stale
+// socket left by a previous agent is replaced; anything else at the path
+// (a live socket such as ztunnel's, a regular file, a directory) is
+// refused and left alone (internal/unixsock).
 func Listen(socketPath string) (net.Listener, error) {
-	if err := os.MkdirAll(filepath.Dir(socketPath), 0o700); err != nil {
-		return nil, fmt.Errorf("create socket directory for %s: %w", socketPath, err)
-	}
-	if err := os.Remove(socketPath); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("remove stale socket %s: %w", socketPath, err)
-	}
-	ln, err := net.Listen("unix", socketPath)
+	l, err := unixsock.Listen("unix", socketPath)
 	if err != nil {
-		return nil, fmt.Errorf("listen on %s: %w", socketPath, err)
+		return nil, err
 	}
-	if err := os.Chmod(socketPath, 0o600); err != nil {
-		_ = ln.Close()
-		return nil, fmt.Errorf("restrict socket %s to root: %w", socketPath, err)
-	}
-	return ln, nil
+	return l, nil
 }
 
 // Serve listens on socketPath and serves h until ctx is cancelled.
@@ -85,15 +79,23 @@ func Serve(ctx context.Context, socketPath string, h Handler) error {
 const gracePeriod = 5 * time.Second
 
 // ServeListener serves h on ln until ctx is cancelled, then lets in-flight
-// calls finish for a short grace period. It closes ln. A cancelled ctx is a
-// clean stop and returns nil.
+// calls finish for a short grace period. It closes ln before it returns. A
+// cancelled ctx is a clean stop and returns nil.
+//
+// Besides the CNIEvents service it serves the standard gRPC health service,
+// which the plugin's STATUS asks (Probe), and it recovers a panic in any
+// call into an Internal error, logged with its stack.
 func ServeListener(ctx context.Context, ln net.Listener, h Handler) error {
-	srv := grpc.NewServer()
+	defer ln.Close()
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(RecoverUnary(slog.Default())))
 	cniv1.RegisterCNIEventsServer(srv, &server{h: h, log: slog.Default()})
+	hs := health.NewServer()
+	healthpb.RegisterHealthServer(srv, hs)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		<-ctx.Done()
+		hs.Shutdown()
 		stopped := make(chan struct{})
 		go func() { srv.GracefulStop(); close(stopped) }()
 		select {
@@ -112,6 +114,21 @@ func ServeListener(ctx context.Context, ln net.Listener, h Handler) error {
 		return fmt.Errorf("serve cni events on %s: %w", ln.Addr(), err)
 	}
 	return nil
+}
+
+// RecoverUnary is a gRPC interceptor that turns a panic in a handler into
+// an Internal error for that call, logged with the stack, so one request
+// cannot take the agent down.
+func RecoverUnary(log *slog.Logger) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp any, err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				log.ErrorContext(ctx, "grpc handler panicked", "method", info.FullMethod, "panic", r, "stack", string(debug.Stack()))
+				resp, err = nil, status.Errorf(codes.Internal, "%s panicked: %v", info.FullMethod, r)
+			}
+		}()
+		return handler(ctx, req)
+	}
 }
 
 type server struct {

@@ -7,12 +7,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 )
 
@@ -113,23 +117,56 @@ func TestPodAddAndDelReachTheHandler(t *testing.T) {
 	}
 }
 
-func TestSocketIsRootOnlyAndStaleFileIsReplaced(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "cni.sock")
-	if err := os.WriteFile(path, []byte("stale"), 0o644); err != nil {
+// TestListenReplacesOnlyAStaleSocket: a dead agent's socket is replaced
+// by a root-only one; a regular file, or ztunnel's live ZDS socket given
+// as --cni-socket, is refused and left as it was.
+func TestListenReplacesOnlyAStaleSocket(t *testing.T) {
+	dir := t.TempDir()
+	stale := filepath.Join(dir, "cni.sock")
+	dead, err := net.ListenUnix("unix", &net.UnixAddr{Name: stale, Net: "unix"})
+	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := Listen(path)
+	dead.SetUnlinkOnClose(false)
+	_ = dead.Close()
+	ln, err := Listen(stale)
 	if err != nil {
-		t.Fatalf("Listen over a stale file: %v", err)
+		t.Fatalf("Listen over a stale socket: %v", err)
 	}
 	defer ln.Close()
-	fi, err := os.Stat(path)
+	fi, err := os.Stat(stale)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if fi.Mode()&os.ModeSocket == 0 || fi.Mode().Perm() != 0o600 {
 		t.Errorf("socket mode = %v, want a 0600 socket", fi.Mode())
 	}
+
+	file := filepath.Join(dir, "file.sock")
+	if err := os.WriteFile(file, []byte("not ours"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Listen(file); !errors.Is(err, unixsock.ErrNotSocket) {
+		t.Errorf("Listen over a regular file: %v", err)
+	}
+	if b, _ := os.ReadFile(file); string(b) != "not ours" {
+		t.Errorf("the file now holds %q", b)
+	}
+
+	ztunnel := filepath.Join(dir, "ztunnel.sock")
+	zl, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: ztunnel, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer zl.Close()
+	if _, err := Listen(ztunnel); !errors.Is(err, unixsock.ErrInUse) {
+		t.Errorf("Listen over a live ZDS socket: %v", err)
+	}
+	c, err := net.Dial("unixpacket", ztunnel)
+	if err != nil {
+		t.Fatalf("the ZDS socket no longer answers: %v", err)
+	}
+	_ = c.Close()
 }
 
 func TestClientErrorsSayWhichFailClosedCaseHappened(t *testing.T) {
@@ -193,5 +230,52 @@ func TestRequestWithoutPodIsRefused(t *testing.T) {
 	}
 	if len(h.adds) != 0 {
 		t.Errorf("handler saw %d adds", len(h.adds))
+	}
+}
+
+// TestProbeNeedsAnAnswerInTime: Probe passes for a serving agent and fails
+// for a missing socket and, within its deadline, for one that accepts the
+// connection but never answers.
+func TestProbeNeedsAnAnswerInTime(t *testing.T) {
+	probe := func(path string) (time.Duration, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		err := Probe(ctx, path)
+		return time.Since(start), err
+	}
+	if _, err := probe(start(t, &fakeHandler{})); err != nil {
+		t.Errorf("Probe of a serving agent: %v", err)
+	}
+	if _, err := probe(filepath.Join(t.TempDir(), "missing.sock")); !errors.Is(err, ErrAgentUnreachable) {
+		t.Errorf("Probe of a missing socket: %v", err)
+	}
+	took, err := probe(unixsocktest.Mute(t))
+	if !errors.Is(err, ErrAgentTimeout) {
+		t.Errorf("Probe of an agent that never answers: %v", err)
+	}
+	if took > 2*time.Second {
+		t.Errorf("Probe took %v with a 300ms deadline", took)
+	}
+}
+
+// panicky panics in PodAdd.
+type panicky struct{ fakeHandler }
+
+func (*panicky) PodAdd(context.Context, *cniv1.PodAddRequest) (AddResult, error) {
+	panic("handler exploded")
+}
+
+// TestPanicInAHandlerFailsOnlyThatCall: the call gets an error, the server
+// keeps serving.
+func TestPanicInAHandlerFailsOnlyThatCall(t *testing.T) {
+	c := client(t, start(t, &panicky{}))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := c.PodAdd(ctx, addReq()); !errors.Is(err, ErrNotEnrolled) || !strings.Contains(err.Error(), "handler exploded") {
+		t.Fatalf("PodAdd into a panicking handler: %v", err)
+	}
+	if err := c.PodDel(ctx, &cniv1.PodDelRequest{Pod: addReq().Pod}); err != nil {
+		t.Fatalf("PodDel after the panic: %v", err)
 	}
 }

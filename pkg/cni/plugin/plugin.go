@@ -14,7 +14,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"runtime/debug"
 
 	"github.com/containernetworking/cni/pkg/skel"
@@ -44,7 +43,7 @@ type Plugin struct {
 	DialAgent func(conf *Config) (Agent, error)
 	// PodSource returns the fallback pod source, or nil when none is configured.
 	PodSource func(conf *Config) (PodSource, error)
-	// ProbeAgent reports whether something accepts connections on the agent socket.
+	// ProbeAgent reports whether the agent answers on its socket in time.
 	ProbeAgent func(ctx context.Context, conf *Config) error
 }
 
@@ -232,7 +231,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 }
 
 // Status answers whether the plugin can serve ADD: yes when the agent
-// accepts connections, or when a fallback source lets non-ambient pods
+// answers a health check within agentTimeout, or when a fallback source lets non-ambient pods
 // through while it is down; otherwise error 50 (plugin not available).
 func (p *Plugin) Status(args *skel.CmdArgs) error {
 	conf, err := ParseConfig(args.StdinData)
@@ -256,11 +255,11 @@ func (p *Plugin) GC(args *skel.CmdArgs) error {
 	return err
 }
 
+// probeSocket asks the agent whether it serves, within ctx's deadline: an
+// agent that accepts the connection but never answers is unavailable.
 func probeSocket(ctx context.Context, conf *Config) error {
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", conf.AgentSocket)
-	if err != nil {
+	if err := events.Probe(ctx, conf.AgentSocket); err != nil {
 		return fmt.Errorf("probe agent socket %s: %w", conf.AgentSocket, err)
 	}
-	return c.Close()
+	return nil
 }

@@ -19,12 +19,14 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
@@ -300,6 +302,22 @@ func TestProbeSocket(t *testing.T) {
 	c := &Config{Settings: Settings{AgentSocket: filepath.Join(t.TempDir(), "missing.sock")}}
 	if err := probeSocket(context.Background(), c); err == nil {
 		t.Error("probe of a missing socket succeeded")
+	}
+}
+
+// TestStatusOfAnAgentThatAcceptsButNeverAnswers: STATUS asks the agent
+// with a deadline; accepting the connection is not being available.
+func TestStatusOfAnAgentThatAcceptsButNeverAnswers(t *testing.T) {
+	p := New(io.Discard, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	extra := fmt.Sprintf(`,"agentSocket":%q,"agentTimeout":"300ms"`, unixsocktest.Mute(t))
+	start := time.Now()
+	err := p.Status(&skel.CmdArgs{StdinData: conf("1.1.0", "", extra)})
+	var cniErr *types.Error
+	if !errors.As(err, &cniErr) || cniErr.Code != types.ErrPluginNotAvailable || !strings.Contains(cniErr.Details, "agent timed out") {
+		t.Errorf("Status = %v, want code %d (agent timed out)", err, types.ErrPluginNotAvailable)
+	}
+	if took := time.Since(start); took > 3*time.Second {
+		t.Errorf("Status took %v with a 300ms agent timeout", took)
 	}
 }
 
