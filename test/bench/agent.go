@@ -152,6 +152,28 @@ func statusKiB(status, key string) int64 {
 	return 0
 }
 
+// pinnedProgram opens the program pinned at path, or the program of the
+// link pinned there.
+func pinnedProgram(path string) (*ebpf.Program, error) {
+	if prog, err := ebpf.LoadPinnedProgram(path, nil); err == nil {
+		return prog, nil
+	}
+	l, err := link.LoadPinnedLink(path, nil)
+	if err != nil {
+		return nil, fmt.Errorf("open pin %s: %w", path, err)
+	}
+	defer l.Close()
+	info, err := l.Info()
+	if err != nil {
+		return nil, fmt.Errorf("link %s: %w", path, err)
+	}
+	prog, err := ebpf.NewProgramFromID(info.Program)
+	if err != nil {
+		return nil, fmt.Errorf("program of %s: %w", path, err)
+	}
+	return prog, nil
+}
+
 // progStats sums run counts and times per program name over every link
 // pinned under bpffs.
 func progStats(bpffs string) ([]progStat, error) {
@@ -162,28 +184,22 @@ func progStats(bpffs string) ([]progStat, error) {
 		if err != nil || d.IsDir() || strings.Contains(path, "/maps/") {
 			return err
 		}
-		l, err := link.LoadPinnedLink(path, nil)
+		// A pin is a link (cgroup hooks, sk_lookup) or the program of a
+		// classic tc filter.
+		prog, err := pinnedProgram(path)
 		if err != nil {
-			return fmt.Errorf("open link %s: %w", path, err)
-		}
-		defer l.Close()
-		info, err := l.Info()
-		if err != nil {
-			return fmt.Errorf("link %s: %w", path, err)
-		}
-		if seen[info.Program] {
-			return nil
-		}
-		seen[info.Program] = true
-		prog, err := ebpf.NewProgramFromID(info.Program)
-		if err != nil {
-			return fmt.Errorf("program of %s: %w", path, err)
+			return err
 		}
 		defer prog.Close()
 		pi, err := prog.Info()
 		if err != nil {
 			return fmt.Errorf("program of %s: %w", path, err)
 		}
+		id, _ := pi.ID()
+		if seen[id] {
+			return nil
+		}
+		seen[id] = true
 		s := byName[pi.Name]
 		if s == nil {
 			s = &progStat{Name: pi.Name}

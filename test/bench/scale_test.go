@@ -174,7 +174,7 @@ func (e *env) adopt(res *Results) (time.Duration, time.Duration) {
 }
 
 // checkScaleLeftovers fails the run unless the removed pods left nothing:
-// no pinned pod but the traffic pair, no pods/<uid> pins (TCX links), and,
+// no pinned pod but the traffic pair, no pods/<uid> pins (sk_lookup links, tc programs), and,
 // once the pods themselves are gone, no netns or cgroup of theirs.
 func (e *env) checkScaleLeftovers(pods []*simnode.Pod) {
 	pair := e.paths[pathEBPF]
