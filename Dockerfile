@@ -32,10 +32,11 @@ RUN --mount=type=cache,target=/go/pkg/mod \
     go build -trimpath -ldflags="-s -w" -o /out/ \
         ./cmd/ambient-ebpf-agent \
         ./cmd/ambient-ebpf-cni \
+        ./cmd/ambient-ebpf-cni-fallback \
         ./cmd/ambient-ebpf
 
 FROM ${BASE_IMAGE}
-COPY --from=build /out/ambient-ebpf-agent /out/ambient-ebpf-cni /out/ambient-ebpf /usr/local/bin/
+COPY --from=build /out/ambient-ebpf-agent /out/ambient-ebpf-cni /out/ambient-ebpf-cni-fallback /out/ambient-ebpf /usr/local/bin/
 # Root, with capabilities granted by the pod spec (see the chart's README);
 # distroless static's default user is already 0, this makes it explicit.
 USER 0:0

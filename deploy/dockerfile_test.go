@@ -21,7 +21,7 @@ const repoRoot = ".."
 
 // imageBinaries are the commands the image holds, by cmd/ directory name;
 // the chart runs the first.
-var imageBinaries = []string{"ambient-ebpf-agent", "ambient-ebpf-cni", "ambient-ebpf"}
+var imageBinaries = []string{"ambient-ebpf-agent", "ambient-ebpf-cni", "ambient-ebpf-cni-fallback", "ambient-ebpf"}
 
 // instruction is one Dockerfile instruction with continuations joined.
 type instruction struct {

@@ -76,6 +76,7 @@ func newNodeAgent(t *testing.T, n *simnode.Node, cgroup string, pods []*simnode.
 	const mod = "github.com/ambient-ebpf/ambient-ebpf/"
 	a.bin = simnode.BuildBinary(t, filepath.Join(dir, "build"), mod+"cmd/ambient-ebpf-agent")
 	a.plugin = simnode.BuildBinary(t, filepath.Join(dir, "build"), mod+"cmd/ambient-ebpf-cni")
+	simnode.BuildBinary(t, filepath.Join(dir, "build"), mod+"cmd/ambient-ebpf-cni-fallback")
 	simnode.BuildBinary(t, a.cniBin, mod+"test/reference/"+iptablesPlugin)
 	if err := writePodFile(a.podFile, pods); err != nil {
 		t.Fatalf("write pod file: %v", err)

@@ -110,7 +110,8 @@ func referencePlugins(t *testing.T, root string) string {
 
 func buildPlugin(t *testing.T, root, dir string) {
 	t.Helper()
-	cmd := exec.Command("go", "build", "-o", filepath.Join(dir, "ambient-ebpf-cni"), "./cmd/ambient-ebpf-cni")
+	// The plugin and, beside it as the installer puts it, its fallback.
+	cmd := exec.Command("go", "build", "-o", dir+"/", "./cmd/ambient-ebpf-cni", "./cmd/ambient-ebpf-cni-fallback")
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("build ambient-ebpf-cni: %v\n%s", err, out)

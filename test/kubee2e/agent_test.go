@@ -55,6 +55,7 @@ func newAgentRun(t *testing.T, c *kubeapi.Cluster, ns string) *agentRun {
 	r := &agentRun{t: t, c: c, node: simnode.New(t), nodeName: newNode(), ns: ns, dir: t.TempDir()}
 	r.bin = simnode.BuildBinary(t, r.dir, "github.com/ambient-ebpf/ambient-ebpf/cmd/ambient-ebpf-agent")
 	cni := simnode.BuildBinary(t, r.dir, "github.com/ambient-ebpf/ambient-ebpf/cmd/ambient-ebpf-cni")
+	simnode.BuildBinary(t, r.dir, "github.com/ambient-ebpf/ambient-ebpf/cmd/ambient-ebpf-cni-fallback")
 	r.zds, r.cni = filepath.Join(r.dir, "ztunnel.sock"), filepath.Join(r.dir, "cni.sock")
 	r.confDir, r.binDir = filepath.Join(r.dir, "net.d"), filepath.Join(r.dir, "bin")
 	for _, d := range []string{r.confDir, r.binDir} {

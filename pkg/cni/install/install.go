@@ -30,6 +30,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 )
 
@@ -38,7 +39,8 @@ const PluginType = plugin.PluginType
 
 // Config says where things go on the host.
 type Config struct {
-	// PluginBinary is the plugin binary shipped with the agent.
+	// PluginBinary is the plugin binary shipped with the agent; its
+	// fallback binary (ambient-ebpf-cni-fallback) is beside it.
 	PluginBinary string
 	// BinDirs are the host CNI bin directories (e.g. /opt/cni/bin); each must exist.
 	BinDirs []string
@@ -106,18 +108,29 @@ func (i *Installer) Install(ctx context.Context) error {
 	return err
 }
 
-func (i *Installer) install(ctx context.Context) error {
-	bin, err := os.ReadFile(i.cfg.PluginBinary)
-	if err != nil {
-		return fmt.Errorf("read plugin binary: %w", err)
+// binaries are the files installed into each bin directory: the plugin
+// and the fallback it execs when the agent cannot be reached.
+func (i *Installer) binaries() map[string]string {
+	return map[string]string{
+		PluginType:          i.cfg.PluginBinary,
+		fallback.BinaryName: filepath.Join(filepath.Dir(i.cfg.PluginBinary), fallback.BinaryName),
 	}
-	for _, dir := range i.cfg.BinDirs {
-		if err := ctx.Err(); err != nil {
-			return err
+}
+
+func (i *Installer) install(ctx context.Context) error {
+	for name, src := range i.binaries() {
+		bin, err := os.ReadFile(src)
+		if err != nil {
+			return fmt.Errorf("read %s binary: %w", name, err)
 		}
-		removeTempFiles(dir, i.log)
-		if err := writeIfChanged(filepath.Join(dir, PluginType), bin, 0o755); err != nil {
-			return fmt.Errorf("install plugin binary: %w", err)
+		for _, dir := range i.cfg.BinDirs {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			removeTempFiles(dir, name, i.log)
+			if err := writeIfChanged(filepath.Join(dir, name), bin, 0o755); err != nil {
+				return fmt.Errorf("install %s binary: %w", name, err)
+			}
 		}
 	}
 	if i.cfg.KubeconfigPath != "" {
@@ -314,8 +327,10 @@ func (i *Installer) Cleanup() error {
 		}
 	}
 	for _, dir := range i.cfg.BinDirs {
-		removeTempFiles(dir, i.log)
-		errs = append(errs, removeFile(filepath.Join(dir, PluginType)))
+		for name := range i.binaries() {
+			removeTempFiles(dir, name, i.log)
+			errs = append(errs, removeFile(filepath.Join(dir, name)))
+		}
 	}
 	if i.cfg.KubeconfigPath != "" {
 		errs = append(errs, removeFile(i.cfg.KubeconfigPath))
@@ -414,9 +429,9 @@ func atomicWrite(path string, r io.Reader, mode os.FileMode) error {
 }
 
 // removeTempFiles deletes temp files an interrupted atomicWrite of the
-// plugin binary left behind.
-func removeTempFiles(dir string, log *slog.Logger) {
-	matches, _ := filepath.Glob(filepath.Join(dir, "."+PluginType+".tmp.*"))
+// binary name left behind.
+func removeTempFiles(dir, name string, log *slog.Logger) {
+	matches, _ := filepath.Glob(filepath.Join(dir, "."+name+".tmp.*"))
 	for _, m := range matches {
 		if err := os.Remove(m); err != nil {
 			log.Warn("remove leftover temp file", "file", m, "error", err)

@@ -20,6 +20,7 @@ import (
 
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 )
 
@@ -55,6 +56,7 @@ func newNode(t *testing.T, files map[string]string) *node {
 	}
 	mustWrite(t, filepath.Join(n.binDirs[0], "bridge"), "#!bridge")
 	mustWrite(t, filepath.Join(root, "ambient-ebpf-cni"), "#!plugin v1")
+	mustWrite(t, filepath.Join(root, fallback.BinaryName), "#!fallback v1")
 	mustWrite(t, filepath.Join(n.tokenDir, "token"), "token-1\n")
 	mustWrite(t, filepath.Join(n.tokenDir, "ca.crt"), "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
 	n.cfg = Config{
@@ -189,6 +191,9 @@ func TestInstallEachConflistShapeAndUninstall(t *testing.T) {
 				for _, d := range n.binDirs {
 					if b, err := os.ReadFile(filepath.Join(d, PluginType)); err != nil || string(b) != "#!plugin v1" {
 						t.Errorf("binary in %s: %q, %v", d, b, err)
+					}
+					if b, err := os.ReadFile(filepath.Join(d, fallback.BinaryName)); err != nil || string(b) != "#!fallback v1" {
+						t.Errorf("fallback binary in %s: %q, %v", d, b, err)
 					}
 				}
 				// A second pass is a no-op.

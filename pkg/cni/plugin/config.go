@@ -18,7 +18,6 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 )
 
@@ -100,22 +99,9 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		conf.agentTimeout = d
 	}
 	if conf.ExcludeNamespaces == nil {
-		conf.ExcludeNamespaces = enrollment.DefaultConfig().ExcludedNamespaces
+		conf.ExcludeNamespaces = slices.Clone(defaultExcludedNamespaces)
 	}
 	return conf, nil
-}
-
-// enrollment returns the selection settings for the fallback decision.
-func (c *Config) enrollment() enrollment.Config {
-	e := enrollment.DefaultConfig()
-	e.ExcludedNamespaces = c.ExcludeNamespaces
-	if c.SelfLabels != nil {
-		e.SelfLabels = c.SelfLabels
-	}
-	if c.ZtunnelLabels != nil {
-		e.ZtunnelLabels = c.ZtunnelLabels
-	}
-	return e
 }
 
 // hasFallback reports whether the plugin can decide by itself when the
@@ -126,11 +112,11 @@ func (c *Config) hasFallback() bool { return c.PodFile != "" || c.Kubeconfig != 
 // excluded namespaces and the agent's own pods.
 func (c *Config) passesWithoutAgent(p *cniv1.Pod) (string, bool) {
 	if slices.Contains(c.ExcludeNamespaces, p.GetNamespace()) {
-		return string(enrollment.ReasonExcludedNS), true
+		return reasonExcludedNS, true
 	}
 	if c.AgentNamespace != "" && c.AgentPodPrefix != "" &&
 		p.GetNamespace() == c.AgentNamespace && strings.HasPrefix(p.GetName(), c.AgentPodPrefix) {
-		return string(enrollment.ReasonSelf), true
+		return reasonSelf, true
 	}
 	return "", false
 }

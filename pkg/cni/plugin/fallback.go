@@ -4,114 +4,80 @@
 package plugin
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
-	"io"
-	"net/http"
-	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
 
-	corev1 "k8s.io/api/core/v1"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
-
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback"
 )
 
-// PodSource reads a pod and its namespace when the agent cannot be asked.
-// It is the plugin's only Kubernetes access.
-type PodSource interface {
-	Lookup(ctx context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error)
+// Decision is the fallback's answer for a pod.
+type Decision struct {
+	Ambient bool
+	Reason  string
 }
 
-// newPodSource returns the configured fallback: the standalone pod file when
-// set, else the API through the installer's kubeconfig, else nil.
-func newPodSource(conf *Config) (PodSource, error) {
-	switch {
-	case conf.PodFile != "":
-		return FileSource(conf.PodFile), nil
-	case conf.Kubeconfig != "":
-		return NewKubeSource(conf.Kubeconfig)
+// The defaults and reasons of pkg/enrollment the plugin needs without the
+// agent, repeated here so the plugin binary does not link the Kubernetes
+// API types (a test holds them equal).
+var defaultExcludedNamespaces = []string{"kube-system"}
+
+const (
+	reasonExcludedNS = "namespace excluded"
+	reasonSelf       = "the agent's own pod"
+)
+
+// FallbackRequest is what the fallback is asked about pod.
+func FallbackRequest(conf *Config, pod *cniv1.Pod) fallback.Request {
+	return fallback.Request{
+		Namespace: pod.GetNamespace(), Name: pod.GetName(), PodFile: conf.PodFile, Kubeconfig: conf.Kubeconfig,
+		ExcludeNamespaces: conf.ExcludeNamespaces, SelfLabels: conf.SelfLabels, ZtunnelLabels: conf.ZtunnelLabels,
+		Timeout: DefaultFallbackTimeout,
 	}
-	return nil, nil
 }
 
-// FileSource reads the standalone pod file at the given path on each lookup.
-type FileSource string
-
-// Lookup finds the pod and its namespace in the pod file. A pod missing from
-// the file is an error: the plugin never guesses.
-func (f FileSource) Lookup(_ context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
-	file, err := standalone.Load(string(f))
-	if err != nil {
-		return nil, nil, err
+// execFallback asks the fallback binary (FallbackBinary, or
+// ambient-ebpf-cni-fallback next to this one) whether the pod is ambient.
+func (p *Plugin) execFallback(conf *Config, pod *cniv1.Pod) (Decision, error) {
+	if !conf.hasFallback() {
+		return Decision{}, errors.New("no kubeconfig or pod file configured to read the pod")
 	}
-	pod := file.Pod(namespace, name)
-	if pod == nil {
-		return nil, nil, fmt.Errorf("pod %s/%s not in pod file %s", namespace, name, string(f))
-	}
-	return pod, file.Namespaces[namespace], nil
-}
-
-// KubeSource reads pods and namespaces from the API server with plain GETs,
-// so the plugin binary carries no generated clientset.
-type KubeSource struct {
-	host   string
-	client *http.Client
-}
-
-// NewKubeSource builds a source from the kubeconfig at path.
-func NewKubeSource(path string) (*KubeSource, error) {
-	cfg, err := clientcmd.BuildConfigFromFlags("", path)
-	if err != nil {
-		return nil, fmt.Errorf("load kubeconfig %s: %w", path, err)
-	}
-	client, err := rest.HTTPClientFor(cfg)
-	if err != nil {
-		return nil, fmt.Errorf("api client from kubeconfig %s: %w", path, err)
-	}
-	return &KubeSource{host: cfg.Host, client: client}, nil
-}
-
-// maxObjectBytes bounds what the plugin reads for one object.
-const maxObjectBytes = 4 << 20
-
-// Lookup reads the pod and its namespace.
-func (k *KubeSource) Lookup(ctx context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
-	pod := &corev1.Pod{}
-	if err := k.get(ctx, "/api/v1/namespaces/"+url.PathEscape(namespace)+"/pods/"+url.PathEscape(name), pod); err != nil {
-		return nil, nil, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)
-	}
-	ns := &corev1.Namespace{}
-	if err := k.get(ctx, "/api/v1/namespaces/"+url.PathEscape(namespace), ns); err != nil {
-		return nil, nil, fmt.Errorf("read namespace %s: %w", namespace, err)
-	}
-	return pod, ns, nil
-}
-
-func (k *KubeSource) get(ctx context.Context, path string, into any) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, k.host+path, nil)
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Accept", "application/json")
-	resp, err := k.client.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxObjectBytes))
-	if err != nil {
-		return fmt.Errorf("read %s: %w", path, err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		if len(body) > 256 {
-			body = body[:256]
+	bin := p.FallbackBinary
+	if bin == "" {
+		self, err := os.Executable()
+		if err != nil {
+			return Decision{}, fmt.Errorf("find the fallback binary: %w", err)
 		}
-		return fmt.Errorf("get %s: %s: %s", path, resp.Status, body)
+		bin = filepath.Join(filepath.Dir(self), fallback.BinaryName)
 	}
-	if err := json.Unmarshal(body, into); err != nil {
-		return fmt.Errorf("decode %s: %w", path, err)
+	req, err := json.Marshal(FallbackRequest(conf, pod))
+	if err != nil {
+		return Decision{}, err
 	}
-	return nil
+	ctx, cancel := context.WithTimeout(context.Background(), DefaultFallbackTimeout+time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin)
+	cmd.Stdin = bytes.NewReader(req)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return Decision{}, fmt.Errorf("run %s: %w: %s", bin, err, strings.TrimSpace(stderr.String()))
+	}
+	var resp fallback.Response
+	if err := json.Unmarshal(out, &resp); err != nil {
+		return Decision{}, fmt.Errorf("decode the answer of %s: %w", bin, err)
+	}
+	if resp.Error != "" {
+		return Decision{}, errors.New(resp.Error)
+	}
+	return Decision{Ambient: resp.Ambient, Reason: resp.Reason}, nil
 }

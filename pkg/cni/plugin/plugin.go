@@ -21,7 +21,6 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
 // About is printed when the binary runs without CNI_COMMAND.
@@ -41,21 +40,26 @@ type Plugin struct {
 	Log    *slog.Logger
 	// DialAgent returns a client for the agent at conf.AgentSocket.
 	DialAgent func(conf *Config) (Agent, error)
-	// PodSource returns the fallback pod source, or nil when none is configured.
-	PodSource func(conf *Config) (PodSource, error)
+	// Fallback decides whether the pod is ambient when the agent cannot
+	// be asked (by default: the ambient-ebpf-cni-fallback binary).
+	Fallback func(conf *Config, pod *cniv1.Pod) (Decision, error)
+	// FallbackBinary is the fallback binary Fallback runs by default;
+	// empty: ambient-ebpf-cni-fallback next to this binary.
+	FallbackBinary string
 	// ProbeAgent reports whether the agent answers on its socket in time.
 	ProbeAgent func(ctx context.Context, conf *Config) error
 }
 
 // New returns a plugin that writes results to stdout and logs to log.
 func New(stdout io.Writer, log *slog.Logger) *Plugin {
-	return &Plugin{
+	p := &Plugin{
 		Stdout:     stdout,
 		Log:        log,
 		DialAgent:  func(conf *Config) (Agent, error) { return events.NewClient(conf.AgentSocket) },
-		PodSource:  newPodSource,
 		ProbeAgent: probeSocket,
 	}
+	p.Fallback = p.execFallback
+	return p
 }
 
 // Funcs returns the commands for skel.PluginMainFuncs; each turns a panic
@@ -146,21 +150,8 @@ func (p *Plugin) callAdd(conf *Config, req *cniv1.PodAddRequest) error {
 	return nil
 }
 
-func (p *Plugin) decideWithoutAgent(conf *Config, pod *cniv1.Pod) (enrollment.Decision, error) {
-	src, err := p.PodSource(conf)
-	if err != nil {
-		return enrollment.Decision{}, err
-	}
-	if src == nil {
-		return enrollment.Decision{}, errors.New("no kubeconfig or pod file configured to read the pod")
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), DefaultFallbackTimeout)
-	defer cancel()
-	kpod, ns, err := src.Lookup(ctx, pod.GetNamespace(), pod.GetName())
-	if err != nil {
-		return enrollment.Decision{}, err
-	}
-	return enrollment.Decide(conf.enrollment(), kpod, ns), nil
+func (p *Plugin) decideWithoutAgent(conf *Config, pod *cniv1.Pod) (Decision, error) {
+	return p.Fallback(conf, pod)
 }
 
 // failClosed is the ADD error for a pod that must not start yet. Code 11

@@ -6,16 +6,14 @@ package plugin
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
-	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -29,6 +27,8 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback/decide"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 )
 
@@ -108,7 +108,7 @@ type harness struct {
 
 // newHarness wires a plugin to agent (nil: the dial fails) and src (nil: no
 // fallback configured).
-func newHarness(agent *fakeAgent, src PodSource) *harness {
+func newHarness(agent *fakeAgent, src decide.PodSource) *harness {
 	h := &harness{out: &bytes.Buffer{}, agent: agent}
 	h.p = &Plugin{
 		Stdout: h.out,
@@ -120,7 +120,7 @@ func newHarness(agent *fakeAgent, src PodSource) *harness {
 			}
 			return agent, nil
 		},
-		PodSource:  func(*Config) (PodSource, error) { return src, nil },
+		Fallback:   inProcessFallback(func(*Config) decide.PodSource { return src }),
 		ProbeAgent: func(context.Context, *Config) error { return nil },
 	}
 	return h
@@ -163,7 +163,7 @@ func TestAddFailsClosed(t *testing.T) {
 	cases := []struct {
 		name      string
 		agent     *fakeAgent // nil: dial fails
-		src       PodSource  // nil: no fallback
+		src       decide.PodSource // nil: no fallback
 		ns, pod   string
 		extra     string
 		wantErr   string // substring; empty: the ADD succeeds
@@ -321,60 +321,27 @@ func TestStatusOfAnAgentThatAcceptsButNeverAnswers(t *testing.T) {
 	}
 }
 
-func TestKubeSourceReadsPodAndNamespaceWithTheToken(t *testing.T) {
-	var auth []string
-	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		auth = append(auth, r.Header.Get("Authorization"))
-		switch r.URL.Path {
-		case "/api/v1/namespaces/mesh/pods/web":
-			fmt.Fprint(w, `{"apiVersion":"v1","kind":"Pod","metadata":{"name":"web","namespace":"mesh","uid":"u1"}}`)
-		case "/api/v1/namespaces/mesh":
-			fmt.Fprint(w, `{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"mesh","labels":{"istio.io/dataplane-mode":"ambient"}}}`)
-		default:
-			http.Error(w, `{"kind":"Status","code":404}`, http.StatusNotFound)
+// inProcessFallback decides as the fallback binary does, from the source
+// sourceOf gives (nil: none configured), without the exec.
+func inProcessFallback(sourceOf func(*Config) decide.PodSource) func(*Config, *cniv1.Pod) (Decision, error) {
+	return func(conf *Config, pod *cniv1.Pod) (Decision, error) {
+		src := sourceOf(conf)
+		if src == nil {
+			return Decision{}, errors.New("no kubeconfig or pod file configured to read the pod")
 		}
-	}))
-	defer srv.Close()
-	kc := filepath.Join(t.TempDir(), "kubeconfig")
-	ca := base64.StdEncoding.EncodeToString(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}))
-	kubeconfig := "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: " + srv.URL + ", certificate-authority-data: " + ca + "}}]\n" +
-		"users: [{name: u, user: {token: tok-1}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"
-	if err := os.WriteFile(kc, []byte(kubeconfig), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	src, err := NewKubeSource(kc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, ns, err := src.Lookup(context.Background(), "mesh", "web")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if p.UID != "u1" || ns.Labels["istio.io/dataplane-mode"] != "ambient" {
-		t.Errorf("pod %v, namespace %v", p, ns)
-	}
-	if len(auth) != 2 || auth[0] != "Bearer tok-1" {
-		t.Errorf("authorization headers = %v", auth)
-	}
-	if _, _, err := src.Lookup(context.Background(), "mesh", "ghost"); err == nil || !strings.Contains(err.Error(), "mesh/ghost") {
-		t.Errorf("missing pod: %v", err)
+		resp, err := decide.Decide(context.Background(), src, FallbackRequest(conf, pod))
+		return Decision{Ambient: resp.Ambient, Reason: resp.Reason}, err
 	}
 }
 
-func TestFileSource(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "pods.yaml")
-	doc := "apiVersion: v1\nkind: Namespace\nmetadata: {name: mesh, labels: {istio.io/dataplane-mode: ambient}}\n---\n" +
-		"apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: mesh}\n"
-	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
-		t.Fatal(err)
+// simnodeBuild builds a main package of this module into a temporary directory.
+func simnodeBuild(t *testing.T, pkg string) string {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), filepath.Base(pkg))
+	if b, err := exec.Command("go", "build", "-o", out, pkg).CombinedOutput(); err != nil {
+		t.Fatalf("go build %s: %v: %s", pkg, err, b)
 	}
-	p, ns, err := FileSource(path).Lookup(context.Background(), "mesh", "web")
-	if err != nil || p.Name != "web" || ns == nil {
-		t.Fatalf("Lookup = %v, %v, %v", p, ns, err)
-	}
-	if _, _, err := FileSource(path).Lookup(context.Background(), "mesh", "ghost"); err == nil {
-		t.Error("pod missing from the file was found")
-	}
+	return out
 }
 
 // slowAgent never answers before the caller's deadline.
@@ -413,6 +380,8 @@ func TestHungAgentTimesOutAndTheFallbackDecides(t *testing.T) {
 	extra := fmt.Sprintf(`,"agentSocket":%q,"agentTimeout":"300ms","podFile":%q`, sock, podFile)
 	var out bytes.Buffer
 	p := New(&out, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	// The real fallback binary, exec'd as on a node.
+	p.FallbackBinary = simnodeBuild(t, "github.com/ambient-ebpf/ambient-ebpf/cmd/ambient-ebpf-cni-fallback")
 
 	err = p.Add(cmdArgs("mesh", "web", conf("1.0.0", prev100, extra)))
 	var cniErr *types.Error
@@ -501,4 +470,15 @@ func FuzzAddDel(f *testing.F) {
 			}
 		}
 	})
+}
+
+// The plugin repeats enrollment's defaults and reasons so that it does not
+// link the Kubernetes API types; they must not drift.
+func TestRepeatedEnrollmentDefaultsMatch(t *testing.T) {
+	if got, want := defaultExcludedNamespaces, enrollment.DefaultConfig().ExcludedNamespaces; !slices.Equal(got, want) {
+		t.Errorf("excluded namespaces %v, enrollment has %v", got, want)
+	}
+	if reasonExcludedNS != string(enrollment.ReasonExcludedNS) || reasonSelf != string(enrollment.ReasonSelf) {
+		t.Errorf("reasons %q, %q differ from enrollment's", reasonExcludedNS, reasonSelf)
+	}
 }

@@ -1,0 +1,22 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Command ambient-ebpf-cni-fallback decides, for the CNI plugin, whether a
+// pod may start while the node agent is unreachable (pkg/cni/fallback/decide). The
+// plugin execs it only then; the installer copies it next to the plugin.
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback/decide"
+)
+
+func main() {
+	if err := decide.Run(context.Background(), os.Stdin, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "ambient-ebpf-cni-fallback:", err)
+		os.Exit(1)
+	}
+}
