@@ -162,7 +162,7 @@ func TestAddFailsClosed(t *testing.T) {
 	timeout := fmt.Errorf("%w: context deadline exceeded", events.ErrAgentTimeout)
 	cases := []struct {
 		name      string
-		agent     *fakeAgent // nil: dial fails
+		agent     *fakeAgent       // nil: dial fails
 		src       decide.PodSource // nil: no fallback
 		ns, pod   string
 		extra     string
