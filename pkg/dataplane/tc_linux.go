@@ -186,8 +186,16 @@ func (a attachment) setFilter(prog *ebpf.Program) error {
 		if err := h.QdiscAdd(qdisc); err != nil && !errors.Is(err, unix.EEXIST) {
 			return fmt.Errorf("add clsact qdisc to %s: %w", a.iface, err)
 		}
-		// Replacing goes by priority and handle: make sure what sits
-		// there, if anything, is ours.
+		// A new filter is one request; only when one sits at our
+		// priority and handle already (an adoption, a re-enrolment) is
+		// it checked to be ours and replaced in place.
+		err = h.FilterAdd(a.filter(ifindex, prog))
+		if !errors.Is(err, unix.EEXIST) {
+			if err != nil {
+				return fmt.Errorf("attach %s: %w", a, err)
+			}
+			return nil
+		}
 		filters, err := listFilters(ifindex, tcParent(a.attach))
 		if err != nil {
 			return err
