@@ -32,7 +32,7 @@ func TestDemoRunsAndCleansUp(t *testing.T) {
 		testenv.SkipOrFail(t, "CNI reference plugins not built (make cni-plugins): %v", err)
 	}
 	bin := t.TempDir()
-	for _, cmd := range []string{"ambient-ebpf-agent", "ambient-ebpf-cni", "ambient-ebpf"} {
+	for _, cmd := range []string{"ambient-ebpf-agent", "ambient-ebpf-cni", "ambient-ebpf-cni-fallback", "ambient-ebpf"} {
 		simnode.BuildBinary(t, bin, "github.com/ambient-ebpf/ambient-ebpf/cmd/"+cmd)
 	}
 	var out strings.Builder
