@@ -117,6 +117,9 @@ func TestEnrollRefusesBadInputAndLeavesNothing(t *testing.T) {
 		"no IPs":            {func(q *Pod) { q.IPs = nil }, "no IPs"},
 		"missing netns":     {func(q *Pod) { q.Netns = "/nonexistent/netns" }, "open netns"},
 		"missing interface": {func(q *Pod) { q.Interface = "nope0" }, "find interface nope0"},
+		// Fails after the first programs are attached: they, their pins
+		// and the pod's pin directory go again.
+		"missing reroute interface": {func(q *Pod) { q.Options.RerouteInterfaces = []string{"nope1"} }, "find interface nope1"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -109,6 +109,9 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 			return fail(fmt.Errorf("reset ae_stats: %w", err))
 		}
 		undo = append(undo, func() { _ = teardownPodNetns(d.cfg.ProcRoot, pod.Netns, st.savedFwmark) })
+		// The pin directory the attachments create goes with them (it
+		// is empty by then: each undone attachment removes its pin).
+		undo = append(undo, func() { _ = os.Remove(podDir(d.cfg, pod.UID)) })
 	}
 	if err := d.setupReturnPath(&pod); err != nil {
 		return fail(err)
