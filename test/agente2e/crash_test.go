@@ -174,14 +174,7 @@ func (n *agentNode) tryPodAdd(p *simnode.Pod) (*cniv1.PodAddResponse, error) {
 }
 
 func (n *agentNode) tryPodDel(p *simnode.Pod) error {
-	c, err := events.NewClient(n.cni)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	return c.PodDel(ctx, &cniv1.PodDelRequest{Pod: &cniv1.Pod{Name: p.Name, Namespace: p.Namespace, Uid: p.UID, Netns: p.NetnsPath()}})
+	return n.delPod(&cniv1.Pod{Name: p.Name, Namespace: p.Namespace, Uid: p.UID, Netns: p.NetnsPath()})
 }
 
 // checkUntouched asserts the pod is as before enrolment: not pinned, no

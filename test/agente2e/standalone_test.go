@@ -106,17 +106,7 @@ func (n *agentNode) get(path string) (int, string) {
 // podAdd is the CNI plugin's call for a pod sandbox.
 func (n *agentNode) podAdd(t *testing.T, p *simnode.Pod) (*cniv1.PodAddResponse, error) {
 	t.Helper()
-	c, err := events.NewClient(n.cni)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	return c.PodAdd(ctx, &cniv1.PodAddRequest{
-		Pod: &cniv1.Pod{Name: p.Name, Namespace: p.Namespace, Uid: p.UID, ContainerId: "sandbox-" + p.Name, Netns: p.NetnsPath(), Interface: "eth0"},
-		Ips: []string{p.V4.String(), p.V6.String()},
-	})
+	return n.tryPodAdd(p)
 }
 
 func (n *agentNode) podDel(t *testing.T, p *simnode.Pod) {
@@ -127,16 +117,21 @@ func (n *agentNode) podDel(t *testing.T, p *simnode.Pod) {
 // del is the CNI plugin's DEL call with what the runtime gave.
 func (n *agentNode) del(t *testing.T, p *cniv1.Pod) {
 	t.Helper()
+	if err := n.delPod(p); err != nil {
+		t.Fatalf("pod DEL %v: %v", p, err)
+	}
+}
+
+// delPod is the CNI plugin's DEL of a pod sandbox.
+func (n *agentNode) delPod(p *cniv1.Pod) error {
 	c, err := events.NewClient(n.cni)
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := c.PodDel(ctx, &cniv1.PodDelRequest{Pod: p}); err != nil {
-		t.Fatalf("pod DEL %v: %v", p, err)
-	}
+	return c.PodDel(ctx, &cniv1.PodDelRequest{Pod: p})
 }
 
 func podFile(pods ...*simnode.Pod) string {
