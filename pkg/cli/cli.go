@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"reflect"
 	"strings"
 	"text/tabwriter"
 
@@ -77,11 +78,19 @@ func (o *options) open() (*dataplane.Pinned, error) {
 	return p, err
 }
 
+// emit writes v as JSON or as the table. JSON output follows one
+// convention for every command: camelCase field names (a key that is
+// data, as a map or feature name, stays as it is), protobuf messages in
+// protojson with their zero fields, and [] for an empty list, never null
+// (TestEveryCommandsJSON holds each command to it).
 func (o *options) emit(out io.Writer, v any, table func(w *tabwriter.Writer)) error {
 	if o.output == "json" {
 		enc := json.NewEncoder(out)
 		enc.SetIndent("", "  ")
-		return enc.Encode(v)
+		if v == nil {
+			return enc.Encode(v)
+		}
+		return enc.Encode(emptyLists(reflect.ValueOf(v)).Interface())
 	}
 	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
 	table(w)
