@@ -264,6 +264,30 @@ func TestChartRenders(t *testing.T) {
 			wantErr:    "agent.repairMode must be",
 		},
 		{
+			name: "Istio's global values are accepted",
+			values: `
+global:
+  hub: docker.io/istio
+  tag: 1.27.1
+  imagePullSecrets: [registry-key]
+  logAsJson: true
+  istioNamespace: istio-system
+  meshID: mesh1
+  proxy: {clusterDomain: cluster.local}
+`,
+			check: func(*testing.T, *rendered) {},
+		},
+		{
+			name:    "a global of the wrong type fails the schema",
+			values:  "global: {logAsJson: \"yes\"}",
+			wantErr: "/global/logAsJson",
+		},
+		{
+			name:    "a log level the agent refuses fails the schema",
+			values:  "agent: {logLevel: \"default:info\"}",
+			wantErr: "/agent/logLevel",
+		},
+		{
 			name:    "misspelt value fails the schema",
 			values:  "nodeselector: {pool: mesh}",
 			wantErr: "additional properties 'nodeselector' not allowed",
