@@ -108,3 +108,21 @@ func TestChartAsSubchartWithIstioGlobals(t *testing.T) {
 		t.Errorf("subchart DaemonSet lacks its own values:\n%s", ds)
 	}
 }
+
+// agentConfig parses the rendered agent's arguments with the agent's own
+// flags and builds its Config, as the agent would on start.
+func agentConfig(t *testing.T, r *rendered) agent.Config {
+	t.Helper()
+	fs, f := agentFlagSet()
+	if err := fs.Parse(r.agent(t).Args); err != nil {
+		t.Fatalf("the agent refuses the rendered arguments: %v", err)
+	}
+	if fs.NArg() != 0 {
+		t.Fatalf("rendered arguments the agent does not take as flags: %v", fs.Args())
+	}
+	cfg, err := f.Config()
+	if err != nil {
+		t.Fatalf("the agent refuses the rendered flags: %v", err)
+	}
+	return cfg
+}
