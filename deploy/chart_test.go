@@ -165,7 +165,9 @@ func checkInvariants(t *testing.T, r *rendered) {
 		t.Errorf("downward API env %v, want NODE_NAME from spec.nodeName and POD_NAMESPACE from metadata.namespace", env)
 	}
 
-	// Every flag is one the agent has, and every path it names is mounted.
+	// Every flag is one the agent has and takes with its value, and every
+	// path it names is mounted.
+	agentConfig(t, r)
 	fl := flags(t, c)
 	for name, vals := range fl {
 		repeatable, known := agentFlags[name]
@@ -248,9 +250,9 @@ func TestChartRenders(t *testing.T) {
 			check:  checkRepair("delete", "delete"),
 		},
 		{
-			name:   "repair label adds pods patch",
+			name:   "repair label adds no pod writes (pods/status patch labels)",
 			values: "agent: {repairMode: label}",
-			check:  checkRepair("label", "patch"),
+			check:  checkRepair("label"),
 		},
 		{
 			name:    "unknown repair mode fails the schema",
@@ -262,6 +264,30 @@ func TestChartRenders(t *testing.T) {
 			values:     "agent: {repairMode: fix}",
 			skipSchema: true,
 			wantErr:    "agent.repairMode must be",
+		},
+		{
+			name: "Istio's global values are accepted",
+			values: `
+global:
+  hub: docker.io/istio
+  tag: 1.27.1
+  imagePullSecrets: [registry-key]
+  logAsJson: true
+  istioNamespace: istio-system
+  meshID: mesh1
+  proxy: {clusterDomain: cluster.local}
+`,
+			check: func(*testing.T, *rendered) {},
+		},
+		{
+			name:    "a global of the wrong type fails the schema",
+			values:  "global: {logAsJson: \"yes\"}",
+			wantErr: "/global/logAsJson",
+		},
+		{
+			name:    "a log level the agent refuses fails the schema",
+			values:  "agent: {logLevel: \"default:info\"}",
+			wantErr: "/agent/logLevel",
 		},
 		{
 			name:    "misspelt value fails the schema",

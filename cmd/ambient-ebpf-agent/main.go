@@ -15,12 +15,17 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
 )
 
 func main() {
 	flags := agent.NewFlags(flag.CommandLine)
 	flag.Parse()
+	if flags.Version() {
+		fmt.Println("ambient-ebpf-agent", buildinfo.Read())
+		return
+	}
 	cfg, err := flags.Config()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "ambient-ebpf-agent:", err)

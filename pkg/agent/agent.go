@@ -33,6 +33,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
@@ -88,6 +89,8 @@ func (a *agent) run(parent context.Context) error {
 	srv, ctx := newServers(parent)
 	defer srv.stop()
 	log := a.log
+	bi := buildinfo.Read()
+	log.Info("agent starting", "version", bi.Version, "revision", bi.Revision, "modified", bi.Modified, "go", bi.GoVersion)
 
 	// Liveness answers from the first moment; readiness waits for the end.
 	healthDone, err := serveHTTP(ctx, a.cfg.HealthAddr, healthHandler(a.ready), log)

@@ -40,6 +40,7 @@ type Flags struct {
 	dsNamespace, dsName                         string
 	uninstallOnExit                             bool
 	logLevel                                    string
+	version                                     bool
 }
 
 type listFlag []string
@@ -84,8 +85,12 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.dsName, "daemonset-name", "", "the agent's DaemonSet; while it exists, shutdown keeps all state")
 	fs.BoolVar(&f.uninstallOnExit, "uninstall-on-exit", false, "remove everything on shutdown (standalone nodes, the demo)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.BoolVar(&f.version, "version", false, "print the version (from the binary's build information) and exit")
 	return f
 }
+
+// Version reports whether --version was given: print the version, do nothing else.
+func (f *Flags) Version() bool { return f.version }
 
 // Logger builds the logger the flags ask for.
 func (f *Flags) Logger() (*slog.Logger, error) {

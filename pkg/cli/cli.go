@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"reflect"
 	"strings"
 	"text/tabwriter"
 
@@ -46,7 +47,8 @@ func NewCommand(out io.Writer) *cobra.Command {
 	root.PersistentFlags().StringVar(&o.bpffs, "bpffs", dataplane.DefaultBPFFSDir, "directory the data path is pinned under")
 	root.PersistentFlags().StringVarP(&o.output, "output", "o", "table", "output format: table or json")
 	o.agent.addFlags(root)
-	root.AddCommand(podsCommand(o), mapsCommand(o), statsCommand(o), statusCommand(o))
+	root.AddCommand(podsCommand(o), mapsCommand(o), statsCommand(o), statusCommand(o), versionCommand(o))
+	setVersion(root)
 	return root
 }
 
@@ -76,11 +78,19 @@ func (o *options) open() (*dataplane.Pinned, error) {
 	return p, err
 }
 
+// emit writes v as JSON or as the table. JSON output follows one
+// convention for every command: camelCase field names (a key that is
+// data, as a map or feature name, stays as it is), protobuf messages in
+// protojson with their zero fields, and [] for an empty list, never null
+// (TestEveryCommandsJSON holds each command to it).
 func (o *options) emit(out io.Writer, v any, table func(w *tabwriter.Writer)) error {
 	if o.output == "json" {
 		enc := json.NewEncoder(out)
 		enc.SetIndent("", "  ")
-		return enc.Encode(v)
+		if v == nil {
+			return enc.Encode(v)
+		}
+		return enc.Encode(emptyLists(reflect.ValueOf(v)).Interface())
 	}
 	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
 	table(w)

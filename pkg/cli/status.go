@@ -5,6 +5,8 @@ package cli
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -16,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 )
@@ -31,15 +34,73 @@ func (a *agentOptions) addFlags(cmd *cobra.Command) {
 	cmd.PersistentFlags().DurationVar(&a.timeout, "agent-timeout", 3*time.Second, "how long to wait for the agent's answer; an agent that accepts but does not answer in time is reported unreachable")
 }
 
-// Status is what `ambient-ebpf status` reports.
+// Status is what `ambient-ebpf status` reports. Its JSON has every field,
+// zero or not: the agent's answer in protojson's camelCase names (null when
+// it does not answer), then the pins' view.
 type Status struct {
 	// Agent is the running agent's view; nil when it does not answer.
-	Agent      *inspectv1.StatusResponse `json:"agent,omitempty"`
-	AgentError string                    `json:"agentError,omitempty"`
+	Agent      *inspectv1.StatusResponse
+	AgentError string
 	// Pinned is what the pins say, agent or not.
-	Installed  bool   `json:"installed"`
-	PinnedPods int    `json:"pinnedPods"`
-	PinError   string `json:"pinError,omitempty"`
+	Installed  bool
+	PinnedPods int
+	PinError   string
+}
+
+// statusJSON is Status on the wire, the agent's answer already encoded.
+type statusJSON struct {
+	Agent      json.RawMessage `json:"agent"`
+	AgentError string          `json:"agentError"`
+	Installed  bool            `json:"installed"`
+	PinnedPods int             `json:"pinnedPods"`
+	PinError   string          `json:"pinError"`
+}
+
+// MarshalJSON encodes the agent's protobuf answer with protojson, with its
+// zero fields.
+func (s Status) MarshalJSON() ([]byte, error) {
+	w := statusJSON{Agent: json.RawMessage("null"), AgentError: s.AgentError, Installed: s.Installed, PinnedPods: s.PinnedPods, PinError: s.PinError}
+	if s.Agent != nil {
+		b, err := protojson.MarshalOptions{EmitUnpopulated: true}.Marshal(s.Agent)
+		if err != nil {
+			return nil, fmt.Errorf("encode agent status: %w", err)
+		}
+		w.Agent = b
+	}
+	return json.Marshal(w)
+}
+
+// UnmarshalJSON reads what MarshalJSON writes.
+func (s *Status) UnmarshalJSON(b []byte) error {
+	var w statusJSON
+	if err := json.Unmarshal(b, &w); err != nil {
+		return err
+	}
+	*s = Status{AgentError: w.AgentError, Installed: w.Installed, PinnedPods: w.PinnedPods, PinError: w.PinError}
+	if len(w.Agent) > 0 && string(w.Agent) != "null" {
+		s.Agent = &inspectv1.StatusResponse{}
+		if err := protojson.Unmarshal(w.Agent, s.Agent); err != nil {
+			return fmt.Errorf("decode agent status: %w", err)
+		}
+	}
+	return nil
+}
+
+// ErrUnhealthy is what `status` returns, after its report, when the agent
+// does not answer or is not ready: the command then exits non-zero.
+var ErrUnhealthy = errors.New("not healthy")
+
+// problem says what is wrong, nil when the agent answers ready.
+func (s *Status) problem() error {
+	switch {
+	case s.Agent != nil && s.Agent.GetReady():
+		return nil
+	case s.Agent != nil:
+		return fmt.Errorf("%w: the agent is not ready: %s", ErrUnhealthy, s.Agent.GetNotReadyReason())
+	case s.Installed:
+		return fmt.Errorf("%w: the agent does not answer; the pinned data path still redirects %d pods", ErrUnhealthy, s.PinnedPods)
+	}
+	return fmt.Errorf("%w: the agent does not answer and nothing is pinned (is ambient-ebpf running on this node? see --bpffs and --inspect-socket)", ErrUnhealthy)
 }
 
 func askAgent(ctx context.Context, socket string) (*inspectv1.StatusResponse, error) {
@@ -55,7 +116,11 @@ func statusCommand(o *options) *cobra.Command {
 	return &cobra.Command{
 		Use:   "status",
 		Short: "Agent readiness, ztunnel connections, enrolled pods and kernel features in use",
-		Args:  cobra.NoArgs,
+		Long: `Agent readiness, ztunnel connections, enrolled pods and kernel features in use.
+
+Exits 0 when the agent answers and is ready, 1 otherwise (after the report):
+the agent does not answer, or it is not ready yet.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), o.agent.timeout)
 			defer cancel()
@@ -76,7 +141,7 @@ func statusCommand(o *options) *cobra.Command {
 				}
 				p.Close()
 			}
-			return o.emit(cmd.OutOrStdout(), st, func(w *tabwriter.Writer) {
+			err := o.emit(cmd.OutOrStdout(), st, func(w *tabwriter.Writer) {
 				if a := st.Agent; a != nil {
 					ready := "yes"
 					if !a.Ready {
@@ -98,6 +163,10 @@ func statusCommand(o *options) *cobra.Command {
 				}
 				fmt.Fprintf(w, "pinned pods\t%d\n", st.PinnedPods)
 			})
+			if err != nil {
+				return err
+			}
+			return st.problem()
 		},
 	}
 }

@@ -244,6 +244,10 @@ func (w *apiWriter) deletePod(ctx context.Context, pod *corev1.Pod) error {
 	})
 }
 
+// labelPod merge-patches the label through pods/status, as Istio's repair
+// controller does: the status subresource takes metadata changes too, and
+// patch on pods/status (which the annotation needs anyway) grants less
+// than patch on pods, which could change the pod's spec.
 func (w *apiWriter) labelPod(ctx context.Context, pod *corev1.Pod, key, value string) error {
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
 		"uid":    pod.UID,
@@ -252,7 +256,7 @@ func (w *apiWriter) labelPod(ctx context.Context, pod *corev1.Pod, key, value st
 	if err != nil {
 		return err
 	}
-	_, err = w.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	_, err = w.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
 	return err
 }
 

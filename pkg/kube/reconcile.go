@@ -151,12 +151,16 @@ func (r *reconciler) reconcile(ctx context.Context, key string) error {
 	if state == RedirectionNone {
 		// Pods that have not started are the CNI plugin's: it redirects
 		// them before their first instruction, and the status update
-		// that follows brings them back here.
+		// that follows brings them back here. Until then nothing
+		// redirects them, so an annotation they carry (a sandbox the
+		// agent no longer holds) is stale and goes.
 		if pod.Status.Phase != corev1.PodRunning || pod.Status.PodIP == "" {
-			return nil
+			return r.publish(ctx, pod, RedirectionNone)
 		}
 		if err := r.repair(ctx, pod, d); err != nil {
-			return err
+			// Retried; meanwhile istiod must not take the pod as
+			// captured.
+			return errors.Join(err, r.publish(ctx, pod, RedirectionNone))
 		}
 		state = r.mesh.Redirection(pod.UID)
 	}

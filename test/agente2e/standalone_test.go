@@ -207,7 +207,7 @@ func TestAgentEnrollsThroughCNIAndZDS(t *testing.T) {
 	if err := cmd.Execute(); err != nil {
 		t.Fatalf("ambient-ebpf status: %v", err)
 	}
-	for _, want := range []string{`"ready": true`, `"ztunnel_connections": 1`, `"enrolled_pods": 1`, `"pinnedPods": 1`, `"tcx": true`} {
+	for _, want := range []string{`"ready": true`, `"ztunnelConnections": 1`, `"enrolledPods": 1`, `"pendingPods": 0`, `"pinnedPods": 1`, `"tcx": true`} {
 		if !strings.Contains(status.String(), want) {
 			t.Errorf("status lacks %s:\n%s", want, status.String())
 		}

@@ -8,6 +8,7 @@ package bench
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -178,7 +179,8 @@ func (a *nodeAgent) status() cli.Status {
 	cmd := cli.NewCommand(&out)
 	cmd.SetErr(io.Discard)
 	cmd.SetArgs([]string{"--bpffs", a.node.BPFFSDir, "--inspect-socket", a.inspect, "-o", "json", "status"})
-	if err := cmd.Execute(); err != nil {
+	// Not ready yet is a report too (the command then exits non-zero).
+	if err := cmd.Execute(); err != nil && !errors.Is(err, cli.ErrUnhealthy) {
 		a.t.Fatalf("ambient-ebpf status: %v", err)
 	}
 	var st cli.Status

@@ -151,7 +151,9 @@ func (c *Cluster) start(ctx context.Context, bins string) error {
 		"--secure-port="+apiPort,
 		"--cert-dir="+filepath.Join(c.dir, "certs"),
 		"--token-auth-file="+filepath.Join(c.dir, "tokens.csv"),
-		"--authorization-mode=AlwaysAllow",
+		// RBAC, so tests can check the chart's roles; the tests' own
+		// token is system:masters, which RBAC always allows.
+		"--authorization-mode=RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc",
 		"--service-account-key-file="+filepath.Join(c.dir, "sa.pub"),
 		"--service-account-signing-key-file="+filepath.Join(c.dir, "sa.key"),
@@ -311,4 +313,16 @@ func (c *Cluster) Stop() {
 	if c.dir != "" && os.Getenv("KUBEAPI_KEEP") == "" {
 		os.RemoveAll(c.dir)
 	}
+}
+
+// ServiceAccount returns a client config that acts as the service account
+// namespace/name (impersonated by the test's admin identity), so that only
+// the RBAC rules bound to it apply.
+func (c *Cluster) ServiceAccount(namespace, name string) *rest.Config {
+	cfg := rest.CopyConfig(c.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{
+		UserName: "system:serviceaccount:" + namespace + ":" + name,
+		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"},
+	}
+	return cfg
 }

@@ -285,3 +285,38 @@ func TestFailedInPlaceRedirectIsRecordedAndRetried(t *testing.T) {
 	eventually(t, "pod enrolled once the mesh recovers", func() bool { return enrolled(a, pod.UID) })
 	eventually(t, "annotation enabled", func() bool { return annotation(t, pod) == "enabled" })
 }
+
+// A pod annotated enabled that the agent does not hold (no pins survived,
+// nothing redirects it) must not keep telling istiod it is captured: the
+// annotation goes whether the pod is not running yet, is running with repair
+// off, or is running and its in-place repair keeps failing.
+func TestStaleEnabledAnnotationIsCleared(t *testing.T) {
+	s := newScene(t, "stale", ambientLabels)
+	enabled := map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled}
+	notRunning := s.pod(t, kubeapi.PodSpec{Name: "not-running", Annotations: enabled})
+	failing := s.running(t, kubeapi.PodSpec{Name: "failing", Annotations: enabled})
+	barrier := s.running(t, kubeapi.PodSpec{Name: "barrier"})
+	a := s.agent(t, nil, func(_ *kube.Config, m *kubetest.Mesh) { m.FailAdd(errors.New("netns not found")) })
+
+	eventually(t, "not-running pod's stale annotation cleared", func() bool { return !hasAnnotation(t, notRunning) })
+	eventually(t, "failing pod's stale annotation cleared", func() bool { return !hasAnnotation(t, failing) })
+	eventually(t, "failing pod's repair retried", func() bool { return len(a.mesh.CallsFor(failing.UID)) >= 2 })
+	if calls := a.mesh.CallsFor(notRunning.UID); len(calls) != 0 {
+		t.Errorf("mesh calls for the not-running pod = %+v; want none (the CNI plugin's)", calls)
+	}
+	a.mesh.FailAdd(nil)
+	eventually(t, "barrier pod enrolled once the mesh recovers", func() bool { return enrolled(a, barrier.UID) })
+	eventually(t, "failing pod annotated enabled once redirected", func() bool { return annotation(t, failing) == "enabled" })
+}
+
+func TestStaleEnabledAnnotationIsClearedWithRepairOff(t *testing.T) {
+	s := newScene(t, "staleoff", ambientLabels)
+	enabled := map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled}
+	pod := s.running(t, kubeapi.PodSpec{Name: "app", Annotations: enabled})
+	a := s.agent(t, nil, withRepair(kube.RepairOff))
+
+	eventually(t, "stale annotation cleared", func() bool { return !hasAnnotation(t, pod) })
+	if calls := a.mesh.CallsFor(pod.UID); len(calls) != 0 {
+		t.Errorf("mesh calls = %+v; want none with repair off", calls)
+	}
+}
