@@ -26,7 +26,9 @@ the command exits non-zero when any check fails.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg.BPFFSDir = o.bpffs
-			cfg.Agent = func(ctx context.Context) (*inspectv1.StatusResponse, error) { return askAgent(ctx, o.agent.inspectSocket) }
+			cfg.Agent = func(ctx context.Context) (*inspectv1.StatusResponse, error) {
+				return askAgent(ctx, o.agent.inspectSocket)
+			}
 			r := doctor.Run(cmd.Context(), cfg)
 			err := o.emit(cmd.OutOrStdout(), r, func(w *tabwriter.Writer) {
 				fmt.Fprintln(w, "STATUS\tCHECK\tFINDING")
