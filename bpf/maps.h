@@ -126,4 +126,15 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ae_local_flows SEC(".maps");
 
+/* The node-wide settings the programs were loaded with (ae_cfg in lib.h),
+ * for user space: `ambient-ebpf why` and trace read the ports, marks,
+ * probe addresses and mechanisms here. No program reads it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct ae_config);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_node_cfg SEC(".maps");
+
 #endif /* AMBIENT_MAPS_H */

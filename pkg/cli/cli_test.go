@@ -8,6 +8,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/doctor"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -120,5 +122,31 @@ func TestStatusGivesUpOnAnAgentThatNeverAnswers(t *testing.T) {
 	}
 	if took := time.Since(start); took > 3*time.Second {
 		t.Errorf("status took %v with a 300ms agent timeout", took)
+	}
+}
+
+// doctor answers in JSON, exits zero on a sound node and non-zero, saying
+// how many checks failed, where the bpffs is missing.
+func TestDoctorExitCodeAndJSON(t *testing.T) {
+	n := simnode.New(t)
+	confDir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(confDir, "10-podnet.conflist"), []byte(`{"cniVersion":"1.0.0","name":"podnet","plugins":[{"type":"ptp"}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"--inspect-socket", filepath.Join(t.TempDir(), "none.sock"), "doctor", "--cgroup-root", n.CgroupRoot,
+		"--node-netns", simnode.NetnsPath(n.NodeNS), "--cni-conf-dir", confDir, "--zds-socket", filepath.Join(t.TempDir(), "zds.sock")}
+	var r doctor.Report
+	if err := json.Unmarshal([]byte(run(t, append([]string{"--bpffs", n.BPFFSDir, "-o", "json"}, args...)...)), &r); err != nil {
+		t.Fatalf("doctor -o json: %v", err)
+	}
+	if r.Failed() || len(r.Findings) == 0 || r.Counts[doctor.OK] == 0 {
+		t.Errorf("doctor on a sound node: %+v", r)
+	}
+	var out bytes.Buffer
+	cmd := NewCommand(&out)
+	cmd.SetArgs(append([]string{"--bpffs", filepath.Join(t.TempDir(), "ambient-ebpf")}, args...))
+	err := cmd.ExecuteContext(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "doctor: 1 of ") || !strings.Contains(out.String(), "is not a bpffs") {
+		t.Errorf("doctor without a bpffs: err %v, output:\n%s", err, out.String())
 	}
 }

@@ -134,10 +134,23 @@ func TestStatusJSONHasTheAgentsFieldsInCamelCase(t *testing.T) {
 	}
 }
 
-// jsonArgs are the arguments of every command for TestEveryCommandsJSON;
-// a command missing here fails it.
-var jsonArgs = map[string][]string{
-	"pods": nil, "maps": nil, "stats": nil, "status": nil, "version": nil,
+// jsonCase is how TestEveryCommandsJSON runs a command: with args, and
+// whether the command may exit non-zero (doctor, on a test node without
+// a CNI configuration of the runtime's) as long as its JSON is right.
+type jsonCase struct {
+	args    []string
+	mayFail bool
+}
+
+// jsonArgs are the arguments of every command for TestEveryCommandsJSON,
+// on node n; a command missing here fails it.
+func jsonArgs(n *simnode.Node, dir string) map[string]jsonCase {
+	return map[string]jsonCase{
+		"pods": {}, "maps": {}, "stats": {}, "status": {}, "version": {},
+		"doctor": {args: []string{"--cgroup-root", n.CgroupRoot, "--node-netns", simnode.NetnsPath(n.NodeNS),
+			"--cni-conf-dir", dir, "--zds-socket", filepath.Join(dir, "zds.sock")}, mayFail: true},
+		"why": {args: []string{"node", "198.18.0.10:8080"}},
+	}
 }
 
 // dataKeys are the JSON objects whose keys are data, not field names:
@@ -150,12 +163,13 @@ var camelCase = regexp.MustCompile(`^[a-z][a-zA-Z0-9]*$`)
 // an empty list as [] (never null), on an empty data path and on one with
 // a pod.
 func TestEveryCommandsJSON(t *testing.T) {
+	n := simnode.New(t)
+	cases := jsonArgs(n, t.TempDir())
 	for _, c := range NewCommand(nil).Commands() {
-		if _, ok := jsonArgs[c.Name()]; !ok {
+		if _, ok := cases[c.Name()]; !ok {
 			t.Errorf("command %q has no entry in jsonArgs", c.Name())
 		}
 	}
-	n := simnode.New(t)
 	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
 	if err != nil {
 		t.Fatal(err)
@@ -163,9 +177,9 @@ func TestEveryCommandsJSON(t *testing.T) {
 	t.Cleanup(func() { _ = dp.Uninstall() })
 	agent := fakeAgent(t, &inspectv1.StatusResponse{Ready: true})
 	check := func(t *testing.T) {
-		for name, args := range jsonArgs {
-			out, err := runErr(append([]string{"--bpffs", n.BPFFSDir, "--inspect-socket", agent, "-o", "json", name}, args...)...)
-			if err != nil {
+		for name, c := range cases {
+			out, err := runErr(append([]string{"--bpffs", n.BPFFSDir, "--inspect-socket", agent, "-o", "json", name}, c.args...)...)
+			if err != nil && !c.mayFail {
 				t.Errorf("%s: %v", name, err)
 			}
 			var v any

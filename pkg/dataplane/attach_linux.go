@@ -46,23 +46,36 @@ func (a attachment) String() string {
 
 // plan lists the programs a pod needs.
 func (d *Dataplane) plan(p *Pod, hostIf string) []attachment {
+	return planPod(p, hostIf, d.cfg.NodeNetns, !d.skLookupInbound, podPrograms{
+		ingress: d.tc.AePodIngress, lo: d.tc.AePodLoIngress, reroute: d.tc.AePodReroute,
+		steer: d.tc.AePodSteer, hostEgress: d.tc.AeHostEgress, hostIngress: d.tc.AeHostIngress,
+	})
+}
+
+// podPrograms are the per-pod programs; nil in read-only views.
+type podPrograms struct {
+	ingress, lo, reroute, steer, hostEgress, hostIngress *ebpf.Program
+}
+
+// planPod lists where a pod's programs go: tcIngress where sk_lookup
+// cannot capture inbound flows alone (before 5.17) and a tc program on
+// the pod's interface files them for it.
+func planPod(p *Pod, hostIf, nodeNetns string, tcIngress bool, progs podPrograms) []attachment {
 	in := func(pin, iface string, prog *ebpf.Program) attachment {
 		return attachment{pin: pin, netns: p.Netns, iface: iface, attach: ebpf.AttachTCXIngress, prog: prog}
 	}
 	var atts []attachment
-	// Where sk_lookup sees the ingress interface, it alone captures
-	// inbound flows (R5); elsewhere a tc program files them for it.
-	if !d.skLookupInbound {
-		atts = append(atts, in("ingress", p.Interface, d.tc.AePodIngress))
+	if tcIngress {
+		atts = append(atts, in("ingress", p.Interface, progs.ingress))
 	}
-	atts = append(atts, in("lo_ingress", "lo", d.tc.AePodLoIngress))
+	atts = append(atts, in("lo_ingress", "lo", progs.lo))
 	for _, v := range p.Options.RerouteInterfaces {
-		atts = append(atts, in("reroute_"+v, v, d.tc.AePodReroute))
+		atts = append(atts, in("reroute_"+v, v, progs.reroute))
 	}
-	atts = append(atts, attachment{pin: "sk_lookup", netns: p.Netns, attach: ebpf.AttachSkLookup, prog: d.tc.AePodSteer})
+	atts = append(atts, attachment{pin: "sk_lookup", netns: p.Netns, attach: ebpf.AttachSkLookup, prog: progs.steer})
 	atts = append(atts,
-		attachment{pin: "host_egress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: d.tc.AeHostEgress},
-		attachment{pin: "host_ingress", netns: d.cfg.NodeNetns, iface: hostIf, attach: ebpf.AttachTCXIngress, prog: d.tc.AeHostIngress},
+		attachment{pin: "host_egress", netns: nodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: progs.hostEgress},
+		attachment{pin: "host_ingress", netns: nodeNetns, iface: hostIf, attach: ebpf.AttachTCXIngress, prog: progs.hostIngress},
 	)
 	return atts
 }

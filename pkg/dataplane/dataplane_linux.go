@@ -205,6 +205,10 @@ func (d *Dataplane) load() error {
 		d.logVerifier(err)
 		return fmt.Errorf("load socket programs: %w", err)
 	}
+	if err := d.sock.AeNodeCfg.Put(uint32(0), &bpfCfg); err != nil {
+		d.sock.Close()
+		return fmt.Errorf("write ae_node_cfg: %w", err)
+	}
 
 	tcSpec, err := loadTc()
 	if err != nil {

@@ -40,6 +40,7 @@
 //	maps/ae_listeners   ztunnel's inbound listeners by netns (sockhash)
 //	maps/ae_local_flows ztunnel's connections to its pod's app (R10)
 //	maps/ae_steer       flows tc hands to sk_lookup (older kernels, R14)
+//	maps/ae_node_cfg    the node-wide settings the programs were loaded with
 //	links/<hook>        node-wide cgroup links: connect4, connect6,
 //	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
 //	                    getpeername4, getpeername6, sockops, getsockopt

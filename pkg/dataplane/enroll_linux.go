@@ -407,14 +407,20 @@ func (d *Dataplane) verifiedNetns(path string, cookie uint64, netnsOf func(uint6
 // podPlan is the plan of an adopted pod: its reroute interfaces are the
 // ones its pin directory names.
 func (d *Dataplane) podPlan(st *podState) []attachment {
-	entries, _ := os.ReadDir(podDir(d.cfg, st.UID))
+	pod := pinnedPod(podDir(d.cfg, st.UID), st)
+	return d.plan(&pod, st.HostInterface)
+}
+
+// pinnedPod is the Pod of st with the reroute interfaces its pin
+// directory names added to its options.
+func pinnedPod(dir string, st *podState) Pod {
+	entries, _ := os.ReadDir(dir)
 	for _, e := range entries {
 		if v, ok := strings.CutPrefix(e.Name(), "reroute_"); ok && !slices.Contains(st.Options.RerouteInterfaces, v) {
 			st.Options.RerouteInterfaces = append(st.Options.RerouteInterfaces, v)
 		}
 	}
-	pod := Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Netns: st.netnsPath, Interface: st.Interface, Options: st.Options}
-	return d.plan(&pod, st.HostInterface)
+	return Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Netns: st.netnsPath, Interface: st.Interface, Options: st.Options}
 }
 
 // adoptLinks takes over the pod's pinned programs and moves each to the

@@ -92,6 +92,7 @@ var ErrNotInstalled = errors.New("no ambient-ebpf data path pinned here")
 // Pinned is a read-only view of a node's pinned maps. It works without the
 // agent: the CLI's pods, maps and stats commands read it.
 type Pinned struct {
+	dir  string // Config.BPFFSDir
 	maps sockMaps
 }
 
@@ -105,7 +106,7 @@ func OpenPinned(bpffsDir string) (*Pinned, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Pinned{}
+	p := &Pinned{dir: bpffsDir}
 	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir, LoadPinOptions: ebpf.LoadPinOptions{ReadOnly: true}}}
 	if err := spec.LoadAndAssign(&p.maps, opts); err != nil {
 		return nil, fmt.Errorf("open pinned maps in %s: %w", dir, err)
@@ -171,6 +172,7 @@ type MetaEntry struct {
 	Interface     string `json:"interface"`
 	HostInterface string `json:"hostInterface"`
 	NetnsCookie   uint64 `json:"netnsCookie"`
+	Netns         string `json:"netns"` // the path the agent used
 	// State is the journal's: enrolled, or enrolling / removing when an
 	// agent stopped part way (the next one undoes it).
 	State string `json:"state"`
@@ -214,7 +216,7 @@ func (p *Pinned) Dump() (*MapDump, error) {
 		name := st.Namespace + "/" + st.Name
 		names[st.Slot] = name
 		d.Meta = append(d.Meta, MetaEntry{Slot: st.Slot, UID: st.UID, Pod: name, Interface: st.Interface,
-			HostInterface: st.HostInterface, NetnsCookie: st.NetnsCookie, State: journalName(st.journal)})
+			HostInterface: st.HostInterface, NetnsCookie: st.NetnsCookie, Netns: st.netnsPath, State: journalName(st.journal)})
 		s, err := readStats(&p.maps, st.Slot)
 		if err != nil {
 			return nil, err

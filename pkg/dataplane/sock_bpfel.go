@@ -28,14 +28,8 @@ type sockAeConfig struct {
 	InboundPort  uint16
 	HbonePort    uint16
 	DnsPort      uint16
-	ProbeV4      struct {
-		_ structs.HostLayout
-		B [16]uint8
-	}
-	ProbeV6 struct {
-		_ structs.HostLayout
-		B [16]uint8
-	}
+	ProbeV4      sockAeAddr
+	ProbeV6      sockAeAddr
 }
 
 type sockListenerKey struct {
@@ -134,6 +128,7 @@ const (
 	sockMapAeListeners     = "ae_listeners"
 	sockMapAeLocalFlows    = "ae_local_flows"
 	sockMapAeNetns         = "ae_netns"
+	sockMapAeNodeCfg       = "ae_node_cfg"
 	sockMapAeNsq           = "ae_nsq"
 	sockMapAeOrigDst       = "ae_orig_dst"
 	sockMapAePodMeta       = "ae_pod_meta"
@@ -218,6 +213,7 @@ type sockMapSpecs struct {
 	AeListeners  *ebpf.MapSpec `ebpf:"ae_listeners"`
 	AeLocalFlows *ebpf.MapSpec `ebpf:"ae_local_flows"`
 	AeNetns      *ebpf.MapSpec `ebpf:"ae_netns"`
+	AeNodeCfg    *ebpf.MapSpec `ebpf:"ae_node_cfg"`
 	AeNsq        *ebpf.MapSpec `ebpf:"ae_nsq"`
 	AeOrigDst    *ebpf.MapSpec `ebpf:"ae_orig_dst"`
 	AePodMeta    *ebpf.MapSpec `ebpf:"ae_pod_meta"`
@@ -258,6 +254,7 @@ type sockMaps struct {
 	AeListeners  *ebpf.Map `ebpf:"ae_listeners"`
 	AeLocalFlows *ebpf.Map `ebpf:"ae_local_flows"`
 	AeNetns      *ebpf.Map `ebpf:"ae_netns"`
+	AeNodeCfg    *ebpf.Map `ebpf:"ae_node_cfg"`
 	AeNsq        *ebpf.Map `ebpf:"ae_nsq"`
 	AeOrigDst    *ebpf.Map `ebpf:"ae_orig_dst"`
 	AePodMeta    *ebpf.Map `ebpf:"ae_pod_meta"`
@@ -273,6 +270,7 @@ func (m *sockMaps) Close() error {
 		m.AeListeners,
 		m.AeLocalFlows,
 		m.AeNetns,
+		m.AeNodeCfg,
 		m.AeNsq,
 		m.AeOrigDst,
 		m.AePodMeta,

@@ -28,14 +28,8 @@ type tcAeConfig struct {
 	InboundPort  uint16
 	HbonePort    uint16
 	DnsPort      uint16
-	ProbeV4      struct {
-		_ structs.HostLayout
-		B [16]uint8
-	}
-	ProbeV6 struct {
-		_ structs.HostLayout
-		B [16]uint8
-	}
+	ProbeV4      tcAeAddr
+	ProbeV6      tcAeAddr
 }
 
 type tcListenerKey struct {
@@ -134,6 +128,7 @@ const (
 	tcMapAeListeners     = "ae_listeners"
 	tcMapAeLocalFlows    = "ae_local_flows"
 	tcMapAeNetns         = "ae_netns"
+	tcMapAeNodeCfg       = "ae_node_cfg"
 	tcMapAeOrigDst       = "ae_orig_dst"
 	tcMapAePodMeta       = "ae_pod_meta"
 	tcMapAePods          = "ae_pods"
@@ -207,6 +202,7 @@ type tcMapSpecs struct {
 	AeListeners  *ebpf.MapSpec `ebpf:"ae_listeners"`
 	AeLocalFlows *ebpf.MapSpec `ebpf:"ae_local_flows"`
 	AeNetns      *ebpf.MapSpec `ebpf:"ae_netns"`
+	AeNodeCfg    *ebpf.MapSpec `ebpf:"ae_node_cfg"`
 	AeOrigDst    *ebpf.MapSpec `ebpf:"ae_orig_dst"`
 	AePodMeta    *ebpf.MapSpec `ebpf:"ae_pod_meta"`
 	AePods       *ebpf.MapSpec `ebpf:"ae_pods"`
@@ -246,6 +242,7 @@ type tcMaps struct {
 	AeListeners  *ebpf.Map `ebpf:"ae_listeners"`
 	AeLocalFlows *ebpf.Map `ebpf:"ae_local_flows"`
 	AeNetns      *ebpf.Map `ebpf:"ae_netns"`
+	AeNodeCfg    *ebpf.Map `ebpf:"ae_node_cfg"`
 	AeOrigDst    *ebpf.Map `ebpf:"ae_orig_dst"`
 	AePodMeta    *ebpf.Map `ebpf:"ae_pod_meta"`
 	AePods       *ebpf.Map `ebpf:"ae_pods"`
@@ -260,6 +257,7 @@ func (m *tcMaps) Close() error {
 		m.AeListeners,
 		m.AeLocalFlows,
 		m.AeNetns,
+		m.AeNodeCfg,
 		m.AeOrigDst,
 		m.AePodMeta,
 		m.AePods,

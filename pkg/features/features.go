@@ -25,8 +25,11 @@ type Feature struct {
 	Name string
 	// Kernel is the first upstream Linux release that has it.
 	Kernel string
-	// Use says what the data path does with it, or instead of it.
+	// Use says what the data path does with it.
 	Use string
+	// Without says what the data path does instead where the kernel
+	// lacks it, and what that costs.
+	Without string
 	// Required features have no fallback: without them the data path
 	// refuses to start, naming the kernel they need.
 	Required bool
@@ -39,24 +42,31 @@ type Status struct {
 	Name      string `json:"name"`
 	Kernel    string `json:"kernel"`
 	Use       string `json:"use"`
+	Without   string `json:"without"`
 	Required  bool   `json:"required"`
 	Available bool   `json:"available"`
 }
 
 // All lists every probed feature, oldest kernel first.
 func All() []Feature {
+	const refuse = "the agent refuses to start: there is no fallback"
 	return []Feature{
-		{"sk_assign", "5.7", "tc: hand inbound flows to ztunnel's listener (bpf_sk_assign)", true, HasSkAssign},
-		{"netns_cookie_sock_addr", "5.7", "connect/sendmsg hooks: scope capture to enrolled pods", true, HasNetnsCookieSockAddr},
-		{"cgroup_getpeername", "5.8", "getpeername hooks: a redirected socket names its original peer", true, HasCgroupGetpeername},
-		{"sk_storage_sock_addr", "5.8", "connect hooks: keep the original destination with the socket", true, HasSkStorageSockAddr},
-		{"sk_storage_sockops", "5.8", "sockops: file the original destination for SO_ORIGINAL_DST", true, HasSkStorageSockops},
-		{"sk_lookup", "5.9", "pod netns: hand inbound flows to ztunnel's reuseport listeners where tc cannot", true, HasSkLookup},
-		{"so_netns_cookie", "5.14", "read a pod's netns cookie with getsockopt; older: a cgroup bind hook reports it", false, HasSONetnsCookie},
-		{"netns_cookie_sockops", "5.15", "sockops: scope SO_ORIGINAL_DST entries by netns; older: by address only", false, HasNetnsCookieSockops},
-		{"netns_cookie_sockopt", "5.15", "getsockopt: scope SO_ORIGINAL_DST lookups by netns; older: by address only", false, HasNetnsCookieSockopt},
-		{"sk_lookup_ifindex", "5.17", "pod netns: sk_lookup alone captures inbound flows (no tc program on the pod's interface); older: a tc program files each flow for sk_lookup", false, HasSkLookupIfindex},
-		{"tcx", "6.6", "marks the kernels (6.5+) whose tc bpf_sk_assign takes reuseport listeners (R14 hand-over from tc); older: through sk_lookup", false, HasTCX},
+		{"sk_assign", "5.7", "tc: hand inbound flows to ztunnel's listener (bpf_sk_assign)", refuse, true, HasSkAssign},
+		{"netns_cookie_sock_addr", "5.7", "connect/sendmsg hooks: scope capture to enrolled pods", refuse, true, HasNetnsCookieSockAddr},
+		{"cgroup_getpeername", "5.8", "getpeername hooks: a redirected socket names its original peer", refuse, true, HasCgroupGetpeername},
+		{"sk_storage_sock_addr", "5.8", "connect hooks: keep the original destination with the socket", refuse, true, HasSkStorageSockAddr},
+		{"sk_storage_sockops", "5.8", "sockops: file the original destination for SO_ORIGINAL_DST", refuse, true, HasSkStorageSockops},
+		{"sk_lookup", "5.9", "pod netns: hand inbound flows to ztunnel's reuseport listeners where tc cannot", refuse, true, HasSkLookup},
+		{"so_netns_cookie", "5.14", "read a pod's netns cookie with getsockopt",
+			"a cgroup bind4 hook on the agent's own cgroup reports each pod's netns cookie (one more program, a bind per enrolment)", false, HasSONetnsCookie},
+		{"netns_cookie_sockops", "5.15", "sockops: scope SO_ORIGINAL_DST entries by netns; with sk_lookup_ifindex, file ztunnel's listeners for sk_lookup",
+			"SO_ORIGINAL_DST entries are keyed by the client's address alone, and inbound capture needs a tc program on every pod's interface", false, HasNetnsCookieSockops},
+		{"netns_cookie_sockopt", "5.15", "getsockopt: scope SO_ORIGINAL_DST lookups by netns",
+			"lookups by address alone; ztunnel's accepted sockets in any netns get their own local address, which ztunnel falls back to anyway", false, HasNetnsCookieSockopt},
+		{"sk_lookup_ifindex", "5.17", "pod netns: sk_lookup alone captures inbound flows (no tc program on the pod's interface)",
+			"a tc program on each pod's interface runs for every inbound packet and files new flows for sk_lookup", false, HasSkLookupIfindex},
+		{"tcx", "6.6", "marks the kernels (6.5+) whose tc bpf_sk_assign takes reuseport listeners (R14 hand-over from tc)",
+			"R14 flows and SYNs over TIME_WAIT sockets are handed over through ae_steer and sk_lookup (one more map write per such flow)", false, HasTCX},
 	}
 }
 
@@ -65,7 +75,7 @@ func Report() []Status {
 	all := All()
 	out := make([]Status, len(all))
 	for i, f := range all {
-		out[i] = Status{Name: f.Name, Kernel: f.Kernel, Use: f.Use, Required: f.Required, Available: f.Has()}
+		out[i] = Status{Name: f.Name, Kernel: f.Kernel, Use: f.Use, Without: f.Without, Required: f.Required, Available: f.Has()}
 	}
 	return out
 }

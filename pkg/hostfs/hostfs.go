@@ -65,15 +65,24 @@ func unescape(s string) string {
 // ErrNotMounted is returned when no mount of the wanted type exists.
 var ErrNotMounted = errors.New("not mounted")
 
-func firstOfType(fstype string) (string, error) {
+// Mounts reads the calling process's mount table.
+func Mounts() ([]Mount, error) {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
-		return "", fmt.Errorf("read mounts: %w", err)
+		return nil, fmt.Errorf("read mounts: %w", err)
 	}
 	defer f.Close()
 	mounts, err := ParseMountInfo(f)
 	if err != nil {
-		return "", fmt.Errorf("read mounts: %w", err)
+		return nil, fmt.Errorf("read mounts: %w", err)
+	}
+	return mounts, nil
+}
+
+func firstOfType(fstype string) (string, error) {
+	mounts, err := Mounts()
+	if err != nil {
+		return "", err
 	}
 	for _, m := range mounts {
 		if m.FSType == fstype {

@@ -5,16 +5,11 @@ package conformance
 
 import (
 	"context"
-	"errors"
-	"net"
 	"net/netip"
 	"testing"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
-	"github.com/cilium/ebpf/link"
-	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
@@ -49,7 +44,7 @@ func TestCoexistsWithThePrimaryCNIsPrograms(t *testing.T) {
 	}
 	counters := make([]*ebpf.Map, len(hooks))
 	for i, h := range hooks {
-		counters[i] = attachCounter(t, h.ns, h.iface, h.attach)
+		counters[i] = attachCounter(t, n, h.ns, h.iface, h.attach)
 	}
 
 	zt := n.StartZtunnel()
@@ -91,9 +86,10 @@ func TestCoexistsWithThePrimaryCNIsPrograms(t *testing.T) {
 	}
 }
 
-// attachCounter attaches, as a TCX link in netns ns, a program that counts
-// packets and passes them on (TCX_NEXT); the link goes at cleanup.
-func attachCounter(t *testing.T, ns, iface string, attach ebpf.AttachType) *ebpf.Map {
+// attachCounter attaches, in netns ns, a program that counts packets and
+// passes them on (TCX_NEXT): a TCX link where the kernel has TCX, else a
+// classic filter ahead of ours.
+func attachCounter(t *testing.T, n *simnode.Node, ns, iface string, attach ebpf.AttachType) *ebpf.Map {
 	t.Helper()
 	counter, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 8, MaxEntries: 1})
 	if err != nil {
@@ -124,43 +120,10 @@ func attachCounter(t *testing.T, ns, iface string, attach ebpf.AttachType) *ebpf
 	}
 
 	t.Cleanup(func() { prog.Close() })
-	if err := simnode.InNetns(ns, func() error {
-		ifc, err := net.InterfaceByName(iface)
-		if err != nil {
-			return err
-		}
-		if !features.HasTCX() {
-			return addClassicFilter(t, ifc.Index, attach, prog)
-		}
-		l, err := link.AttachTCX(link.TCXOptions{Interface: ifc.Index, Program: prog, Attach: attach})
-		if err == nil {
-			t.Cleanup(func() { l.Close() })
-		}
-		return err
-	}); err != nil {
-		t.Fatalf("attach the primary CNI's program to %s: %v", iface, err)
+	if features.HasTCX() {
+		n.AttachTCX(ns, iface, attach, prog)
+	} else {
+		n.AddTCFilter(ns, iface, attach, prog, "primary-cni")
 	}
 	return counter
-}
-
-// addClassicFilter adds prog as a direct-action filter at priority 1 (ahead
-// of ours) on the calling thread's netns interface; it goes with the netns.
-func addClassicFilter(t *testing.T, ifindex int, attach ebpf.AttachType, prog *ebpf.Program) error {
-	q := &netlink.GenericQdisc{
-		QdiscAttrs: netlink.QdiscAttrs{LinkIndex: ifindex, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT},
-		QdiscType:  "clsact",
-	}
-	if err := netlink.QdiscAdd(q); err != nil && !errors.Is(err, unix.EEXIST) {
-		return err
-	}
-	parent := uint32(netlink.HANDLE_MIN_INGRESS)
-	if attach == ebpf.AttachTCXEgress {
-		parent = netlink.HANDLE_MIN_EGRESS
-	}
-	return netlink.FilterAdd(&netlink.BpfFilter{
-		FilterAttrs:  netlink.FilterAttrs{LinkIndex: ifindex, Parent: parent, Handle: 1, Priority: 1, Protocol: unix.ETH_P_ALL},
-		Fd:           prog.FD(),
-		Name:         "primary-cni",
-		DirectAction: true,
-	})
 }

@@ -38,6 +38,51 @@ func confFiles(dir string) ([]string, error) {
 	return files, nil
 }
 
+// ConfFile is one CNI configuration file as container runtimes read it.
+type ConfFile struct {
+	Path       string   `json:"path"`
+	Name       string   `json:"name,omitempty"`       // the network's name
+	CNIVersion string   `json:"cniVersion,omitempty"` // of the file
+	Plugins    []string `json:"plugins,omitempty"`    // plugin types in chain order (one for a lone conf)
+	// Err says why the file does not parse; containerd refuses to load
+	// the directory then, CRI-O and the installer skip the file.
+	Err string `json:"error,omitempty"`
+}
+
+// ReadConfDir reads dir's CNI configuration files in the order runtimes
+// (libcni) try them. Runtimes use the first that parses; the installer
+// chains into that one.
+func ReadConfDir(dir string) ([]ConfFile, error) {
+	files, err := confFiles(dir)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]ConfFile, 0, len(files))
+	for _, f := range files {
+		cf := ConfFile{Path: f}
+		data, err := os.ReadFile(f)
+		if err == nil {
+			var d *document
+			if d, err = parseDocument(data); err == nil {
+				_ = json.Unmarshal(d.fields["name"], &cf.Name)
+				_ = json.Unmarshal(d.fields["cniVersion"], &cf.CNIVersion)
+				if d.isList() {
+					for _, p := range d.plugins {
+						cf.Plugins = append(cf.Plugins, pluginType(p))
+					}
+				} else {
+					cf.Plugins = []string{pluginType(data)}
+				}
+			}
+		}
+		if err != nil {
+			cf.Err = err.Error()
+		}
+		out = append(out, cf)
+	}
+	return out, nil
+}
+
 // document is a CNI configuration file kept as raw JSON, so fields we do not
 // know survive a rewrite untouched.
 type document struct {

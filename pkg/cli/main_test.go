@@ -1,0 +1,57 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package cli
+
+import (
+	"context"
+	"os"
+	"testing"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+)
+
+func TestMain(m *testing.M) {
+	simnode.RunHelper()
+	os.Exit(m.Run())
+}
+
+// mesh is a simulated node with the data path installed and a ztunnel
+// stand-in holding these pods:
+//
+//	a  enrolled, DNS capture on        b  enrolled
+//	d  enrolled in ingress mode, DNS capture off
+//	x  enrolled, never handed to ztunnel (no listener)
+type mesh struct {
+	n          *simnode.Node
+	dp         *dataplane.Dataplane
+	zt         *simnode.Ztunnel
+	a, b, d, x *simnode.Pod
+}
+
+func newMesh(t *testing.T) *mesh {
+	t.Helper()
+	n := simnode.New(t)
+	m := &mesh{n: n, a: n.AddPod("a"), b: n.AddPod("b"), d: n.AddPod("d"), x: n.AddPod("x")}
+	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.dp = dp
+	t.Cleanup(func() { _ = dp.Uninstall() })
+	m.zt = n.StartZtunnel()
+	for _, p := range []struct {
+		pod  *simnode.Pod
+		opts dataplane.Options
+	}{{m.a, dataplane.Options{DNSCapture: true}}, {m.b, dataplane.Options{}}, {m.d, dataplane.Options{BypassInbound: true}}, {m.x, dataplane.Options{}}} {
+		if p.pod != m.x {
+			m.zt.Add(p.pod)
+		}
+		if err := dp.Enroll(context.Background(), dataplane.Pod{UID: p.pod.UID, Namespace: p.pod.Namespace, Name: p.pod.Name,
+			Netns: p.pod.NetnsPath(), IPs: p.pod.IPs(), Options: p.opts}); err != nil {
+			t.Fatalf("enroll %s: %v", p.pod.Name, err)
+		}
+	}
+	return m
+}

@@ -1,0 +1,406 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package dataplane
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+)
+
+// Query is a connection for Why to explain, without sending it.
+type Query struct {
+	// The client: an enrolled pod by namespace/name (FromPod), an address
+	// (FromAddr: an enrolled pod's, or a host outside the node), or a
+	// local socket of the node such as kubelet's probes (FromNode).
+	FromPod  string
+	FromAddr netip.Addr
+	FromNode bool
+	// To is the destination. Port 0 stands for any port but those with
+	// rows of their own (53, 15008).
+	To netip.AddrPort
+	// UDP asks about UDP instead of TCP.
+	UDP bool
+	// Mark is the client socket's mark (ztunnel's is 0x539, R2).
+	Mark uint32
+}
+
+// Answer is what Why found: the hooks the connection meets, in order.
+type Answer struct {
+	From  string         `json:"from"`
+	To    netip.AddrPort `json:"to"`
+	Proto string         `json:"proto"`
+	// Summary names every leg that did more than pass the connection
+	// on, or the first leg when all passed.
+	Summary string `json:"summary"`
+	Legs    []Leg  `json:"legs"`
+}
+
+// Leg is one hook's decision, and the checks that led to it.
+type Leg struct {
+	Pod  string `json:"pod"` // whose hook (namespace/name)
+	Hook Hook   `json:"hook"`
+	// Where says where the hook runs, for people ("connect4 in shop/web").
+	Where string `json:"where"`
+	// Who opened the socket, when not the client itself (ztunnel).
+	Who      string         `json:"who,omitempty"`
+	Src      netip.AddrPort `json:"src,omitzero"` // zero: not known (an unbound socket, the node)
+	Dst      netip.AddrPort `json:"dst"`
+	Steps    []Step         `json:"steps"`
+	Decision Decision       `json:"decision"`
+	Reason   Reason         `json:"reason"`
+	Row      string         `json:"row"`
+	// To is where a captured connection goes, or a translated probe's
+	// new source.
+	To netip.AddrPort `json:"redirectedTo,omitzero"`
+}
+
+// Step is one check a leg passes through, named by its contract row.
+type Step struct {
+	Row   string `json:"row"`
+	Check string `json:"check"`
+	// Result is "continue" or the leg's decision.
+	Result string `json:"result"`
+}
+
+// ErrUnknownPod is returned by Why for a pod that is not enrolled here.
+var ErrUnknownPod = errors.New("no such pod is enrolled on this node")
+
+// nodeConfig is ae_node_cfg as Why needs it.
+type nodeConfig struct {
+	mark, mask                  uint32
+	outbound, inbound, hbone    uint16
+	dns                         uint16
+	probe4, probe6              netip.Addr
+	skLookupInbound, reuseport  bool
+	netnsCookieSockops, sockopt bool
+}
+
+func readNodeConfig(m *sockMaps) nodeConfig {
+	var c sockAeConfig
+	if err := m.AeNodeCfg.Lookup(uint32(0), &c); err != nil || c.OutboundPort == 0 {
+		// Pins of an agent that did not write it: the contract's defaults.
+		c = (&Config{ProbeV4: DefaultProbeV4, ProbeV6: DefaultProbeV6}).bpfConfig()
+		c.Flags = flagSkLookupIfindex | flagNetnsCookieSockops | flagNetnsCookieSockopt
+	}
+	return nodeConfig{
+		mark: c.ZtunnelMark, mask: c.MarkMask, outbound: c.OutboundPort, inbound: c.InboundPort, hbone: c.HbonePort, dns: c.DnsPort,
+		probe4: addrOf(c.ProbeV4), probe6: netip.AddrFrom16(c.ProbeV6.B),
+		skLookupInbound: c.Flags&flagSkLookupIfindex != 0, reuseport: c.Flags&flagSkAssignReuseport != 0,
+		netnsCookieSockops: c.Flags&flagNetnsCookieSockops != 0, sockopt: c.Flags&flagNetnsCookieSockopt != 0,
+	}
+}
+
+// why holds what the pins say, for one answer.
+type why struct {
+	cfg       nodeConfig
+	byName    map[string]*podState
+	byIP      map[netip.Addr]*podState
+	listening map[uint64]bool // netns cookies with ztunnel's :15006 filed
+}
+
+// Why answers what the data path would do with a connection, from the
+// pinned maps and each pod's options: every hook it meets (the client's
+// socket hooks, the node side of the destination pod's veth, the pod's
+// sk_lookup, ztunnel's own connections), each decision and the checks
+// before it, in the order the programs make them.
+func (p *Pinned) Why(q Query) (*Answer, error) {
+	pods, err := readPods(&p.maps)
+	if err != nil {
+		return nil, err
+	}
+	w := &why{cfg: readNodeConfig(&p.maps), byName: map[string]*podState{}, byIP: map[netip.Addr]*podState{}, listening: map[uint64]bool{}}
+	for _, st := range pods {
+		if st.journal != metaEnrolled {
+			continue
+		}
+		w.byName[st.Namespace+"/"+st.Name] = st
+		for _, ip := range st.IPs {
+			w.byIP[ip] = st
+		}
+	}
+	var (
+		key    sockListenerKey
+		cookie uint64
+	)
+	it := p.maps.AeListeners.Iterate()
+	for it.Next(&key, &cookie) {
+		if key.Port == w.cfg.inbound {
+			w.listening[key.NetnsCookie] = true
+		}
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read ae_listeners: %w", err)
+	}
+	return w.answer(q)
+}
+
+func (w *why) answer(q Query) (*Answer, error) {
+	dst := netip.AddrPortFrom(q.To.Addr().Unmap(), q.To.Port())
+	a := &Answer{To: dst, Proto: "tcp"}
+	if q.UDP {
+		a.Proto = "udp"
+	}
+	var client *podState
+	switch {
+	case q.FromPod != "":
+		if client = w.byName[q.FromPod]; client == nil {
+			return nil, fmt.Errorf("pod %s: %w", q.FromPod, ErrUnknownPod)
+		}
+		a.From = q.FromPod
+	case q.FromNode:
+		a.From = "node"
+	case q.FromAddr.IsValid():
+		a.From = q.FromAddr.String()
+		if client = w.byIP[q.FromAddr.Unmap()]; client != nil {
+			a.From += " (" + client.Namespace + "/" + client.Name + ")"
+		}
+	default:
+		return nil, errors.New("no client: name a pod, an address or the node")
+	}
+	switch {
+	case client != nil:
+		a.Legs = w.fromPod(client, dst, q)
+	case q.FromNode:
+		a.Legs = w.arrive(netip.Addr{}, dst, q.UDP, true)
+	default:
+		a.Legs = w.arrive(q.FromAddr.Unmap(), dst, q.UDP, false)
+	}
+	a.Summary = summary(a.Legs)
+	return a, nil
+}
+
+func summary(legs []Leg) string {
+	var parts []string
+	for _, l := range legs {
+		if l.Decision != DecisionPassed {
+			parts = append(parts, fmt.Sprintf("%s in %s (%s: %s)", l.Decision, l.Pod, l.Row, l.Reason.Text()))
+		}
+	}
+	if len(parts) == 0 && len(legs) > 0 {
+		l := legs[0]
+		parts = append(parts, fmt.Sprintf("%s in %s (%s: %s)", l.Decision, l.Pod, l.Row, l.Reason.Text()))
+	}
+	if len(parts) == 0 {
+		return "no program meets it: neither end is an enrolled pod (R16, H3)"
+	}
+	return strings.Join(parts, "; ")
+}
+
+// fromPod follows a connection an enrolled pod's app opens.
+func (w *why) fromPod(p *podState, dst netip.AddrPort, q Query) []Leg {
+	out := w.outbound(p, dst, q.UDP, q.Mark, "")
+	legs := []Leg{out}
+	self := podAddr(p, dst.Addr().Is4())
+	switch out.Reason {
+	case ReasonOutbound:
+		// The redirected SYN reaches ztunnel's :15001 over lo; the pod's
+		// sk_lookup sees it from the pod's own address and leaves it.
+		if w.cfg.skLookupInbound && self.IsValid() {
+			legs = append(legs, w.inbound(p, self, out.To, false))
+		}
+		// ztunnel connects on, with its mark, from the pod's address.
+		legs = append(legs, w.outbound(p, dst, false, w.cfg.mark, "ztunnel"))
+		legs = append(legs, w.arrive(self, dst, false, false)...)
+	case ReasonDNS:
+		// ztunnel's proxy answers, or asks upstream with its mark (R2).
+	case ReasonOwnIP:
+		if !q.UDP && w.cfg.skLookupInbound {
+			legs = append(legs, w.inbound(p, self, dst, false))
+		}
+	case ReasonLoopback:
+	default:
+		legs = append(legs, w.arrive(self, dst, q.UDP, false)...)
+	}
+	return legs
+}
+
+// arrive follows a connection from outside the destination pod's netns to
+// it: the node side of its veth, then its inbound hook, then ztunnel's
+// delivery to the app. Nothing meets a pod that is not enrolled (H3), nor
+// UDP (R11).
+func (w *why) arrive(src netip.Addr, dst netip.AddrPort, udp, local bool) []Leg {
+	p := w.byIP[dst.Addr()]
+	if p == nil || udp {
+		return nil
+	}
+	host := w.hostEgress(p, src, dst, local)
+	if host.Decision == DecisionTranslated {
+		src = host.To.Addr()
+	}
+	in := w.inbound(p, src, dst, false)
+	legs := []Leg{host, in}
+	if in.Reason == ReasonInbound {
+		// ztunnel delivers to the app from the client's address (R10).
+		del := w.outbound(p, dst, false, w.cfg.mark, "ztunnel")
+		del.Src = netip.AddrPortFrom(src, 0)
+		legs = append(legs, del)
+		if w.cfg.skLookupInbound {
+			legs = append(legs, w.inbound(p, src, dst, true))
+		}
+	}
+	return legs
+}
+
+// podAddr is the pod's address of a family (ae_netns keeps one each).
+func podAddr(p *podState, v4 bool) netip.Addr {
+	for _, ip := range p.IPs {
+		if ip.Is4() == v4 {
+			return ip
+		}
+	}
+	return netip.Addr{}
+}
+
+func podName(p *podState) string { return p.Namespace + "/" + p.Name }
+
+// leg builds a Leg step by step.
+type leg struct{ Leg }
+
+func (l *leg) pass(row, format string, args ...any) {
+	l.Steps = append(l.Steps, Step{Row: row, Check: fmt.Sprintf(format, args...), Result: "continue"})
+}
+
+func (l *leg) decide(r Reason, to netip.AddrPort, format string, args ...any) Leg {
+	l.Decision, l.Reason, l.Row, l.To = r.Decision(), r, r.Row(), to
+	l.Steps = append(l.Steps, Step{Row: r.Row(), Check: fmt.Sprintf(format, args...), Result: r.Decision().String() + ": " + r.Text()})
+	return l.Leg
+}
+
+func portText(port uint16) string {
+	if port == 0 {
+		return "any port"
+	}
+	return fmt.Sprintf("port %d", port)
+}
+
+// outbound is classify() in bpf/sock.c: the connect and sendmsg hooks of
+// the pod's netns. who names the socket's owner when not the app.
+func (w *why) outbound(p *podState, dst netip.AddrPort, udp bool, mark uint32, who string) Leg {
+	v4 := dst.Addr().Is4()
+	l := &leg{Leg{Pod: podName(p), Hook: HookConnect6, Who: who, Dst: dst}}
+	if v4 {
+		l.Hook = HookConnect4
+	}
+	l.Where = l.Hook.String() + " in " + l.Pod
+	if udp {
+		l.Where = l.Hook.String() + " or sendmsg" + l.Hook.String()[len("connect"):] + " in " + l.Pod
+	}
+	self := podAddr(p, v4)
+	if self.IsValid() {
+		l.Src = netip.AddrPortFrom(self, 0)
+	}
+	l.pass("R16", "%s is enrolled (netns cookie %d)", l.Pod, p.NetnsCookie)
+	if mark&w.cfg.mask == w.cfg.mark {
+		return l.decide(ReasonZtunnelMark, netip.AddrPort{}, "the socket's mark %#x is ztunnel's", mark)
+	}
+	l.pass("R2", "the socket's mark %#x is not ztunnel's %#x", mark, w.cfg.mark)
+	if dst.Addr().IsLoopback() {
+		return l.decide(ReasonLoopback, netip.AddrPort{}, "%s is a loopback address", dst.Addr())
+	}
+	l.pass("R3", "%s is not a loopback address", dst.Addr())
+	if dst.Addr() == self {
+		return l.decide(ReasonOwnIP, netip.AddrPort{}, "%s is the pod's own address", dst.Addr())
+	}
+	l.pass("R4", "%s is not the pod's own address", dst.Addr())
+	dns := dst.Port() == 53 && p.Options.DNSCapture
+	loopback := netip.IPv6Loopback()
+	if v4 {
+		loopback = netip.AddrFrom4([4]byte{127, 0, 0, 1})
+	}
+	if udp {
+		switch {
+		case dns:
+			return l.decide(ReasonDNS, netip.AddrPortFrom(loopback, w.cfg.dns), "UDP to port 53 with DNS capture on")
+		case dst.Port() == 53:
+			return l.decide(ReasonDNSCaptureOff, netip.AddrPort{}, "UDP to port 53, but DNS capture is off for the pod")
+		}
+		return l.decide(ReasonUDPNotDNS, netip.AddrPort{}, "UDP to %s, not DNS", portText(dst.Port()))
+	}
+	probe := w.cfg.probe6
+	if v4 {
+		probe = w.cfg.probe4
+	}
+	if dst.Addr() == probe {
+		return l.decide(ReasonProbeDest, netip.AddrPort{}, "%s is the host-probe address", dst.Addr())
+	}
+	l.pass("R8", "%s is not the host-probe address %s", dst.Addr(), probe)
+	if dns {
+		return l.decide(ReasonDNS, netip.AddrPortFrom(loopback, w.cfg.dns), "TCP to port 53 with DNS capture on")
+	}
+	switch {
+	case dst.Port() == 53:
+		l.pass("R13", "DNS capture is off for the pod")
+	case dst.Port() == 0:
+		l.pass("R9", "any port but DNS (53)")
+	default:
+		l.pass("R9", "port %d is not DNS (53)", dst.Port())
+	}
+	to := self
+	if !to.IsValid() {
+		to = loopback // a pod without an address of the family
+	}
+	return l.decide(ReasonOutbound, netip.AddrPortFrom(to, w.cfg.outbound), "outbound TCP from the app")
+}
+
+// inbound is capture_inbound_lookup() in bpf/tc.c (the pod's sk_lookup;
+// before Linux 5.17 capture_inbound() on the pod's interface, which meets
+// no traffic from inside the pod). delivery: the flow is one of
+// ztunnel's deliveries to the app (filed in ae_local_flows).
+func (w *why) inbound(p *podState, src netip.Addr, dst netip.AddrPort, delivery bool) Leg {
+	l := &leg{Leg{Pod: podName(p), Hook: HookSkLookup, Src: netip.AddrPortFrom(src, 0), Dst: dst}}
+	l.Where = "sk_lookup in " + l.Pod
+	if !w.cfg.skLookupInbound {
+		l.Hook, l.Where = HookTCIngress, "tc ingress on "+p.Interface+" in "+l.Pod
+	}
+	if !src.IsValid() {
+		l.Src = netip.AddrPort{}
+	}
+	l.pass("R16", "%s is %s's address, arriving on %s", dst.Addr(), l.Pod, p.Interface)
+	if p.Options.BypassInbound {
+		return l.decide(ReasonIngressMode, netip.AddrPort{}, "the pod is in ingress mode (ambient.istio.io/bypass-inbound-capture)")
+	}
+	l.pass("R12", "inbound capture is on for the pod")
+	if dst.Port() == w.cfg.hbone {
+		return l.decide(ReasonHBONE, netip.AddrPort{}, "port %d is ztunnel's HBONE port", dst.Port())
+	}
+	l.pass("R6", "%s is not ztunnel's HBONE port %d", portText(dst.Port()), w.cfg.hbone)
+	if w.cfg.skLookupInbound {
+		if src == dst.Addr() {
+			return l.decide(ReasonFromPod, netip.AddrPort{}, "from the pod's own address, over lo")
+		}
+		l.pass("R4", "from outside the pod")
+		if delivery {
+			return l.decide(ReasonZtunnelDelivery, netip.AddrPort{}, "ztunnel's connection to the app, filed by sockops in ae_local_flows")
+		}
+		l.pass("R10", "not one of ztunnel's deliveries to the app")
+	}
+	if src.IsValid() && (src == w.cfg.probe4 || src == w.cfg.probe6) {
+		return l.decide(ReasonProbeSource, netip.AddrPort{}, "from the host-probe address %s", src)
+	}
+	l.pass("R7", "not from the host-probe address")
+	if w.cfg.skLookupInbound && !w.listening[p.NetnsCookie] {
+		return l.decide(ReasonNoListener, netip.AddrPort{}, "no ztunnel :%d listener is filed for the pod's netns (ae_listeners)", w.cfg.inbound)
+	}
+	return l.decide(ReasonInbound, netip.AddrPortFrom(dst.Addr(), w.cfg.inbound), "a new inbound TCP flow")
+}
+
+// hostEgress is snat_probe() in bpf/tc.c, on the node side of the pod's
+// veth. local: the client is a socket of the node (kubelet's probes).
+func (w *why) hostEgress(p *podState, src netip.Addr, dst netip.AddrPort, local bool) Leg {
+	l := &leg{Leg{Pod: podName(p), Hook: HookHostEgress, Dst: dst, Where: "tc egress on " + p.HostInterface + ", the node side of " + podName(p)}}
+	if src.IsValid() {
+		l.Src = netip.AddrPortFrom(src, 0)
+	}
+	if !local {
+		return l.decide(ReasonForwarded, netip.AddrPort{}, "no local socket: forwarded through the node (NodePort, another pod, outside)")
+	}
+	l.pass("H3", "%s is an enrolled pod's address", dst.Addr())
+	probe := w.cfg.probe6
+	if dst.Addr().Is4() {
+		probe = w.cfg.probe4
+	}
+	return l.decide(ReasonProbeSNAT, netip.AddrPortFrom(probe, 0), "a local socket of the node (kubelet's probe): its source becomes %s", probe)
+}
