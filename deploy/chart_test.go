@@ -411,6 +411,15 @@ hostPaths: {ztunnelSocketDir: /run/ztunnel}
 			},
 		},
 		{
+			name:   "per-pod metrics on request",
+			values: "agent: {perPodMetrics: true}",
+			check: func(t *testing.T, r *rendered) {
+				if !agentConfig(t, r).PerPodMetrics {
+					t.Error("agent.perPodMetrics does not reach the agent")
+				}
+			},
+		},
+		{
 			name:    "metrics address with a port fails the schema",
 			values:  "agent: {metricsAddress: \"127.0.0.1:15014\"}",
 			wantErr: "/agent/metricsAddress",
@@ -589,7 +598,7 @@ func checkDefaults(t *testing.T, r *rendered) {
 			t.Errorf("--%s=%v, want %s", k, fl[k], v)
 		}
 	}
-	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig"} {
+	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig", "per-pod-metrics"} {
 		if _, ok := fl[k]; ok {
 			t.Errorf("--%s set by default", k)
 		}

@@ -44,7 +44,7 @@ var agentFlags = map[string]bool{
 	"cni-conf-dir": false, "cni-conf-name": false, "proc-root": false,
 	"excluded-namespaces": false, "dns-capture": false, "repair-mode": false,
 	"probe-snat-v4": false, "probe-snat-v6": false, "daemonset-namespace": false,
-	"daemonset-name": false, "log-level": false,
+	"daemonset-name": false, "log-level": false, "per-pod-metrics": false,
 }
 
 // rendered is one `helm template` of the chart, decoded.

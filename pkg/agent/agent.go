@@ -17,6 +17,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -24,7 +25,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -60,7 +60,7 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := cfg.validate(); err != nil {
 		return err
 	}
-	a := &agent{cfg: cfg, log: cfg.Logger, metrics: newMetrics()}
+	a := &agent{cfg: cfg, log: cfg.Logger, metrics: newMetrics(cmp.Or(cfg.Repair.Mode, kube.RepairInPlace), cfg.PerPodMetrics)}
 	return a.run(ctx)
 }
 
@@ -105,12 +105,15 @@ func (a *agent) run(parent context.Context) error {
 	srv.watch("metrics server", metricsDone)
 
 	if a.cfg.Install != nil {
-		a.inst = install.New(*a.cfg.Install)
+		ic := *a.cfg.Install
+		ic.OnResult = func(result string) { a.metrics.installs.WithLabelValues(result).Inc() }
+		a.inst = install.New(ic)
 		srv.background(func() { a.runInstaller(ctx) })
 	}
 
 	kcfg := kube.Config{NodeName: a.cfg.NodeName, Enrollment: a.cfg.Enrollment, Repair: a.cfg.Repair, Logger: log.With("component", "kube"),
-		OnEvent: func(typ string) { a.metrics.reconcile.WithLabelValues(typ).Inc() }}
+		OnEvent:  func(_, typ string) { a.metrics.reconcile.WithLabelValues(typ).Inc() },
+		OnRepair: func(mode, result string) { a.metrics.repaired.WithLabelValues(mode, result).Inc() }}
 	m := newMesh(nil, nil, podnetns.New(a.cfg.ProcRoot), a.cfg.Enrollment, log.With("component", "mesh"), a.metrics)
 	zsrv, err := zds.NewServer(zds.Config{SocketPath: a.cfg.ZDSSocket, Snapshot: m.snapshot, Logger: log.With("component", "zds")})
 	if err != nil {
@@ -148,7 +151,7 @@ func (a *agent) run(parent context.Context) error {
 		return a.shutdown(dp, err)
 	}
 	m.dp = dp
-	a.metrics.reg.MustRegister(newRedirectCollector(dp))
+	a.metrics.bpf.setSource(dp)
 	m.setSource(src)
 	a.reconcileAtStart(ctx, m, src, snap)
 
@@ -168,7 +171,9 @@ func (a *agent) run(parent context.Context) error {
 	if err != nil {
 		return stop(fmt.Errorf("cni socket: %w", err))
 	}
-	srv.run("cni event server", func() error { return events.ServeListener(ctx, cniLn, m) })
+	srv.run("cni event server", func() error {
+		return events.ServeListener(ctx, cniLn, m, events.WithObserver(a.metrics.observeCNI))
+	})
 	srv.background(func() { a.watchZtunnel(ctx, m) })
 	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m}, log.With("component", "inspect"))
 	if err != nil {
@@ -209,7 +214,6 @@ func (a *agent) runInstaller(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		a.metrics.installs.WithLabelValues("failure").Inc()
 		a.log.Error("cni install failed; retrying", "error", err)
 		select {
 		case <-ctx.Done():
@@ -224,20 +228,10 @@ func (a *agent) runInstaller(ctx context.Context) {
 func (a *agent) watchZtunnel(ctx context.Context, m *mesh) {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
-	wasReady := false
 	for {
-		if m.zt.Connections() > 0 {
-			a.metrics.ztunnel.Set(1)
-		} else {
-			a.metrics.ztunnel.Set(0)
-		}
+		a.metrics.ztunnel.Set(float64(m.zt.Connections()))
 		if a.inst != nil {
-			ready := a.inst.Ready()
-			a.metrics.installReady.Set(boolFloat(ready))
-			if ready && !wasReady {
-				a.metrics.installs.WithLabelValues("success").Inc()
-			}
-			wasReady = ready
+			a.metrics.installReady.Set(boolFloat(a.inst.Ready()))
 		}
 		m.retryPending(ctx)
 		select {
@@ -246,13 +240,6 @@ func (a *agent) watchZtunnel(ctx context.Context, m *mesh) {
 		case <-t.C:
 		}
 	}
-}
-
-func boolFloat(b bool) float64 {
-	if b {
-		return 1
-	}
-	return 0
 }
 
 // reconcileAtStart makes the adopted data path match the pods: snapshot
@@ -322,6 +309,7 @@ func (a *agent) reconcileAtStart(ctx context.Context, m *mesh, src podSource, sn
 			continue
 		}
 		a.log.Info("removing adopted pod that left", "pod", key, "uid", uid)
+		a.metrics.bpf.retire(uid)
 		if err := m.dp.Remove(ctx, uid); err != nil {
 			a.log.Error("removing adopted pod failed", "pod", key, "error", err)
 		}
@@ -365,5 +353,3 @@ func (a *agent) uninstalling(ctx context.Context) bool {
 	}
 	return ds.DeletionTimestamp != nil
 }
-
-var _ prometheus.Collector = (*redirectCollector)(nil)

@@ -47,6 +47,9 @@ type Config struct {
 
 	HealthAddr  string
 	MetricsAddr string
+	// PerPodMetrics adds each pod's BPF counters, under its namespace and
+	// name, to the node totals /metrics always has.
+	PerPodMetrics bool
 
 	// Install, when set, installs and watches the CNI plugin on the host.
 	Install *install.Config

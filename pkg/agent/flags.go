@@ -41,6 +41,7 @@ type Flags struct {
 	uninstallOnExit                             bool
 	logLevel                                    string
 	version                                     bool
+	perPodMetrics                               bool
 }
 
 type listFlag []string
@@ -67,7 +68,8 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.inspectSocket, "inspect-socket", "", "socket the CLI asks (default "+DefaultInspectSocket+")")
 	fs.StringVar(&f.procRoot, "proc-root", DefaultProcRoot, "the host's /proc, scanned for running pods' netns")
 	fs.StringVar(&f.healthAddr, "health-addr", DefaultHealthAddr, "address of /healthz and /readyz")
-	fs.StringVar(&f.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address of /metrics; the metrics name pods, so restrict it (127.0.0.1:15014 keeps them on the node)")
+	fs.StringVar(&f.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address of /metrics (127.0.0.1:15014 keeps them on the node)")
+	fs.BoolVar(&f.perPodMetrics, "per-pod-metrics", false, "add each pod's BPF counters, labelled with its namespace and name, to the node totals (several series per pod: mind the cardinality, and who reads /metrics)")
 	fs.BoolVar(&f.installCNI, "install-cni", true, "install the CNI plugin on the host and keep it installed")
 	fs.Var(&f.cniBinDirs, "cni-bin-dir", "host CNI bin directory (repeatable; default /host/opt/cni/bin)")
 	fs.StringVar(&f.cniConfDir, "cni-conf-dir", "/host/etc/cni/net.d", "host CNI configuration directory")
@@ -111,7 +113,7 @@ func (f *Flags) Config() (Config, error) {
 		Logger:   log,
 		NodeName: f.nodeName, Kubeconfig: f.kubeconfig, StandalonePods: f.standalone,
 		ZDSSocket: f.zdsSocket, CNISocket: f.cniSocket, InspectSocket: f.inspectSocket, ProcRoot: f.procRoot,
-		HealthAddr: f.healthAddr, MetricsAddr: f.metricsAddr,
+		HealthAddr: f.healthAddr, MetricsAddr: f.metricsAddr, PerPodMetrics: f.perPodMetrics,
 		DaemonSetNamespace: f.dsNamespace, DaemonSetName: f.dsName, UninstallOnExit: f.uninstallOnExit,
 	}
 	c.Dataplane = dataplane.Config{BPFFSDir: f.bpffs, CgroupRoot: f.cgroupRoot, NodeNetns: f.nodeNetns, ProcRoot: f.procRoot}

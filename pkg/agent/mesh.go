@@ -213,6 +213,7 @@ func (m *mesh) count() int {
 func (m *mesh) remove(ctx context.Context, uid, key string) error {
 	start := time.Now()
 	m.forget(uid)
+	m.metrics.bpf.retire(uid)
 	err := m.dp.Remove(ctx, uid)
 	if err != nil {
 		m.metrics.dataplaneErrors.WithLabelValues("remove").Inc()
@@ -263,16 +264,6 @@ func (m *mesh) Redirection(uid types.UID) kube.Redirection {
 // PodAdd enrolls a new pod for the CNI plugin, before its app starts. It
 // fails whenever an ambient pod could not be fully enrolled: fail closed.
 func (m *mesh) PodAdd(ctx context.Context, req *cniv1.PodAddRequest) (events.AddResult, error) {
-	res, err := m.podAdd(ctx, req)
-	code := "success"
-	if err != nil {
-		code = "error"
-	}
-	m.metrics.pluginRequests.WithLabelValues("add", code).Inc()
-	return res, err
-}
-
-func (m *mesh) podAdd(ctx context.Context, req *cniv1.PodAddRequest) (events.AddResult, error) {
 	p := req.GetPod()
 	key := p.GetNamespace() + "/" + p.GetName()
 	m.mu.Lock()
@@ -326,11 +317,6 @@ func (m *mesh) PodDel(ctx context.Context, req *cniv1.PodDelRequest) error {
 	} else {
 		m.log.Info("cni del matches no enrolled pod", "pod", key, "uid", p.GetUid(), "container", p.GetContainerId(), "netns", p.GetNetns())
 	}
-	code := "success"
-	if err != nil {
-		code = "error"
-	}
-	m.metrics.pluginRequests.WithLabelValues("del", code).Inc()
 	return err
 }
 

@@ -130,7 +130,7 @@ func newTestMesh(conns int) (*mesh, *fakeDataplane, *fakeZtunnel, *fakeSource) {
 			"shop": {ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}}},
 		},
 	}
-	m := newMesh(dp, zt, fakeFinder{}, enrollment.DefaultConfig(), slog.Default(), newMetrics())
+	m := newMesh(dp, zt, fakeFinder{}, enrollment.DefaultConfig(), slog.Default(), newMetrics(kube.RepairInPlace, false))
 	m.setSource(src)
 	return m, dp, zt, src
 }

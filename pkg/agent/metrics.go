@@ -4,42 +4,76 @@
 package agent
 
 import (
-	"github.com/prometheus/client_golang/prometheus"
+	"slices"
+	"sync"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 )
 
-// metrics uses istio-cni's names where Istio has one (docs/METRICS.md maps
-// them) and ambient_ebpf_* for what is ours.
+// metrics uses istio-cni's names, labels and label values where Istio has
+// the metric, so its dashboards and alerts read ours (docs/METRICS.md maps
+// them, and a test holds both to each other), and ambient_ebpf_* for what
+// is ours. Every series with a known label set exists from the start, at
+// zero.
 type metrics struct {
 	reg *prometheus.Registry
 
 	installs       *prometheus.CounterVec // istio_cni_installs_total{result}
 	installReady   prometheus.Gauge       // istio_cni_install_ready
-	pluginRequests *prometheus.CounterVec // istio_cni_plugin_requests_total{type,response_code}
+	pluginRequests *prometheus.CounterVec // istio_cni_plugin_requests_total{response_code}: ADDs
+	repaired       *prometheus.CounterVec // istio_cni_repair_pods_repaired_total{type,result}
 	reconcile      *prometheus.CounterVec // nodeagent_reconcile_events_total{type}
 	ztunnel        prometheus.Gauge       // ztunnel_connected
 
+	delRequests     *prometheus.CounterVec
 	enrolled        prometheus.Gauge
 	enrollSeconds   prometheus.Histogram
 	removeSeconds   prometheus.Histogram
 	dataplaneErrors *prometheus.CounterVec
+	bpf             *bpfCollector
 }
 
-func newMetrics() *metrics {
+// Response codes of istio_cni_plugin_requests_total, as istio-cni answers
+// its plugin over HTTP: 200, 400 for a request refused as malformed, 500
+// for a pod that could not be enrolled.
+var responseCodes = []string{"200", "400", "500"}
+
+func responseCode(c codes.Code) string {
+	switch c {
+	case codes.OK:
+		return "200"
+	case codes.InvalidArgument:
+		return "400"
+	}
+	return "500"
+}
+
+// newMetrics registers every metric; repair is the repair mode, whose
+// istio_cni_repair_pods_repaired_total series exist from the start, and
+// perPod adds the per-pod BPF counters.
+func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 	latency := []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5}
 	m := &metrics{
 		reg: prometheus.NewRegistry(),
 		installs: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_installs_total",
-			Help: "CNI plugin install passes, by result."}, []string{"result"}),
+			Help: "CNI plugin installs, by result: SUCCESS each time the installation becomes ready, the failing step otherwise."}, []string{"result"}),
 		installReady: prometheus.NewGauge(prometheus.GaugeOpts{Name: "istio_cni_install_ready",
 			Help: "1 when the CNI plugin is installed on the host."}),
 		pluginRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_plugin_requests_total",
-			Help: "Pod ADD and DEL requests from the CNI plugin, by type and response code."}, []string{"type", "response_code"}),
+			Help: "Pod ADD requests from the CNI plugin, by response code (200, 400 refused as malformed, 500 not enrolled)."}, []string{"response_code"}),
+		repaired: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_repair_pods_repaired_total",
+			Help: "Unredirected running pods repaired, by repair type and result."}, []string{"type", "result"}),
 		reconcile: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "nodeagent_reconcile_events_total",
-			Help: "Pod and namespace events the controller reconciled, by type (add, update, delete, namespace)."}, []string{"type"}),
+			Help: "Pod and namespace events the controller reconciled, by type (add, update, delete)."}, []string{"type"}),
 		ztunnel: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ztunnel_connected",
-			Help: "1 while at least one ztunnel is connected over ZDS."}),
+			Help: "Number of ztunnel connections over ZDS."}),
+		delRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ambient_ebpf_cni_del_requests_total",
+			Help: "Pod DEL requests from the CNI plugin, by response code (200, 400 refused as malformed, 500 failed)."}, []string{"response_code"}),
 		enrolled: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ambient_ebpf_enrolled_pods",
 			Help: "Pods whose traffic the data path redirects."}),
 		enrollSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "ambient_ebpf_enroll_duration_seconds",
@@ -47,39 +81,175 @@ func newMetrics() *metrics {
 		removeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "ambient_ebpf_remove_duration_seconds",
 			Help: "Time to remove a pod's redirection.", Buckets: latency}),
 		dataplaneErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ambient_ebpf_dataplane_errors_total",
-			Help: "Data path operations that failed, by operation."}, []string{"reason"}),
+			Help: "Data path operations that failed, by operation (enroll, remove)."}, []string{"operation"}),
+		bpf: newBPFCollector(perPod),
 	}
-	m.reg.MustRegister(m.installs, m.installReady, m.pluginRequests, m.reconcile, m.ztunnel,
-		m.enrolled, m.enrollSeconds, m.removeSeconds, m.dataplaneErrors)
+	for _, r := range install.Results() {
+		m.installs.WithLabelValues(r)
+	}
+	for _, c := range responseCodes {
+		m.pluginRequests.WithLabelValues(c)
+		m.delRequests.WithLabelValues(c)
+	}
+	if t := repair.MetricType(); t != "" {
+		for _, r := range []string{kube.RepairResultSuccess, kube.RepairResultSkip, kube.RepairResultFail} {
+			m.repaired.WithLabelValues(t, r)
+		}
+	}
+	for _, t := range []string{"add", "update", "delete"} {
+		m.reconcile.WithLabelValues(t)
+	}
+	for _, op := range []string{"enroll", "remove"} {
+		m.dataplaneErrors.WithLabelValues(op)
+	}
+	m.reg.MustRegister(m.installs, m.installReady, m.pluginRequests, m.repaired, m.reconcile, m.ztunnel,
+		m.delRequests, m.enrolled, m.enrollSeconds, m.removeSeconds, m.dataplaneErrors, m.bpf)
 	return m
 }
 
-// redirectCollector reads the per-pod BPF counters at scrape time.
-type redirectCollector struct {
-	dp   *dataplane.Dataplane
-	desc *prometheus.Desc
+// observeCNI counts one answer to the CNI plugin (events.WithObserver).
+func (m *metrics) observeCNI(method string, code codes.Code) {
+	switch method {
+	case "add":
+		m.pluginRequests.WithLabelValues(responseCode(code)).Inc()
+	case "del":
+		m.delRequests.WithLabelValues(responseCode(code)).Inc()
+	}
 }
 
-func newRedirectCollector(dp *dataplane.Dataplane) *redirectCollector {
-	return &redirectCollector{dp: dp, desc: prometheus.NewDesc("ambient_ebpf_redirects_total",
-		"Connections and queries the BPF programs redirected, per pod and kind (from ae_stats).",
-		[]string{"namespace", "pod", "kind"}, nil)}
+// bpfKind is one counter of a pod's ae_stats entry.
+type bpfKind struct {
+	name string
+	get  func(dataplane.Stats) uint64
 }
 
-func (c *redirectCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+// The ae_stats counters: redirections, and the errors the programs met.
+var (
+	redirectKinds = []bpfKind{
+		{"outbound", func(s dataplane.Stats) uint64 { return s.OutboundRedirects }},
+		{"inbound", func(s dataplane.Stats) uint64 { return s.InboundRedirects }},
+		{"dns", func(s dataplane.Stats) uint64 { return s.DNSRedirects }},
+		{"reroute", func(s dataplane.Stats) uint64 { return s.RerouteRedirects }},
+		{"probe_snat", func(s dataplane.Stats) uint64 { return s.ProbeSNAT }},
+	}
+	errorKinds = []bpfKind{
+		{"inbound_no_listener", func(s dataplane.Stats) uint64 { return s.InboundNoListener }},
+		{"orig_dst_error", func(s dataplane.Stats) uint64 { return s.OrigDstErrors }},
+		{"probe_table_full", func(s dataplane.Stats) uint64 { return s.ProbeNATFull }},
+	}
+)
 
-func (c *redirectCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, p := range c.dp.List() {
-		s, err := c.dp.Stats(p.UID)
+// statsSource is where the BPF counters are read: the data path.
+type statsSource interface {
+	List() []dataplane.EnrolledPod
+	Stats(uid string) (dataplane.Stats, error)
+}
+
+// bpfCollector reads the per-pod BPF counters (ae_stats) at scrape time.
+// By default it exports node totals by kind; a pod's counters leave the
+// maps with the pod, so the counts of pods removed since the agent started
+// are kept (retire) and the totals only grow. With perPod it also exports
+// each pod's counters under its namespace and name.
+type bpfCollector struct {
+	perPod                                  bool
+	redirects, errors, podRedirects, podErr *prometheus.Desc
+
+	mu      sync.Mutex
+	src     statsSource       // nil until the data path is loaded
+	retired map[string]uint64 // by kind name, the counts of removed pods
+}
+
+func newBPFCollector(perPod bool) *bpfCollector {
+	podLabels := []string{"namespace", "pod", "kind"}
+	return &bpfCollector{
+		perPod: perPod,
+		redirects: prometheus.NewDesc("ambient_ebpf_redirects_total",
+			"Connections and DNS queries the BPF programs redirected on this node, by kind (ae_stats).", []string{"kind"}, nil),
+		errors: prometheus.NewDesc("ambient_ebpf_bpf_errors_total",
+			"Errors the BPF programs counted on this node, by kind (ae_stats).", []string{"kind"}, nil),
+		podRedirects: prometheus.NewDesc("ambient_ebpf_pod_redirects_total",
+			"Connections and DNS queries the BPF programs redirected, per pod and kind (ae_stats; --per-pod-metrics).", podLabels, nil),
+		podErr: prometheus.NewDesc("ambient_ebpf_pod_bpf_errors_total",
+			"Errors the BPF programs counted, per pod and kind (ae_stats; --per-pod-metrics).", podLabels, nil),
+		retired: map[string]uint64{},
+	}
+}
+
+// setSource starts reading the data path's counters.
+func (c *bpfCollector) setSource(src statsSource) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.src = src
+}
+
+// retire keeps the counters of a pod about to be removed in the node
+// totals.
+func (c *bpfCollector) retire(uid string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.src == nil {
+		return
+	}
+	s, err := c.src.Stats(uid)
+	if err != nil {
+		return
+	}
+	for _, k := range slices.Concat(redirectKinds, errorKinds) {
+		c.retired[k.name] += k.get(s)
+	}
+}
+
+func (c *bpfCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.redirects
+	ch <- c.errors
+	if c.perPod {
+		ch <- c.podRedirects
+		ch <- c.podErr
+	}
+}
+
+func (c *bpfCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	totals := map[string]uint64{}
+	for k, v := range c.retired {
+		totals[k] = v
+	}
+	var pods []dataplane.EnrolledPod
+	if c.src != nil {
+		pods = c.src.List()
+	}
+	for _, p := range pods {
+		s, err := c.src.Stats(p.UID)
 		if err != nil {
 			continue
 		}
-		for kind, v := range map[string]uint64{
-			"outbound": s.OutboundRedirects, "inbound": s.InboundRedirects, "dns": s.DNSRedirects,
-			"reroute": s.RerouteRedirects, "probe_snat": s.ProbeSNAT, "inbound_no_listener": s.InboundNoListener,
-			"orig_dst_error": s.OrigDstErrors, "probe_table_full": s.ProbeNATFull,
-		} {
-			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(v), p.Namespace, p.Name, kind)
+		for _, set := range []struct {
+			desc  *prometheus.Desc
+			kinds []bpfKind
+		}{{c.podRedirects, redirectKinds}, {c.podErr, errorKinds}} {
+			for _, k := range set.kinds {
+				totals[k.name] += k.get(s)
+				if c.perPod {
+					ch <- prometheus.MustNewConstMetric(set.desc, prometheus.CounterValue, float64(k.get(s)), p.Namespace, p.Name, k.name)
+				}
+			}
 		}
 	}
+	for _, k := range redirectKinds {
+		ch <- prometheus.MustNewConstMetric(c.redirects, prometheus.CounterValue, float64(totals[k.name]), k.name)
+	}
+	for _, k := range errorKinds {
+		ch <- prometheus.MustNewConstMetric(c.errors, prometheus.CounterValue, float64(totals[k.name]), k.name)
+	}
+}
+
+var _ prometheus.Collector = (*bpfCollector)(nil)
+
+// boolFloat is a gauge's value for b.
+func boolFloat(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }

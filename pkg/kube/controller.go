@@ -117,21 +117,21 @@ func (c *Controller) Run(ctx context.Context) error {
 	defer sink.Stop()
 	c.writer.recorder = broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: EventSource, Host: c.cfg.NodeName})
 	podReg, err := c.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { c.cfg.OnEvent("add"); c.enqueueObject(obj) },
-		UpdateFunc: func(_, obj any) { c.cfg.OnEvent("update"); c.enqueueObject(obj) },
-		DeleteFunc: func(obj any) { c.cfg.OnEvent("delete"); c.enqueueObject(obj) },
+		AddFunc:    func(obj any) { c.cfg.OnEvent("pod", "add"); c.enqueueObject(obj) },
+		UpdateFunc: func(_, obj any) { c.cfg.OnEvent("pod", "update"); c.enqueueObject(obj) },
+		DeleteFunc: func(obj any) { c.cfg.OnEvent("pod", "delete"); c.enqueueObject(obj) },
 	})
 	if err != nil {
 		return fmt.Errorf("add pod handler: %w", err)
 	}
 	defer c.pods.RemoveEventHandler(podReg) //nolint:errcheck // only fails for an unknown registration
 	nsReg, err := c.namespaces.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: c.enqueueNamespace,
+		AddFunc: func(obj any) { c.cfg.OnEvent("namespace", "add"); c.enqueueNamespace(obj) },
 		UpdateFunc: func(oldObj, obj any) {
 			o, ok1 := oldObj.(*corev1.Namespace)
 			n, ok2 := obj.(*corev1.Namespace)
 			if ok1 && ok2 && !maps.Equal(o.Labels, n.Labels) {
-				c.cfg.OnEvent("namespace")
+				c.cfg.OnEvent("namespace", "update")
 				c.enqueueNamespace(n)
 			}
 		},

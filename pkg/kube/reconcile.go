@@ -32,11 +32,18 @@ type Config struct {
 	Workers int
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
-	// OnEvent, when set, is called by the informer handlers with "add",
-	// "update" or "delete" for each pod event, and "namespace" for each
-	// namespace whose labels changed, for the agent's
-	// nodeagent_reconcile_events_total{type} counter. It must not block.
-	OnEvent func(eventType string)
+	// OnEvent, when set, is called by the informer handlers for each event
+	// they reconcile: object is "pod" or "namespace", eventType "add",
+	// "update" or "delete" (istio-cni's nodeagent_reconcile_events_total
+	// {type} values; namespace updates count only when labels change). It
+	// must not block.
+	OnEvent func(object, eventType string)
+	// OnRepair, when set, is told the outcome of each repair of an
+	// unredirected pod: the mode ("repair" in place, "delete" or "label",
+	// istio-cni's istio_cni_repair_pods_repaired_total{type}) and the
+	// result: "success", "skip" (already labelled) or "fail". It must not
+	// block.
+	OnRepair func(mode, result string)
 }
 
 func (cfg Config) withDefaults() (Config, error) {
@@ -50,7 +57,10 @@ func (cfg Config) withDefaults() (Config, error) {
 		cfg.Logger = slog.Default()
 	}
 	if cfg.OnEvent == nil {
-		cfg.OnEvent = func(string) {}
+		cfg.OnEvent = func(string, string) {}
+	}
+	if cfg.OnRepair == nil {
+		cfg.OnRepair = func(string, string) {}
 	}
 	var err error
 	cfg.Repair, err = cfg.Repair.withDefaults()

@@ -32,6 +32,25 @@ const (
 	RepairOff RepairMode = "off"
 )
 
+// MetricType is the mode as istio-cni's istio_cni_repair_pods_repaired_total
+// {type} names it ("repair" for in place), "" for RepairOff.
+func (m RepairMode) MetricType() string {
+	switch m {
+	case RepairInPlace:
+		return "repair"
+	case RepairDelete, RepairLabel:
+		return string(m)
+	}
+	return ""
+}
+
+// Repair results (Config.OnRepair), istio-cni's values.
+const (
+	RepairResultSuccess = "success"
+	RepairResultSkip    = "skip"
+	RepairResultFail    = "fail"
+)
+
 // Istio's label for pods its repair controller found broken.
 const (
 	DefaultRepairLabelKey   = "cni.istio.io/uninitialized"
@@ -93,14 +112,17 @@ func (r *reconciler) repair(ctx context.Context, pod *corev1.Pod, d enrollment.D
 	}
 	key := pod.Namespace + "/" + pod.Name
 	log := r.log.With("pod", key, "uid", pod.UID, "mode", r.cfg.Repair.Mode, "reason", d.Reason)
+	mode := r.cfg.Repair.Mode.MetricType()
 	switch r.cfg.Repair.Mode {
 	case RepairDelete:
 		if err := r.writer.deletePod(ctx, pod); err != nil {
 			if apierrors.IsNotFound(err) {
+				r.cfg.OnRepair(mode, RepairResultSkip)
 				return nil
 			}
 			// A Conflict means the pod changed under us: the update
 			// requeues it, and the retry decides again.
+			r.cfg.OnRepair(mode, RepairResultFail)
 			return fmt.Errorf("repair: delete unredirected pod %s: %w", key, err)
 		}
 		r.writer.event(pod, corev1.EventTypeWarning, EventRepairDeleted,
@@ -108,9 +130,11 @@ func (r *reconciler) repair(ctx context.Context, pod *corev1.Pod, d enrollment.D
 		log.Info("repair: deleted unredirected pod")
 	case RepairLabel:
 		if pod.Labels[r.cfg.Repair.LabelKey] == r.cfg.Repair.LabelValue {
+			r.cfg.OnRepair(mode, RepairResultSkip)
 			return nil
 		}
 		if err := r.writer.labelPod(ctx, pod, r.cfg.Repair.LabelKey, r.cfg.Repair.LabelValue); err != nil {
+			r.cfg.OnRepair(mode, RepairResultFail)
 			return fmt.Errorf("repair: label unredirected pod %s: %w", key, err)
 		}
 		r.writer.event(pod, corev1.EventTypeWarning, EventRepairLabelled,
@@ -118,11 +142,13 @@ func (r *reconciler) repair(ctx context.Context, pod *corev1.Pod, d enrollment.D
 		log.Info("repair: labelled unredirected pod")
 	default:
 		if err := r.mesh.AddPodToMesh(ctx, pod, d.Options); err != nil {
+			r.cfg.OnRepair(mode, RepairResultFail)
 			r.writer.event(pod, corev1.EventTypeWarning, EventRepairFailed, "redirecting the running pod failed: "+err.Error())
 			return fmt.Errorf("repair: add running pod %s to mesh: %w", key, err)
 		}
 		r.writer.event(pod, corev1.EventTypeNormal, EventRepairedInPlace, "traffic of the running pod redirected in place")
 		log.Info("repair: redirected running pod in place")
 	}
+	r.cfg.OnRepair(mode, RepairResultSuccess)
 	return nil
 }

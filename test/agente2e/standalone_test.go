@@ -169,7 +169,7 @@ func pinnedPods(t *testing.T, dir string) []dataplane.EnrolledPod {
 func TestAgentEnrollsThroughCNIAndZDS(t *testing.T) {
 	n := newAgentNode(t, "app", "plain")
 	a, plain := n.pods["app"], n.pods["plain"]
-	n.startAgent(t, "--uninstall-on-exit")
+	n.startAgent(t, "--uninstall-on-exit", "--per-pod-metrics")
 	zt := n.StartZtunnelFor(n.zds)
 
 	// Fail closed is the plugin's side; here: ambient pods need ztunnel.
@@ -217,10 +217,13 @@ func TestAgentEnrollsThroughCNIAndZDS(t *testing.T) {
 	}
 	_, metrics := n.get("/metrics")
 	for _, want := range []string{
-		`istio_cni_plugin_requests_total{response_code="success",type="add"} 2`,
+		`istio_cni_plugin_requests_total{response_code="200"} 2`,
+		`istio_cni_plugin_requests_total{response_code="500"} 0`,
 		"ambient_ebpf_enrolled_pods 1",
 		"ztunnel_connected 1",
-		`ambient_ebpf_redirects_total{kind="outbound",namespace="default",pod="app"} 1`,
+		`ambient_ebpf_redirects_total{kind="outbound"} 1`,
+		`ambient_ebpf_pod_redirects_total{kind="outbound",namespace="default",pod="app"} 1`,
+		`ambient_ebpf_bpf_errors_total{kind="inbound_no_listener"} 0`,
 		"ambient_ebpf_enroll_duration_seconds_count 1",
 	} {
 		if !strings.Contains(metrics, want) {

@@ -267,7 +267,9 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 		t.Errorf("annotations after the restart: %q %q", r.annotation(old), r.annotation(late))
 	}
 	_, metrics := r.get(r.metrics, "/metrics")
-	for _, want := range []string{"istio_cni_install_ready 1", "ambient_ebpf_enrolled_pods", "nodeagent_reconcile_events_total"} {
+	for _, want := range []string{"istio_cni_install_ready 1", `istio_cni_installs_total{result="SUCCESS"} 1`,
+		`istio_cni_installs_total{result="CREATE_CNI_CONFIG_FAILURE"} 0`, "ambient_ebpf_enrolled_pods",
+		`nodeagent_reconcile_events_total{type="add"}`, `istio_cni_repair_pods_repaired_total{result="fail",type="repair"} 0`} {
 		if !strings.Contains(metrics, want) {
 			t.Errorf("metrics lack %q", want)
 		}

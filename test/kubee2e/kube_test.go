@@ -74,8 +74,8 @@ func TestNamespaceLabelEnrollsAndRemovesRunningPods(t *testing.T) {
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
 	var nsEvents atomic.Int32
 	a := s.agent(t, nil, func(c *kube.Config, _ *kubetest.Mesh) {
-		c.OnEvent = func(typ string) {
-			if typ == "namespace" {
+		c.OnEvent = func(object, typ string) {
+			if object == "namespace" && typ == "update" {
 				nsEvents.Add(1)
 			}
 		}

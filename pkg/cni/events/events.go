@@ -85,9 +85,15 @@ const gracePeriod = 5 * time.Second
 // Besides the CNIEvents service it serves the standard gRPC health service,
 // which the plugin's STATUS asks (Probe), and it recovers a panic in any
 // call into an Internal error, logged with its stack.
-func ServeListener(ctx context.Context, ln net.Listener, h Handler) error {
+func ServeListener(ctx context.Context, ln net.Listener, h Handler, opts ...ServeOption) error {
 	defer ln.Close()
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(RecoverUnary(slog.Default())))
+	var o serveOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	// The observer sits outside the recovery, so a panicked call counts
+	// with the Internal error it answers.
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(o.observer(), RecoverUnary(slog.Default())))
 	cniv1.RegisterCNIEventsServer(srv, &server{h: h, log: slog.Default()})
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
@@ -128,6 +134,36 @@ func RecoverUnary(log *slog.Logger) grpc.UnaryServerInterceptor {
 			}
 		}()
 		return handler(ctx, req)
+	}
+}
+
+// ServeOption configures ServeListener.
+type ServeOption func(*serveOptions)
+
+type serveOptions struct {
+	observe func(method string, code codes.Code)
+}
+
+// WithObserver has observe told, for each PodAdd ("add") and PodDel ("del")
+// the server answers, the gRPC code of its answer (codes.OK on success):
+// InvalidArgument for a request refused as malformed, Internal for a
+// handler that panicked, the code of the handler's error otherwise. It must
+// not block.
+func WithObserver(observe func(method string, code codes.Code)) ServeOption {
+	return func(o *serveOptions) { o.observe = observe }
+}
+
+func (o *serveOptions) observer() grpc.UnaryServerInterceptor {
+	methods := map[string]string{
+		cniv1.CNIEvents_PodAdd_FullMethodName: "add",
+		cniv1.CNIEvents_PodDel_FullMethodName: "del",
+	}
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		resp, err := handler(ctx, req)
+		if m, ok := methods[info.FullMethod]; ok && o.observe != nil {
+			o.observe(m, status.Code(err))
+		}
+		return resp, err
 	}
 }
 

@@ -10,10 +10,13 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc/codes"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
@@ -56,7 +59,7 @@ func (f *fakeHandler) PodDel(_ context.Context, req *cniv1.PodDelRequest) error 
 
 // start serves h on a fresh socket and returns its path; the server stops
 // when the test ends.
-func start(t *testing.T, h Handler) string {
+func start(t *testing.T, h Handler, opts ...ServeOption) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "run", "cni.sock")
 	ln, err := Listen(path)
@@ -65,7 +68,7 @@ func start(t *testing.T, h Handler) string {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
-	go func() { errc <- ServeListener(ctx, ln, h) }()
+	go func() { errc <- ServeListener(ctx, ln, h, opts...) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-errc; err != nil {
@@ -277,5 +280,37 @@ func TestPanicInAHandlerFailsOnlyThatCall(t *testing.T) {
 	}
 	if err := c.PodDel(ctx, &cniv1.PodDelRequest{Pod: addReq().Pod}); err != nil {
 		t.Fatalf("PodDel after the panic: %v", err)
+	}
+}
+
+// The observer hears each ADD and DEL with the code of its answer: OK,
+// InvalidArgument for a malformed request, Internal for a panic.
+func TestObserverHearsEachAnswer(t *testing.T) {
+	type call struct {
+		method string
+		code   codes.Code
+	}
+	var mu sync.Mutex
+	var got []call
+	observe := WithObserver(func(m string, c codes.Code) {
+		mu.Lock()
+		defer mu.Unlock()
+		got = append(got, call{m, c})
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c := client(t, start(t, &fakeHandler{}, observe))
+	_, _ = c.PodAdd(ctx, addReq())
+	bad := addReq()
+	bad.Pod.Name = "../x"
+	_, _ = c.PodAdd(ctx, bad)
+	_ = c.PodDel(ctx, &cniv1.PodDelRequest{Pod: addReq().Pod})
+	_, _ = client(t, start(t, &panicky{}, observe)).PodAdd(ctx, addReq())
+
+	mu.Lock()
+	defer mu.Unlock()
+	want := []call{{"add", codes.OK}, {"add", codes.InvalidArgument}, {"del", codes.OK}, {"add", codes.Internal}}
+	if !slices.Equal(got, want) {
+		t.Errorf("observed %v, want %v", got, want)
 	}
 }

@@ -71,6 +71,46 @@ type Config struct {
 	// Debounce coalesces bursts of file events. Default 100ms.
 	Debounce time.Duration
 	Log      *slog.Logger
+	// OnResult, when set, is told the outcome of install passes as
+	// istio-cni's istio_cni_installs_total{result} names them: ResultSuccess
+	// each time a pass makes the installation ready after it was not, and
+	// the failing step's result each time a pass fails, except while the
+	// primary CNI has written no configuration to chain into yet (a node
+	// coming up). It must not block.
+	OnResult func(result string)
+}
+
+// Results of install passes (Config.OnResult), istio-cni's values.
+const (
+	ResultSuccess                 = "SUCCESS"
+	ResultCopyBinariesFailure     = "COPY_BINARIES_FAILURE"
+	ResultCreateKubeconfigFailure = "CREATE_KUBECONFIG_FAILURE"
+	ResultCreateCNIConfigFailure  = "CREATE_CNI_CONFIG_FAILURE"
+)
+
+// Results lists every result OnResult may be told, success first.
+func Results() []string {
+	return []string{ResultSuccess, ResultCopyBinariesFailure, ResultCreateKubeconfigFailure, ResultCreateCNIConfigFailure}
+}
+
+// ErrNoPrimaryConfig is returned by a pass while the configuration
+// directory holds no CNI configuration to chain into.
+var ErrNoPrimaryConfig = errors.New("no cni configuration to chain into yet")
+
+// stepError names the install step that failed, as a Result.
+type stepError struct {
+	result string
+	err    error
+}
+
+func (e *stepError) Error() string { return e.err.Error() }
+func (e *stepError) Unwrap() error { return e.err }
+
+func step(result string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return &stepError{result: result, err: err}
 }
 
 // Installer installs and watches. Its methods are safe for concurrent use.
@@ -104,7 +144,16 @@ func (i *Installer) Install(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
 	err := i.install(ctx)
-	i.ready.Store(err == nil)
+	wasReady := i.ready.Swap(err == nil)
+	if i.cfg.OnResult != nil {
+		var se *stepError
+		switch {
+		case err == nil && !wasReady:
+			i.cfg.OnResult(ResultSuccess)
+		case errors.As(err, &se) && !errors.Is(err, ErrNoPrimaryConfig) && ctx.Err() == nil:
+			i.cfg.OnResult(se.result)
+		}
+	}
 	return err
 }
 
@@ -118,6 +167,24 @@ func (i *Installer) binaries() map[string]string {
 }
 
 func (i *Installer) install(ctx context.Context) error {
+	if err := step(ResultCopyBinariesFailure, i.installBinaries(ctx)); err != nil {
+		return err
+	}
+	if i.cfg.KubeconfigPath != "" {
+		kc, err := i.kubeconfig()
+		if err == nil {
+			if err = writeIfChanged(i.cfg.KubeconfigPath, kc, 0o600); err != nil {
+				err = fmt.Errorf("write plugin kubeconfig: %w", err)
+			}
+		}
+		if err := step(ResultCreateKubeconfigFailure, err); err != nil {
+			return err
+		}
+	}
+	return step(ResultCreateCNIConfigFailure, i.installConf())
+}
+
+func (i *Installer) installBinaries(ctx context.Context) error {
 	for name, src := range i.binaries() {
 		bin, err := os.ReadFile(src)
 		if err != nil {
@@ -133,16 +200,7 @@ func (i *Installer) install(ctx context.Context) error {
 			}
 		}
 	}
-	if i.cfg.KubeconfigPath != "" {
-		kc, err := i.kubeconfig()
-		if err != nil {
-			return err
-		}
-		if err := writeIfChanged(i.cfg.KubeconfigPath, kc, 0o600); err != nil {
-			return fmt.Errorf("write plugin kubeconfig: %w", err)
-		}
-	}
-	return i.installConf()
+	return nil
 }
 
 // entry is our conflist entry.
@@ -199,7 +257,7 @@ func (i *Installer) installConf() error {
 		break
 	}
 	if target == "" {
-		return fmt.Errorf("no cni configuration in %s to chain into yet", i.cfg.ConfDir)
+		return fmt.Errorf("%s: %w", i.cfg.ConfDir, ErrNoPrimaryConfig)
 	}
 	written, err := i.chainInto(target, data, entry)
 	if err != nil {

@@ -363,3 +363,49 @@ func eventually(t *testing.T, what string, cond func() bool) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// OnResult hears istio-cni's results: SUCCESS when a pass makes the
+// installation ready, the failing step otherwise, nothing while the node's
+// primary CNI has written no configuration yet.
+func TestInstallResults(t *testing.T) {
+	cases := []struct {
+		name    string
+		files   map[string]string
+		breakIt func(n *node)
+		want    []string
+	}{
+		{name: "ready once", files: map[string]string{"10-a.conflist": listA}, want: []string{ResultSuccess}},
+		{name: "no plugin binary", files: map[string]string{"10-a.conflist": listA},
+			breakIt: func(n *node) { n.cfg.PluginBinary += ".missing" }, want: []string{ResultCopyBinariesFailure}},
+		{name: "no service-account token", files: map[string]string{"10-a.conflist": listA},
+			breakIt: func(n *node) { n.cfg.TokenPath += ".missing" }, want: []string{ResultCreateKubeconfigFailure}},
+		{name: "conf dir gone", files: map[string]string{"10-a.conflist": listA},
+			breakIt: func(n *node) { n.cfg.ConfDir += ".missing"; n.cfg.KubeconfigPath = "" }, want: []string{ResultCreateCNIConfigFailure}},
+		{name: "primary CNI not there yet", files: map[string]string{}, want: nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			n := newNode(t, tc.files)
+			if tc.breakIt != nil {
+				tc.breakIt(n)
+			}
+			var got []string
+			n.cfg.OnResult = func(r string) { got = append(got, r) }
+			inst := New(n.cfg)
+			for range 2 { // a second pass that changes nothing reports nothing new
+				_ = inst.Install(context.Background())
+				if tc.breakIt != nil {
+					break
+				}
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("results %v, want %v", got, tc.want)
+			}
+			for _, r := range got {
+				if !slices.Contains(Results(), r) {
+					t.Errorf("result %q is not in Results()", r)
+				}
+			}
+		})
+	}
+}
