@@ -172,7 +172,7 @@ enum ae_hook {
  * them, keyed by this enum. */
 enum ae_reason {
 	AE_R_NONE,
-	AE_R_NOT_ENROLLED,     /* passed: no enrolled pod's socket (R16) */
+	AE_R_NOT_ENROLLED,     /* passed: no enrolled pod's socket (R16); traced, not counted */
 	AE_R_ZTUNNEL_MARK,     /* passed: ztunnel's own socket (R2) */
 	AE_R_LOOPBACK,         /* passed (R3) */
 	AE_R_OWN_IP,           /* passed: to the pod's own address (R4) */

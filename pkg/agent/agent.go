@@ -128,7 +128,7 @@ func (a *agent) run(ctx context.Context) error {
 		return fmt.Errorf("load data path: %w", err)
 	}
 	m.dp = dp
-	a.metrics.reg.MustRegister(newRedirectCollector(dp))
+	a.metrics.reg.MustRegister(newRedirectCollector(dp), newDecisionCollector(dp))
 	m.setSource(src)
 	a.reconcileAtStart(ctx, m, src, snap)
 
@@ -146,7 +146,7 @@ func (a *agent) run(ctx context.Context) error {
 	cniDone := make(chan error, 1)
 	go func() { cniDone <- events.Serve(ctx, a.cfg.CNISocket, m) }()
 	go a.watchZtunnel(ctx, m)
-	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m})
+	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m, trace: newTraceHub(a.cfg.Dataplane.BPFFSDir, log.With("component", "trace"))})
 	if err != nil {
 		return a.shutdown(dp, err)
 	}

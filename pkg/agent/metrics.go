@@ -83,3 +83,39 @@ func (c *redirectCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 }
+
+// decisionCollector reads the programs' decision counters (ae_decisions)
+// at scrape time: the aggregate of what `ambient-ebpf trace` shows.
+type decisionCollector struct {
+	dp         *dataplane.Dataplane
+	decisions  *prometheus.Desc
+	lostEvents *prometheus.Desc
+}
+
+func newDecisionCollector(dp *dataplane.Dataplane) *decisionCollector {
+	return &decisionCollector{dp: dp,
+		decisions: prometheus.NewDesc("ambient_ebpf_decisions_total",
+			"Decisions the BPF programs made about enrolled pods' connections, by decision, reason and contract row (from ae_decisions).",
+			[]string{"decision", "reason", "row"}, nil),
+		lostEvents: prometheus.NewDesc("ambient_ebpf_trace_lost_events_total",
+			"Trace events the BPF programs dropped because the ring buffer was full.", nil, nil)}
+}
+
+func (c *decisionCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.decisions
+	ch <- c.lostEvents
+}
+
+func (c *decisionCollector) Collect(ch chan<- prometheus.Metric) {
+	d, err := c.dp.Decisions()
+	if err != nil {
+		return
+	}
+	for _, r := range dataplane.Reasons() {
+		if r == dataplane.ReasonForwarded || r == dataplane.ReasonNotEnrolled {
+			continue // traced, never counted
+		}
+		ch <- prometheus.MustNewConstMetric(c.decisions, prometheus.CounterValue, float64(d.ByReason[r]), r.Decision().String(), r.String(), r.Row())
+	}
+	ch <- prometheus.MustNewConstMetric(c.lostEvents, prometheus.CounterValue, float64(d.Lost))
+}

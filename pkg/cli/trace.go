@@ -24,6 +24,7 @@ type traceOptions struct {
 	pod      string
 	count    int
 	duration time.Duration
+	pins     bool // read the pins even when the agent answers
 }
 
 func traceCommand(o *options) *cobra.Command {
@@ -34,7 +35,10 @@ func traceCommand(o *options) *cobra.Command {
 		Long: `trace streams each decision the BPF programs make: time, pod, hook, protocol,
 source and original destination, decision, reason and contract row, and where a
 captured connection went. The programs emit events only while someone traces.
-It reads the pins, so it works while the agent is down; one tracer at a time.`,
+
+While the agent runs, the events come through its inspection API, which any
+number of clients share; without it (or with --pins) trace reads the pins
+itself, one tracer at a time.`,
 		Example: `  ambient-ebpf trace
   ambient-ebpf trace --pod shop/web -o json
   ambient-ebpf trace --count 10 --duration 30s`,
@@ -47,57 +51,83 @@ It reads the pins, so it works while the agent is down; one tracer at a time.`,
 	f.StringVar(&to.pod, "pod", "", "only this pod's decisions (NAMESPACE/NAME)")
 	f.IntVar(&to.count, "count", 0, "stop after this many events (0: until interrupted)")
 	f.DurationVar(&to.duration, "duration", 0, "stop after this long (0: until interrupted)")
+	f.BoolVar(&to.pins, "pins", false, "read the pinned ring buffer directly, even when the agent answers")
 	return cmd
 }
 
+// eventSource yields events until it is closed (then an error wrapping
+// os.ErrClosed).
+type eventSource interface {
+	Read() (dataplane.Event, error)
+	Lost() uint64
+	Close() error
+}
+
 func runTrace(ctx context.Context, o *options, to traceOptions, out, errOut io.Writer) error {
-	if to.pod != "" {
-		if err := requirePod(o, to.pod); err != nil {
-			return err
-		}
-	}
-	t, err := dataplane.OpenTracer(o.bpffs)
-	switch {
-	case errors.Is(err, dataplane.ErrNotInstalled):
-		return fmt.Errorf("%w (is the agent installed on this node? see --bpffs)", err)
-	case errors.Is(err, dataplane.ErrTraceBusy):
-		return fmt.Errorf("%w: is another `ambient-ebpf trace` running?", err)
-	case err != nil:
-		return err
-	}
 	if to.duration > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, to.duration)
 		defer cancel()
 	}
-	stop := context.AfterFunc(ctx, func() { _ = t.Close() })
+	src, err := openEvents(ctx, o, to, errOut)
+	if err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { _ = src.Close() })
 	defer stop()
 	p := newEventPrinter(o.output, out)
 	n := 0
 	for to.count == 0 || n < to.count {
-		e, err := t.Read()
+		e, err := src.Read()
 		if errors.Is(err, os.ErrClosed) {
 			break
 		}
 		if err != nil {
-			t.Close()
+			src.Close()
 			return err
 		}
 		if to.pod != "" && e.Pod != to.pod {
 			continue
 		}
 		if err := p.print(e); err != nil {
-			t.Close()
+			src.Close()
 			return err
 		}
 		n++
 	}
-	lost := t.Lost()
-	if err := t.Close(); err != nil {
+	lost := src.Lost()
+	if err := src.Close(); err != nil {
 		return err
 	}
-	fmt.Fprintf(errOut, "%d events, %d lost (ring buffer full)\n", n, lost)
+	fmt.Fprintf(errOut, "%d events, %d lost\n", n, lost)
 	return nil
+}
+
+// openEvents streams from the agent when it answers, else from the pins.
+func openEvents(ctx context.Context, o *options, to traceOptions, errOut io.Writer) (eventSource, error) {
+	if !to.pins {
+		s, err := agentEvents(ctx, o.agent.inspectSocket, to.pod)
+		if err == nil {
+			return s, nil
+		}
+		if !errors.Is(err, errAgentDown) {
+			return nil, err
+		}
+		fmt.Fprintf(errOut, "the agent does not answer on %s: reading the pins\n", o.agent.inspectSocket)
+	}
+	if to.pod != "" {
+		if err := requirePod(o, to.pod); err != nil {
+			return nil, err
+		}
+	}
+	t, err := dataplane.OpenTracer(o.bpffs)
+	switch {
+	case errors.Is(err, dataplane.ErrNotInstalled):
+		return nil, fmt.Errorf("%w (is the agent installed on this node? see --bpffs)", err)
+	case errors.Is(err, dataplane.ErrTraceBusy):
+		return nil, fmt.Errorf("%w: is another `ambient-ebpf trace --pins` running, or the agent tracing for its clients?", err)
+	}
+	return t, err
 }
 
 // requirePod fails for a pod that is not enrolled on this node.

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -34,7 +35,7 @@ func startTrace(t *testing.T, bpffs string, args ...string) *tracing {
 	tr := &tracing{events: make(chan dataplane.Event, 4096), done: make(chan error, 1)}
 	cmd := NewCommand(pw)
 	cmd.SetErr(io.Discard)
-	cmd.SetArgs(append([]string{"--bpffs", bpffs, "-o", "json", "trace"}, args...))
+	cmd.SetArgs(append([]string{"--bpffs", bpffs, "-o", "json", "trace", "--pins"}, args...))
 	go func() {
 		err := cmd.ExecuteContext(ctx)
 		pw.Close()
@@ -243,8 +244,10 @@ func TestTraceErrorsAndTable(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--bpffs", t.TempDir(), "trace"}, "no ambient-ebpf data path pinned here (is the agent installed on this node? see --bpffs)"},
-		{[]string{"--bpffs", m.n.BPFFSDir, "trace", "--pod", "default/nope"}, "pod default/nope: no such pod is enrolled on this node (ambient-ebpf pods lists them)"},
+		{[]string{"--bpffs", t.TempDir(), "trace", "--pins"}, "no ambient-ebpf data path pinned here (is the agent installed on this node? see --bpffs)"},
+		{[]string{"--bpffs", m.n.BPFFSDir, "trace", "--pins", "--pod", "default/nope"}, "pod default/nope: no such pod is enrolled on this node (ambient-ebpf pods lists them)"},
+		// No agent answers: trace falls back to the pins.
+		{[]string{"--bpffs", t.TempDir(), "--inspect-socket", filepath.Join(t.TempDir(), "none.sock"), "trace"}, "no ambient-ebpf data path pinned here"},
 	} {
 		if err := fail(t, c.args...); !strings.Contains(err.Error(), c.want) {
 			t.Errorf("ambient-ebpf %s: %v, want %q", strings.Join(c.args, " "), err, c.want)
@@ -254,8 +257,8 @@ func TestTraceErrorsAndTable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = fail(t, "--bpffs", m.n.BPFFSDir, "trace")
-	if !errors.Is(err, dataplane.ErrTraceBusy) || !strings.Contains(err.Error(), "is another `ambient-ebpf trace` running?") {
+	err = fail(t, "--bpffs", m.n.BPFFSDir, "trace", "--pins")
+	if !errors.Is(err, dataplane.ErrTraceBusy) || !strings.Contains(err.Error(), "is another `ambient-ebpf trace --pins` running, or the agent tracing for its clients?") {
 		t.Errorf("a second tracer: %v", err)
 	}
 	other.Close()
@@ -263,7 +266,7 @@ func TestTraceErrorsAndTable(t *testing.T) {
 	app := m.n.StartApp(m.a)
 	done := make(chan string, 1)
 	go func() {
-		done <- run(t, "--bpffs", m.n.BPFFSDir, "trace", "--pod", "default/a", "--count", "1", "--duration", "20s")
+		done <- run(t, "--bpffs", m.n.BPFFSDir, "trace", "--pins", "--pod", "default/a", "--count", "1", "--duration", "20s")
 	}()
 	deadline := time.Now().Add(15 * time.Second)
 	for {

@@ -84,6 +84,31 @@ func lockTrace(bpffsDir string) (*os.File, error) {
 	return f, nil
 }
 
+// TraceState says whether the events are on (the programs' flag) and
+// whether a tracer holds the lock; on without a holder is a tracer that
+// died, and every decision pays for an event nobody reads until the next
+// tracer or agent start switches it off.
+func TraceState(bpffsDir string) (on, held bool, err error) {
+	flag, err := ebpf.LoadPinnedMap(filepath.Join(bpffsDir, "maps", traceFlagMap), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return false, false, fmt.Errorf("open %s: %w", traceFlagMap, err)
+	}
+	defer flag.Close()
+	var v uint32
+	if err := flag.Lookup(uint32(0), &v); err != nil {
+		return false, false, fmt.Errorf("read %s: %w", traceFlagMap, err)
+	}
+	lock, err := lockTrace(bpffsDir)
+	if errors.Is(err, ErrTraceBusy) {
+		return v != 0, true, nil
+	}
+	if err != nil {
+		return v != 0, false, err
+	}
+	lock.Close()
+	return v != 0, false, nil
+}
+
 // Event is one decision of the data path, decoded.
 type Event struct {
 	Time time.Time `json:"time"`
