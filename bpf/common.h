@@ -151,4 +151,81 @@ struct ae_config {
 	struct ae_addr probe_v6;
 };
 
+/* Where a decision is made (struct ae_event.hook); pkg/dataplane's
+ * Hook names them. */
+enum ae_hook {
+	AE_HOOK_NONE,
+	AE_HOOK_CONNECT4,
+	AE_HOOK_CONNECT6,
+	AE_HOOK_SENDMSG4,
+	AE_HOOK_SENDMSG6,
+	AE_HOOK_SOCKOPS,
+	AE_HOOK_SK_LOOKUP,
+	AE_HOOK_TC_INGRESS,  /* the pod's interface, before Linux 5.17 */
+	AE_HOOK_REROUTE,     /* a virtual interface (R14) */
+	AE_HOOK_HOST_EGRESS, /* the node side of the pod's veth (H1, H2) */
+};
+
+/* Why a hook decided what it did. Each reason implies its decision
+ * (captured, passed, dropped, translated or error) and a contract row;
+ * pkg/dataplane's Reason names them, in this order. ae_decisions counts
+ * them, keyed by this enum. */
+enum ae_reason {
+	AE_R_NONE,
+	AE_R_NOT_ENROLLED,     /* passed: no enrolled pod's socket (R16); traced, not counted */
+	AE_R_ZTUNNEL_MARK,     /* passed: ztunnel's own socket (R2) */
+	AE_R_LOOPBACK,         /* passed (R3) */
+	AE_R_OWN_IP,           /* passed: to the pod's own address (R4) */
+	AE_R_PROBE_DEST,       /* passed: to the probe address (R8) */
+	AE_R_UDP_NOT_DNS,      /* passed (R11) */
+	AE_R_DNS_CAPTURE_OFF,  /* passed (R13) */
+	AE_R_NOT_TCP,          /* passed (R11) */
+	AE_R_OUTBOUND,         /* captured to :15001 (R1) */
+	AE_R_DNS,              /* captured to :15053 (R9) */
+	AE_R_ORIG_DST_ERROR,   /* error: connect() fails (R1) */
+	AE_R_INBOUND,          /* captured to :15006 (R5) */
+	AE_R_INGRESS_MODE,     /* passed (R12) */
+	AE_R_HBONE,            /* passed: to :15008 (R6) */
+	AE_R_FROM_POD,         /* passed: from the pod itself (R4) */
+	AE_R_ZTUNNEL_DELIVERY, /* passed: ztunnel to the app (R10) */
+	AE_R_PROBE_SOURCE,     /* passed: from the probe address (R7) */
+	AE_R_NO_LISTENER,      /* dropped: no ztunnel listener (fail closed) */
+	AE_R_ASSIGN_ERROR,     /* dropped: bpf_sk_assign refused */
+	AE_R_REROUTE,          /* captured to :15001 (R14) */
+	AE_R_PROBE_SNAT,       /* translated (H1) */
+	AE_R_FORWARDED,        /* passed: no local socket (H2); traced, not counted */
+	AE_R_PROBE_PORT_TAKEN, /* passed: another prober holds the port (H1) */
+	AE_R_PROBE_TABLE_FULL, /* error: ae_probe_nat full (H1) */
+	AE_R_REWRITE_ERROR,    /* dropped: the packet could not be rewritten (H1) */
+	AE_R_ORIG_DST_FULL,    /* error: ae_orig_dst full (R1) */
+	AE_R_LOCAL_FLOW_FULL,  /* error: ae_local_flows full (R10) */
+	AE_R_MAX,
+};
+
+/* ae_decisions slots: one per reason, and the events the trace lost
+ * (ring buffer full) in the last. */
+#define AE_DECISION_SLOTS 32
+#define AE_TRACE_LOST     (AE_DECISION_SLOTS - 1)
+
+#define AE_NO_SLOT 0xffffffffU /* struct ae_event.slot: no enrolled pod */
+
+/* One decision, as the programs emit it into ae_trace while someone
+ * traces. Addresses as everywhere (IPv4-mapped for IPv4), ports in
+ * network byte order. */
+struct ae_event {
+	__u64 ts_ns;          /* bpf_ktime_get_ns() */
+	__u64 netns_cookie;   /* the pod's netns; 0 where the hook does not know it */
+	struct ae_addr saddr; /* zero: not bound yet (connect) */
+	struct ae_addr daddr; /* the destination as sent: the original one */
+	struct ae_addr to;    /* captured: where it went; translated: the new source */
+	__be16 sport;
+	__be16 dport;
+	__be16 to_port;
+	__u8 proto;  /* IPPROTO_* */
+	__u8 hook;   /* enum ae_hook */
+	__u8 reason; /* enum ae_reason */
+	__u8 pad[3];
+	__u32 slot; /* the pod's ae_pod_meta slot, AE_NO_SLOT for none */
+};
+
 #endif /* AMBIENT_COMMON_H */

@@ -137,4 +137,25 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ae_node_cfg SEC(".maps");
 
+/* Decisions the programs made, by reason (enum ae_reason), per CPU: the
+ * agent's Prometheus counters. Always counted, tracing or not. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, AE_DECISION_SLOTS);
+	__type(key, enum ae_reason);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_decisions SEC(".maps");
+
+/* Decision events (struct ae_event) for `ambient-ebpf trace`, written
+ * only while ae_tracing is set (see trace.h); one reader at a time. The
+ * value type only puts struct ae_event into BTF (for bpf2go); a ring
+ * buffer has no value size. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 20);
+	__type(value, struct ae_event);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_trace SEC(".maps");
+
 #endif /* AMBIENT_MAPS_H */

@@ -28,6 +28,7 @@
 
 #include "maps.h"
 #include "lib.h"
+#include "trace.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
@@ -57,59 +58,61 @@ struct sockaddr_in6_ {
 	__u32 scope_id;
 };
 
-/* Where a captured socket is sent. */
-enum target {
-	TARGET_NONE,
-	TARGET_OUTBOUND, /* ztunnel :15001 on the pod's own address */
-	TARGET_DNS,      /* ztunnel's DNS proxy on loopback :15053 */
-};
-
 /*
  * The pod the socket's netns belongs to, or NULL when the socket is not
- * ours to capture: not in an enrolled netns, or opened by ztunnel itself
- * (R2: every ztunnel socket carries mark 0x539).
+ * in an enrolled netns (R16): one hash lookup for everyone else.
  */
-static __always_inline struct netns_info *enrolled_netns(struct bpf_sock_addr *ctx)
+static __always_inline struct netns_info *pod_netns(struct bpf_sock_addr *ctx)
 {
-	struct bpf_sock *sk = ctx->sk;
-	struct netns_info *ns;
 	__u64 cookie;
 
-	cookie = bpf_get_netns_cookie(ctx);
-	ns = bpf_map_lookup_elem(&ae_netns, &cookie);
-	if (!ns || !sk || mark_is_ztunnel(sk->mark))
+	if (!ctx->sk)
 		return NULL;
-	return ns;
+	cookie = bpf_get_netns_cookie(ctx);
+	return bpf_map_lookup_elem(&ae_netns, &cookie);
 }
 
 /*
- * Decides what to do with a destination (dst is IPv4-mapped for IPv4).
- * Local destinations (loopback, the pod's own address: traffic that leaves
- * over lo) and the probe address are never captured (R3, R4, R8).
+ * Decides what to do with a destination of an enrolled pod's socket (dst
+ * is IPv4-mapped for IPv4), as a reason (enum ae_reason): AE_R_OUTBOUND
+ * and AE_R_DNS capture, every other one passes. ztunnel's own sockets
+ * (R2: mark 0x539), local destinations (loopback, the pod's own address:
+ * traffic that leaves over lo) and the probe address are never captured
+ * (R3, R4, R8).
  */
-static __always_inline enum target classify(struct bpf_sock_addr *ctx, struct netns_info *ns,
-					    const struct ae_addr *dst, bool v4)
+static __always_inline __u8 classify(struct bpf_sock_addr *ctx, struct netns_info *ns,
+				     const struct ae_addr *dst, __be16 dport, bool v4)
 {
 	const struct ae_addr *probe = v4 ? (struct ae_addr *)&ae_cfg.probe_v4 : (struct ae_addr *)&ae_cfg.probe_v6;
 	const struct ae_addr *self = v4 ? &ns->ip4 : &ns->ip6;
-	bool dns = ctx->user_port == bpf_htons(DNS_PORT) && (ns->flags & AE_F_DNS_CAPTURE);
+	bool dns_port = dport == bpf_htons(DNS_PORT);
+	bool dns = dns_port && (ns->flags & AE_F_DNS_CAPTURE);
 
-	if (addr_is_loopback(dst) || addr_eq(dst, self))
-		return TARGET_NONE;
-	if (ctx->protocol == IPPROTO_UDP_)
-		return dns ? TARGET_DNS : TARGET_NONE; /* R11: other UDP untouched */
-	if (ctx->protocol != IPPROTO_TCP_ || addr_eq(dst, probe))
-		return TARGET_NONE;
-	return dns ? TARGET_DNS : TARGET_OUTBOUND;
+	if (mark_is_ztunnel(ctx->sk->mark))
+		return AE_R_ZTUNNEL_MARK;
+	if (addr_is_loopback(dst))
+		return AE_R_LOOPBACK;
+	if (addr_eq(dst, self))
+		return AE_R_OWN_IP;
+	if (ctx->protocol == IPPROTO_UDP_) {
+		if (dns)
+			return AE_R_DNS;
+		return dns_port ? AE_R_DNS_CAPTURE_OFF : AE_R_UDP_NOT_DNS; /* R13, R11 */
+	}
+	if (ctx->protocol != IPPROTO_TCP_)
+		return AE_R_NOT_TCP;
+	if (addr_eq(dst, probe))
+		return AE_R_PROBE_DEST;
+	return dns ? AE_R_DNS : AE_R_OUTBOUND;
 }
 
-static __always_inline void count(struct netns_info *ns, enum target t)
+static __always_inline void count(struct netns_info *ns, __u8 reason)
 {
 	struct pod_stats *st = pod_stats(ns->slot);
 
 	if (!st)
 		return;
-	if (t == TARGET_DNS)
+	if (reason == AE_R_DNS)
 		st->dns_redirects++;
 	else
 		st->outbound_redirects++;
@@ -181,22 +184,73 @@ static __always_inline void dns_source6(struct bpf_sock_addr *ctx, struct netns_
 	}
 }
 
+static __always_inline void sock_local(struct bpf_sock *sk, struct ae_addr *a);
+
+/*
+ * The event of a socket hook's decision: the socket's source as far as it
+ * is bound, the destination it asked for, where it was sent (captured).
+ * Called only while tracing.
+ */
+static __always_inline void trace_sock(struct bpf_sock_addr *ctx, __u8 hook, __u8 reason, const struct netns_info *ns,
+				       const struct ae_addr *dst, __be16 dport, const struct ae_addr *to, __be16 to_port)
+{
+	struct ae_event *e = trace_reserve(hook, reason);
+	struct bpf_sock *sk = ctx->sk;
+
+	if (!e)
+		return;
+	e->netns_cookie = bpf_get_netns_cookie(ctx);
+	if (ns)
+		e->slot = ns->slot;
+	if (sk) {
+		sock_local(sk, &e->saddr);
+		e->sport = bpf_htons((__u16)sk->src_port);
+	}
+	e->daddr = *dst;
+	e->dport = dport;
+	if (to) {
+		e->to = *to;
+		e->to_port = to_port;
+	}
+	e->proto = ctx->protocol;
+	bpf_ringbuf_submit(e, 0);
+}
+
 /* R1/R9 for an IPv4 destination (connect4 and sendmsg4). */
 static __always_inline int redirect4(struct bpf_sock_addr *ctx, bool connect)
 {
-	struct netns_info *ns = enrolled_netns(ctx);
-	struct ae_addr dst;
-	enum target t;
+	__u8 hook = connect ? AE_HOOK_CONNECT4 : AE_HOOK_SENDMSG4;
+	struct netns_info *ns = pod_netns(ctx);
+	struct ae_addr dst, to;
+	__be16 dport;
+	__u8 reason;
 
-	if (!ns)
+	if (!ns) {
+		if (ae_tracing) {
+			addr_set_v4(&dst, ctx->user_ip4);
+			trace_sock(ctx, hook, AE_R_NOT_ENROLLED, NULL, &dst, (__be16)ctx->user_port, NULL, 0);
+		}
 		return SYS_PROCEED;
+	}
+	/* Read once, kept in a register: the verifier refuses a context
+	 * load through a pointer clang offset itself. */
+	dport = (__be16)ctx->user_port;
+	barrier_var(dport);
 	addr_set_v4(&dst, ctx->user_ip4);
-	t = classify(ctx, ns, &dst, true);
-	if (t == TARGET_NONE)
+	reason = classify(ctx, ns, &dst, dport, true);
+	if (reason != AE_R_OUTBOUND && reason != AE_R_DNS) {
+		count_decision(reason);
+		if (ae_tracing)
+			trace_sock(ctx, hook, reason, ns, &dst, dport, NULL, 0);
 		return SYS_PROCEED;
-	if (remember_orig_dst(ctx, ns, &dst, AF_INET))
+	}
+	if (remember_orig_dst(ctx, ns, &dst, AF_INET)) {
+		count_decision(AE_R_ORIG_DST_ERROR);
+		if (ae_tracing)
+			trace_sock(ctx, hook, AE_R_ORIG_DST_ERROR, ns, &dst, dport, NULL, 0);
 		return SYS_REJECT;
-	if (t == TARGET_DNS) {
+	}
+	if (reason == AE_R_DNS) {
 		dns_source4(ctx, ns, connect);
 		ctx->user_ip4 = bpf_htonl(0x7f000001);
 		ctx->user_port = bpf_htons(ae_cfg.dns_port);
@@ -207,7 +261,12 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, bool connect)
 		ctx->user_ip4 = (ns->flags & AE_F_HAS_V4) ? addr_words(&ns->ip4)[3] : bpf_htonl(0x7f000001);
 		ctx->user_port = bpf_htons(ae_cfg.outbound_port);
 	}
-	count(ns, t);
+	count(ns, reason);
+	count_decision(reason);
+	if (ae_tracing) {
+		addr_set_v4(&to, ctx->user_ip4);
+		trace_sock(ctx, hook, reason, ns, &dst, dport, &to, (__be16)ctx->user_port);
+	}
 	return SYS_PROCEED;
 }
 
@@ -227,39 +286,59 @@ static __always_inline void set_user_ip6(struct bpf_sock_addr *ctx, __u32 w0, __
  */
 static __always_inline int redirect6(struct bpf_sock_addr *ctx, bool connect)
 {
-	struct netns_info *ns = enrolled_netns(ctx);
+	__u8 hook = connect ? AE_HOOK_CONNECT6 : AE_HOOK_SENDMSG6;
+	struct netns_info *ns = pod_netns(ctx);
+	struct ae_addr dst, to;
+	__be16 dport;
 	__u32 ip6[4];
-	struct ae_addr dst;
-	enum target t;
+	__u8 reason;
 	bool v4;
 
-	if (!ns)
+	if (!ns && !ae_tracing)
 		return SYS_PROCEED;
+	dport = (__be16)ctx->user_port;
+	barrier_var(dport); /* see redirect4 */
 	ip6[0] = ctx->user_ip6[0];
 	ip6[1] = ctx->user_ip6[1];
 	ip6[2] = ctx->user_ip6[2];
 	ip6[3] = ctx->user_ip6[3];
 	addr_set_v6(&dst, ip6);
-	v4 = ip6_is_v4_mapped(ip6);
-	t = classify(ctx, ns, &dst, v4);
-	if (t == TARGET_NONE)
+	if (!ns) {
+		trace_sock(ctx, hook, AE_R_NOT_ENROLLED, NULL, &dst, dport, NULL, 0);
 		return SYS_PROCEED;
-	if (remember_orig_dst(ctx, ns, &dst, v4 ? AF_INET : AF_INET6))
+	}
+	v4 = ip6_is_v4_mapped(ip6);
+	reason = classify(ctx, ns, &dst, dport, v4);
+	if (reason != AE_R_OUTBOUND && reason != AE_R_DNS) {
+		count_decision(reason);
+		if (ae_tracing)
+			trace_sock(ctx, hook, reason, ns, &dst, dport, NULL, 0);
+		return SYS_PROCEED;
+	}
+	if (remember_orig_dst(ctx, ns, &dst, v4 ? AF_INET : AF_INET6)) {
+		count_decision(AE_R_ORIG_DST_ERROR);
+		if (ae_tracing)
+			trace_sock(ctx, hook, AE_R_ORIG_DST_ERROR, ns, &dst, dport, NULL, 0);
 		return SYS_REJECT;
-	if (t == TARGET_DNS)
+	}
+	if (reason == AE_R_DNS)
 		dns_source6(ctx, ns, v4, connect);
 
-	if (v4 && (t == TARGET_DNS || !(ns->flags & AE_F_HAS_V4))) {
-		set_user_ip6(ctx, 0, 0, bpf_htonl(0x0000ffff), bpf_htonl(0x7f000001));
-	} else if (!v4 && (t == TARGET_DNS || !(ns->flags & AE_F_HAS_V6))) {
-		set_user_ip6(ctx, 0, 0, 0, bpf_htonl(1));
-	} else {
-		__u32 *w = addr_words(v4 ? &ns->ip4 : &ns->ip6);
+	if (v4 && (reason == AE_R_DNS || !(ns->flags & AE_F_HAS_V4))) {
+		addr_set_v4(&to, bpf_htonl(0x7f000001));
+	} else if (!v4 && (reason == AE_R_DNS || !(ns->flags & AE_F_HAS_V6))) {
+		__u32 lo6[4] = {0, 0, 0, bpf_htonl(1)};
 
-		set_user_ip6(ctx, w[0], w[1], w[2], w[3]);
+		addr_set_v6(&to, lo6);
+	} else {
+		to = v4 ? ns->ip4 : ns->ip6;
 	}
-	ctx->user_port = bpf_htons(t == TARGET_DNS ? ae_cfg.dns_port : ae_cfg.outbound_port);
-	count(ns, t);
+	set_user_ip6(ctx, addr_words(&to)[0], addr_words(&to)[1], addr_words(&to)[2], addr_words(&to)[3]);
+	ctx->user_port = bpf_htons(reason == AE_R_DNS ? ae_cfg.dns_port : ae_cfg.outbound_port);
+	count(ns, reason);
+	count_decision(reason);
+	if (ae_tracing)
+		trace_sock(ctx, hook, reason, ns, &dst, dport, &to, (__be16)ctx->user_port);
 	return SYS_PROCEED;
 }
 
@@ -464,6 +543,28 @@ static __always_inline void local_flow_key(struct bpf_sock_ops *skops, struct st
 }
 
 /*
+ * The event of a table that ran full as a socket connected: its local
+ * address and port, and dst (the original destination, or the app it
+ * connects to). Called only while tracing.
+ */
+static __always_inline void trace_sockops(struct bpf_sock_ops *skops, __u8 reason, __u32 slot,
+					  const struct ae_addr *dst, __be16 dport)
+{
+	struct ae_event *e = trace_reserve(AE_HOOK_SOCKOPS, reason);
+
+	if (!e)
+		return;
+	e->netns_cookie = sockops_netns_cookie(skops);
+	e->slot = slot;
+	sockops_local(skops, &e->saddr);
+	e->sport = bpf_htons((__u16)skops->local_port);
+	e->daddr = *dst;
+	e->dport = dport;
+	e->proto = IPPROTO_TCP_;
+	bpf_ringbuf_submit(e, 0);
+}
+
+/*
  * R10: ztunnel connects to the app of the pod whose netns it is in. The
  * pod's sk_lookup program must leave this SYN to the app (see
  * ae_local_flows). Only where sk_lookup captures inbound (the flag implies
@@ -486,6 +587,9 @@ static __always_inline void file_local_flow(struct bpf_sock_ops *skops, const st
 
 		if (st)
 			st->orig_dst_errors++;
+		count_decision(AE_R_LOCAL_FLOW_FULL);
+		if (ae_tracing)
+			trace_sockops(skops, AE_R_LOCAL_FLOW_FULL, pod->slot, &key.daddr, key.dport);
 	}
 }
 
@@ -510,6 +614,12 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 	if (od) {
 		orig_key_of_local(skops, &key);
 		track = bpf_map_update_elem(&ae_orig_dst, &key, od, BPF_ANY) == 0;
+		if (!track) {
+			/* ztunnel will read the redirected address instead. */
+			count_decision(AE_R_ORIG_DST_FULL);
+			if (ae_tracing)
+				trace_sockops(skops, AE_R_ORIG_DST_FULL, AE_NO_SLOT, &od->addr, od->port);
+		}
 	} else {
 		sockops_remote(skops, &remote);
 		track = bpf_map_lookup_elem(&ae_pods, &remote) != NULL;

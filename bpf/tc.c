@@ -28,6 +28,7 @@
 
 #include "maps.h"
 #include "lib.h"
+#include "trace.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
@@ -121,6 +122,53 @@ static __always_inline int parse_tcp(struct __sk_buff *skb, struct flow *f)
 }
 
 /*
+ * The event of a decision on a parsed flow: its addresses as on the wire,
+ * and where it went (to_port 0: nowhere). Called only while tracing.
+ */
+static __always_inline void trace_flow(__u8 hook, __u8 reason, __u32 slot, __u64 cookie, const struct flow *f,
+				       const struct ae_addr *to, __be16 to_port)
+{
+	struct ae_event *e = trace_reserve(hook, reason);
+
+	if (!e)
+		return;
+	e->netns_cookie = cookie;
+	e->slot = slot;
+	e->saddr = f->saddr;
+	e->daddr = f->daddr;
+	e->sport = f->sport;
+	e->dport = f->dport;
+	if (to_port) {
+		e->to = *to;
+		e->to_port = to_port;
+	}
+	e->proto = IPPROTO_TCP_;
+	bpf_ringbuf_submit(e, 0);
+}
+
+/* A decision on a new flow (its SYN): counted, and traced while tracing.
+ * Later segments of the same flow are not decisions of their own. */
+static __always_inline void note_flow(__u8 hook, __u8 reason, __u32 slot, __u64 cookie, const struct flow *f,
+				      const struct ae_addr *to, __u16 to_port)
+{
+	if (!f->syn)
+		return;
+	count_decision(reason);
+	if (ae_tracing)
+		trace_flow(hook, reason, slot, cookie, f, to, to_port ? bpf_htons(to_port) : 0);
+}
+
+/* The slot of the pod whose tc filter runs: the agent gives each pod's
+ * filters the class id slot + 1, which cls_bpf hands the program in
+ * tc_classid (0, no pod, where another loader attached it). */
+static __always_inline __u32 filter_slot(struct __sk_buff *skb)
+{
+	__u32 classid = skb->tc_classid;
+
+	return classid ? classid - 1 : AE_NO_SLOT;
+}
+
+/*
  * Whether the segment belongs to a connection the stack already has: an
  * established or half-open socket (ztunnel's own outbound connections,
  * flows accepted earlier). Those are delivered by the normal lookup. A SYN
@@ -198,17 +246,24 @@ static __always_inline int capture_inbound(struct __sk_buff *skb)
 	struct pod_info *pod;
 	struct pod_stats *st;
 	struct flow f = {};
+	__u8 reason = 0;
 
 	if (parse_tcp(skb, &f))
 		return TCX_NEXT;
 	pod = bpf_map_lookup_elem(&ae_pods, &f.daddr);
-	if (!pod || (pod->flags & AE_F_BYPASS_INBOUND))
+	if (!pod)
 		return TCX_NEXT;
-	if (f.dport == bpf_htons(ae_cfg.hbone_port))
+	if (pod->flags & AE_F_BYPASS_INBOUND)
+		reason = AE_R_INGRESS_MODE;
+	else if (f.dport == bpf_htons(ae_cfg.hbone_port))
+		reason = AE_R_HBONE;
+	else if (addr_eq(&f.saddr, (struct ae_addr *)&ae_cfg.probe_v4) ||
+		 addr_eq(&f.saddr, (struct ae_addr *)&ae_cfg.probe_v6))
+		reason = AE_R_PROBE_SOURCE;
+	if (reason) {
+		note_flow(AE_HOOK_TC_INGRESS, reason, pod->slot, pod->netns_cookie, &f, NULL, 0);
 		return TCX_NEXT;
-	if (addr_eq(&f.saddr, (struct ae_addr *)&ae_cfg.probe_v4) ||
-	    addr_eq(&f.saddr, (struct ae_addr *)&ae_cfg.probe_v6))
-		return TCX_NEXT;
+	}
 	if (owned_by_socket(skb, &f))
 		return TCX_NEXT;
 
@@ -218,10 +273,12 @@ static __always_inline int capture_inbound(struct __sk_buff *skb)
 		 * reach the app unredirected. */
 		if (st)
 			st->inbound_no_listener++;
+		note_flow(AE_HOOK_TC_INGRESS, AE_R_NO_LISTENER, pod->slot, pod->netns_cookie, &f, NULL, 0);
 		return TCX_DROP;
 	}
 	if (st && f.syn)
 		st->inbound_redirects++;
+	note_flow(AE_HOOK_TC_INGRESS, AE_R_INBOUND, pod->slot, pod->netns_cookie, &f, &f.daddr, ae_cfg.inbound_port);
 	return TCX_NEXT;
 }
 
@@ -269,6 +326,7 @@ static __always_inline int capture_rerouted(struct __sk_buff *skb)
 	struct pod_stats *st = NULL;
 	struct pod_info *pod;
 	struct flow f = {};
+	__u32 slot;
 
 	if (parse_tcp(skb, &f))
 		return TCX_NEXT;
@@ -281,13 +339,16 @@ static __always_inline int capture_rerouted(struct __sk_buff *skb)
 	pod = bpf_map_lookup_elem(&ae_pods, &f.saddr);
 	if (pod)
 		st = pod_stats(pod->slot);
+	slot = filter_slot(skb);
 	if (assign_to_listener(skb, &f, ae_cfg.outbound_port)) {
 		if (st)
 			st->inbound_no_listener++;
+		note_flow(AE_HOOK_REROUTE, AE_R_NO_LISTENER, slot, 0, &f, NULL, 0);
 		return TCX_DROP;
 	}
 	if (st && f.syn)
 		st->reroute_redirects++;
+	note_flow(AE_HOOK_REROUTE, AE_R_REROUTE, slot, 0, &f, &f.daddr, ae_cfg.outbound_port);
 	return TCX_NEXT;
 }
 
@@ -335,6 +396,21 @@ static __always_inline const struct ae_addr *probe_addr(bool v6)
  * closes (sockops). A port already taken by another host address, or a
  * full table, leaves the connection untranslated rather than mixing two.
  */
+/* H2, for the trace only: a new flow forwarded to an enrolled pod (no
+ * local socket) stays as it is. Not counted: that would parse every
+ * forwarded packet while nobody traces. */
+static __always_inline void trace_forwarded(struct __sk_buff *skb)
+{
+	struct pod_info *pod;
+	struct flow f = {};
+
+	if (parse_tcp(skb, &f) || !f.syn)
+		return;
+	pod = bpf_map_lookup_elem(&ae_pods, &f.daddr);
+	if (pod)
+		trace_flow(AE_HOOK_HOST_EGRESS, AE_R_FORWARDED, pod->slot, pod->netns_cookie, &f, NULL, 0);
+}
+
 static __always_inline int snat_probe(struct __sk_buff *skb)
 {
 	struct probe_key key = {};
@@ -343,7 +419,12 @@ static __always_inline int snat_probe(struct __sk_buff *skb)
 	struct pod_stats *st;
 	struct flow f = {};
 
-	if (!skb->sk || parse_tcp(skb, &f))
+	if (!skb->sk) {
+		if (ae_tracing)
+			trace_forwarded(skb);
+		return TCX_NEXT;
+	}
+	if (parse_tcp(skb, &f))
 		return TCX_NEXT;
 	pod = bpf_map_lookup_elem(&ae_pods, &f.daddr);
 	if (!pod)
@@ -361,18 +442,23 @@ static __always_inline int snat_probe(struct __sk_buff *skb)
 		if (bpf_map_update_elem(&ae_probe_nat, &key, &fresh, BPF_NOEXIST)) {
 			if (st)
 				st->probe_nat_full++;
+			note_flow(AE_HOOK_HOST_EGRESS, AE_R_PROBE_TABLE_FULL, pod->slot, pod->netns_cookie, &f, NULL, 0);
 			return TCX_NEXT;
 		}
 		if (st)
 			st->probe_snat++;
 		nat = &fresh;
 	} else if (!addr_eq(&nat->host, &f.saddr)) {
+		note_flow(AE_HOOK_HOST_EGRESS, AE_R_PROBE_PORT_TAKEN, pod->slot, pod->netns_cookie, &f, NULL, 0);
 		return TCX_NEXT;
 	} else {
 		nat->last_seen_ns = bpf_ktime_get_ns();
 	}
-	if (rewrite_addr(skb, &f, f.v6 ? IP6_SRC_OFF : IP_SRC_OFF, &f.saddr, probe_addr(f.v6)))
+	if (rewrite_addr(skb, &f, f.v6 ? IP6_SRC_OFF : IP_SRC_OFF, &f.saddr, probe_addr(f.v6))) {
+		note_flow(AE_HOOK_HOST_EGRESS, AE_R_REWRITE_ERROR, pod->slot, pod->netns_cookie, &f, NULL, 0);
 		return TCX_DROP;
+	}
+	note_flow(AE_HOOK_HOST_EGRESS, AE_R_PROBE_SNAT, pod->slot, pod->netns_cookie, &f, probe_addr(f.v6), bpf_ntohs(f.sport));
 	return TCX_NEXT;
 }
 
@@ -458,6 +544,62 @@ static __always_inline struct bpf_sock *inbound_listener(__u64 netns_cookie)
 	return NULL;
 }
 
+/* A decision of the pod's sk_lookup: counted, and traced while tracing. */
+static __always_inline void note_lookup(struct bpf_sk_lookup *ctx, __u8 reason, const struct pod_info *pod,
+					const struct ae_addr *remote, const struct ae_addr *local, __u16 to_port)
+{
+	struct ae_event *e;
+
+	count_decision(reason);
+	if (!ae_tracing)
+		return;
+	e = trace_reserve(AE_HOOK_SK_LOOKUP, reason);
+	if (!e)
+		return;
+	e->netns_cookie = pod->netns_cookie;
+	e->slot = pod->slot;
+	e->saddr = *remote;
+	e->daddr = *local;
+	e->sport = ctx->remote_port;
+	e->dport = bpf_htons((__u16)ctx->local_port);
+	if (to_port) {
+		e->to = *local;
+		e->to_port = bpf_htons(to_port);
+	}
+	e->proto = IPPROTO_TCP_;
+	bpf_ringbuf_submit(e, 0);
+}
+
+/* What the pod's sk_lookup does with a new flow to it (enum ae_reason):
+ * AE_R_INBOUND captures, the rest pass. */
+static __always_inline __u8 inbound_decision(struct bpf_sk_lookup *ctx, const struct pod_info *pod,
+					     const struct ae_addr *remote, const struct ae_addr *local)
+{
+	struct steer_key key = {};
+
+	if (pod->flags & AE_F_BYPASS_INBOUND)
+		return AE_R_INGRESS_MODE;
+	if (ctx->local_port == ae_cfg.hbone_port)
+		return AE_R_HBONE;
+	/* Connections from inside the pod, delivered over lo but seen with
+	 * the pod interface's index: the app to itself or to ztunnel's
+	 * :15001 (R1, R4; source and destination are the pod's address), and
+	 * ztunnel to the app with the client's address (R10, filed by
+	 * sockops). */
+	if (addr_eq(remote, local))
+		return AE_R_FROM_POD;
+	key.saddr = *remote;
+	key.daddr = *local;
+	key.sport = ctx->remote_port;
+	key.dport = bpf_htons((__u16)ctx->local_port);
+	if (bpf_map_lookup_elem(&ae_local_flows, &key))
+		return AE_R_ZTUNNEL_DELIVERY;
+	if (addr_eq(remote, (struct ae_addr *)&ae_cfg.probe_v4) ||
+	    addr_eq(remote, (struct ae_addr *)&ae_cfg.probe_v6))
+		return AE_R_PROBE_SOURCE;
+	return AE_R_INBOUND;
+}
+
 /*
  * R5-R7 where sk_lookup sees the ingress interface (5.17): a new inbound
  * TCP flow on the pod's interface goes to ztunnel's :15006 listener.
@@ -471,33 +613,20 @@ static __always_inline struct bpf_sock *inbound_listener(__u64 netns_cookie)
 static __always_inline int capture_inbound_lookup(struct bpf_sk_lookup *ctx, const struct ae_addr *remote,
 						  const struct ae_addr *local)
 {
-	struct steer_key key = {};
 	struct pod_stats *st;
 	struct pod_info *pod;
 	struct bpf_sock *sk;
+	__u8 reason;
 	int err;
 
 	pod = bpf_map_lookup_elem(&ae_pods, local);
-	if (!pod || pod->ifindex != ctx->ingress_ifindex || (pod->flags & AE_F_BYPASS_INBOUND))
+	if (!pod || pod->ifindex != ctx->ingress_ifindex)
 		return SK_PASS;
-	if (ctx->local_port == ae_cfg.hbone_port)
+	reason = inbound_decision(ctx, pod, remote, local);
+	if (reason != AE_R_INBOUND) {
+		note_lookup(ctx, reason, pod, remote, local, 0);
 		return SK_PASS;
-	/* Connections from inside the pod, delivered over lo but seen with
-	 * the pod interface's index: the app to itself or to ztunnel's
-	 * :15001 (R1, R4; source and destination are the pod's address), and
-	 * ztunnel to the app with the client's address (R10, filed by
-	 * sockops). */
-	if (addr_eq(remote, local))
-		return SK_PASS;
-	key.saddr = *remote;
-	key.daddr = *local;
-	key.sport = ctx->remote_port;
-	key.dport = bpf_htons((__u16)ctx->local_port);
-	if (bpf_map_lookup_elem(&ae_local_flows, &key))
-		return SK_PASS;
-	if (addr_eq(remote, (struct ae_addr *)&ae_cfg.probe_v4) ||
-	    addr_eq(remote, (struct ae_addr *)&ae_cfg.probe_v6))
-		return SK_PASS;
+	}
 	st = pod_stats(pod->slot);
 	sk = inbound_listener(pod->netns_cookie);
 	if (!sk) {
@@ -505,6 +634,7 @@ static __always_inline int capture_inbound_lookup(struct bpf_sk_lookup *ctx, con
 		 * reach the app unredirected. */
 		if (st)
 			st->inbound_no_listener++;
+		note_lookup(ctx, AE_R_NO_LISTENER, pod, remote, local, 0);
 		return SK_DROP;
 	}
 	err = bpf_sk_assign(ctx, sk, 0);
@@ -512,10 +642,12 @@ static __always_inline int capture_inbound_lookup(struct bpf_sk_lookup *ctx, con
 	if (err) {
 		if (st)
 			st->inbound_no_listener++;
+		note_lookup(ctx, AE_R_ASSIGN_ERROR, pod, remote, local, 0);
 		return SK_DROP;
 	}
 	if (st)
 		st->inbound_redirects++;
+	note_lookup(ctx, AE_R_INBOUND, pod, remote, local, ae_cfg.inbound_port);
 	return SK_PASS;
 }
 

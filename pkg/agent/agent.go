@@ -152,6 +152,7 @@ func (a *agent) run(parent context.Context) error {
 	}
 	m.dp = dp
 	a.metrics.bpf.setSource(dp)
+	a.metrics.decisions.setSource(dp)
 	m.setSource(src)
 	a.reconcileAtStart(ctx, m, src, snap)
 
@@ -175,7 +176,8 @@ func (a *agent) run(parent context.Context) error {
 		return events.ServeListener(ctx, cniLn, m, events.WithObserver(a.metrics.observeCNI))
 	})
 	srv.background(func() { a.watchZtunnel(ctx, m) })
-	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m}, log.With("component", "inspect"))
+	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket,
+		&inspector{a: a, m: m, trace: newTraceHub(a.cfg.Dataplane.BPFFSDir, log.With("component", "trace"))}, log.With("component", "inspect"))
 	if err != nil {
 		return stop(err)
 	}

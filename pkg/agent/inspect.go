@@ -21,8 +21,9 @@ const DefaultInspectSocket = "/var/run/ambient-ebpf/inspect.sock"
 
 type inspector struct {
 	inspectv1.UnimplementedInspectServer
-	a *agent
-	m *mesh
+	a     *agent
+	m     *mesh
+	trace *traceHub
 }
 
 func (i *inspector) Status(context.Context, *inspectv1.StatusRequest) (*inspectv1.StatusResponse, error) {

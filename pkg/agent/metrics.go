@@ -36,6 +36,7 @@ type metrics struct {
 	removeSeconds   prometheus.Histogram
 	dataplaneErrors *prometheus.CounterVec
 	bpf             *bpfCollector
+	decisions       *decisionCollector
 }
 
 // Response codes of istio_cni_plugin_requests_total, as istio-cni answers
@@ -82,7 +83,8 @@ func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 			Help: "Time to remove a pod's redirection.", Buckets: latency}),
 		dataplaneErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ambient_ebpf_dataplane_errors_total",
 			Help: "Data path operations that failed, by operation (enroll, remove)."}, []string{"operation"}),
-		bpf: newBPFCollector(perPod),
+		bpf:       newBPFCollector(perPod),
+		decisions: newDecisionCollector(),
 	}
 	for _, r := range install.Results() {
 		m.installs.WithLabelValues(r)
@@ -103,7 +105,7 @@ func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 		m.dataplaneErrors.WithLabelValues(op)
 	}
 	m.reg.MustRegister(m.installs, m.installReady, m.pluginRequests, m.repaired, m.reconcile, m.ztunnel,
-		m.delRequests, m.enrolled, m.enrollSeconds, m.removeSeconds, m.dataplaneErrors, m.bpf)
+		m.delRequests, m.enrolled, m.enrollSeconds, m.removeSeconds, m.dataplaneErrors, m.bpf, m.decisions)
 	return m
 }
 
@@ -252,4 +254,60 @@ func boolFloat(b bool) float64 {
 		return 1
 	}
 	return 0
+}
+
+// decisionCollector reads the programs' decision counters (ae_decisions)
+// at scrape time: the aggregate of what `ambient-ebpf trace` shows. Every
+// series is there from the start, at zero until the data path is loaded.
+type decisionCollector struct {
+	mu         sync.Mutex
+	src        decisionSource
+	decisions  *prometheus.Desc
+	lostEvents *prometheus.Desc
+}
+
+// decisionSource is the data path's side (*dataplane.Dataplane).
+type decisionSource interface {
+	Decisions() (dataplane.Decisions, error)
+}
+
+func newDecisionCollector() *decisionCollector {
+	return &decisionCollector{
+		decisions: prometheus.NewDesc("ambient_ebpf_decisions_total",
+			"Decisions the BPF programs made about enrolled pods' connections, by decision, reason and contract row (from ae_decisions).",
+			[]string{"decision", "reason", "row"}, nil),
+		lostEvents: prometheus.NewDesc("ambient_ebpf_trace_lost_events_total",
+			"Trace events the BPF programs dropped because the ring buffer was full.", nil, nil)}
+}
+
+// setSource starts reading the data path's decision counters.
+func (c *decisionCollector) setSource(src decisionSource) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.src = src
+}
+
+func (c *decisionCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.decisions
+	ch <- c.lostEvents
+}
+
+func (c *decisionCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	src := c.src
+	c.mu.Unlock()
+	var d dataplane.Decisions
+	if src != nil {
+		var err error
+		if d, err = src.Decisions(); err != nil {
+			return
+		}
+	}
+	for _, r := range dataplane.Reasons() {
+		if r == dataplane.ReasonForwarded || r == dataplane.ReasonNotEnrolled {
+			continue // traced, never counted
+		}
+		ch <- prometheus.MustNewConstMetric(c.decisions, prometheus.CounterValue, float64(d.ByReason[r]), r.Decision().String(), r.String(), r.Row())
+	}
+	ch <- prometheus.MustNewConstMetric(c.lostEvents, prometheus.CounterValue, float64(d.Lost))
 }

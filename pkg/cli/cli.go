@@ -47,7 +47,7 @@ func NewCommand(out io.Writer) *cobra.Command {
 	root.PersistentFlags().StringVar(&o.bpffs, "bpffs", dataplane.DefaultBPFFSDir, "directory the data path is pinned under")
 	root.PersistentFlags().StringVarP(&o.output, "output", "o", "table", "output format: table or json")
 	o.agent.addFlags(root)
-	root.AddCommand(podsCommand(o), mapsCommand(o), statsCommand(o), statusCommand(o), doctorCommand(o), whyCommand(o), versionCommand(o))
+	root.AddCommand(podsCommand(o), mapsCommand(o), statsCommand(o), statusCommand(o), doctorCommand(o), whyCommand(o), traceCommand(o), versionCommand(o))
 	setVersion(root)
 	return root
 }

@@ -140,6 +140,8 @@ func TestStatusJSONHasTheAgentsFieldsInCamelCase(t *testing.T) {
 type jsonCase struct {
 	args    []string
 	mayFail bool
+	// lines: the output is a stream of JSON values, one per line (trace).
+	lines bool
 }
 
 // jsonArgs are the arguments of every command for TestEveryCommandsJSON,
@@ -149,7 +151,8 @@ func jsonArgs(n *simnode.Node, dir string) map[string]jsonCase {
 		"pods": {}, "maps": {}, "stats": {}, "status": {}, "version": {},
 		"doctor": {args: []string{"--cgroup-root", n.CgroupRoot, "--node-netns", simnode.NetnsPath(n.NodeNS),
 			"--cni-conf-dir", dir, "--zds-socket", filepath.Join(dir, "zds.sock")}, mayFail: true},
-		"why": {args: []string{"node", "198.18.0.10:8080"}},
+		"why":   {args: []string{"node", "198.18.0.10:8080"}},
+		"trace": {args: []string{"--pins", "--duration", "200ms"}, lines: true},
 	}
 }
 
@@ -182,13 +185,19 @@ func TestEveryCommandsJSON(t *testing.T) {
 			if err != nil && !c.mayFail {
 				t.Errorf("%s: %v", name, err)
 			}
-			var v any
-			if err := json.Unmarshal([]byte(out), &v); err != nil {
-				t.Errorf("%s -o json does not decode: %v\n%s", name, err, out)
-				continue
+			docs := []string{out}
+			if c.lines {
+				docs = slices.DeleteFunc(strings.Split(out, "\n"), func(l string) bool { return strings.TrimSpace(l) == "" })
 			}
-			for _, p := range checkJSON(name, v) {
-				t.Errorf("%s -o json: %s\n%s", name, p, out)
+			for _, doc := range docs {
+				var v any
+				if err := json.Unmarshal([]byte(doc), &v); err != nil {
+					t.Errorf("%s -o json does not decode: %v\n%s", name, err, out)
+					continue
+				}
+				for _, p := range checkJSON(name, v) {
+					t.Errorf("%s -o json: %s\n%s", name, p, out)
+				}
 			}
 		}
 	}

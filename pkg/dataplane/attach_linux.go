@@ -32,6 +32,9 @@ type attachment struct {
 	iface  string
 	attach ebpf.AttachType
 	prog   *ebpf.Program
+	// classid of a tc filter: the pod's slot + 1, which the program
+	// reads as skb->tc_classid to name its pod in trace events.
+	classid uint32
 }
 
 func (a attachment) String() string {
@@ -44,9 +47,9 @@ func (a attachment) String() string {
 	return "tc ingress on " + a.iface
 }
 
-// plan lists the programs a pod needs.
-func (d *Dataplane) plan(p *Pod, hostIf string) []attachment {
-	return planPod(p, hostIf, d.cfg.NodeNetns, !d.skLookupInbound, podPrograms{
+// plan lists the programs a pod in a slot needs.
+func (d *Dataplane) plan(p *Pod, hostIf string, slot uint32) []attachment {
+	return planPod(p, hostIf, d.cfg.NodeNetns, slot, !d.skLookupInbound, podPrograms{
 		ingress: d.tc.AePodIngress, lo: d.tc.AePodLoIngress, reroute: d.tc.AePodReroute,
 		steer: d.tc.AePodSteer, hostEgress: d.tc.AeHostEgress, hostIngress: d.tc.AeHostIngress,
 	})
@@ -57,12 +60,12 @@ type podPrograms struct {
 	ingress, lo, reroute, steer, hostEgress, hostIngress *ebpf.Program
 }
 
-// planPod lists where a pod's programs go: tcIngress where sk_lookup
+// planPod lists where the programs of the pod in slot go: tcIngress where sk_lookup
 // cannot capture inbound flows alone (before 5.17) and a tc program on
 // the pod's interface files them for it.
-func planPod(p *Pod, hostIf, nodeNetns string, tcIngress bool, progs podPrograms) []attachment {
+func planPod(p *Pod, hostIf, nodeNetns string, slot uint32, tcIngress bool, progs podPrograms) []attachment {
 	in := func(pin, iface string, prog *ebpf.Program) attachment {
-		return attachment{pin: pin, netns: p.Netns, iface: iface, attach: ebpf.AttachTCXIngress, prog: prog}
+		return attachment{pin: pin, netns: p.Netns, iface: iface, attach: ebpf.AttachTCXIngress, prog: prog, classid: slot + 1}
 	}
 	var atts []attachment
 	if tcIngress {
@@ -74,8 +77,8 @@ func planPod(p *Pod, hostIf, nodeNetns string, tcIngress bool, progs podPrograms
 	}
 	atts = append(atts, attachment{pin: "sk_lookup", netns: p.Netns, attach: ebpf.AttachSkLookup, prog: progs.steer})
 	atts = append(atts,
-		attachment{pin: "host_egress", netns: nodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: progs.hostEgress},
-		attachment{pin: "host_ingress", netns: nodeNetns, iface: hostIf, attach: ebpf.AttachTCXIngress, prog: progs.hostIngress},
+		attachment{pin: "host_egress", netns: nodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: progs.hostEgress, classid: slot + 1},
+		attachment{pin: "host_ingress", netns: nodeNetns, iface: hostIf, attach: ebpf.AttachTCXIngress, prog: progs.hostIngress, classid: slot + 1},
 	)
 	return atts
 }

@@ -100,7 +100,7 @@ func TestCrashAtEveryStepConverges(t *testing.T) {
 	pod := podOf(p)
 
 	probe := newDataplane(t, n)
-	programs := len(probe.plan(&pod, p.HostVeth))
+	programs := len(probe.plan(&pod, p.HostVeth, 0))
 	if err := probe.Uninstall(); err != nil {
 		t.Fatal(err)
 	}

@@ -201,6 +201,10 @@ func (d *Dataplane) load() error {
 	if err := ss.AeCfg.Set(bpfCfg); err != nil {
 		return fmt.Errorf("configure socket programs: %w", err)
 	}
+	tracing := traceFlagAtLoad(d.cfg)
+	if err := pinTraceFlag(sockSpec, ss.AeTracing, tracing); err != nil {
+		return fmt.Errorf("read socket programs: %w", err)
+	}
 	if err := sockSpec.LoadAndAssign(&d.sock, opts); err != nil {
 		d.logVerifier(err)
 		return fmt.Errorf("load socket programs: %w", err)
@@ -223,6 +227,10 @@ func (d *Dataplane) load() error {
 	if err := ts.AeCfg.Set(bpfCfg); err != nil {
 		d.sock.Close()
 		return fmt.Errorf("configure tc programs: %w", err)
+	}
+	if err := pinTraceFlag(tcSpec, ts.AeTracing, tracing); err != nil {
+		d.sock.Close()
+		return fmt.Errorf("read tc programs: %w", err)
 	}
 	if !features.HasTCX() {
 		// Classic tc programs carry no attach type; kernels before TCX

@@ -40,7 +40,7 @@ func (d *Decision) UnmarshalText(b []byte) error { return unmarshalName(b, decis
 // decision and names the contract row it comes from.
 type Reason uint8
 
-// Reasons.
+// Reasons; the numbers are enum ae_reason in bpf/common.h (a test checks).
 const (
 	ReasonNone            Reason = iota
 	ReasonNotEnrolled            // the socket's netns or the address is no enrolled pod's
@@ -153,7 +153,7 @@ func Reasons() []Reason {
 // Hook is where a decision is made.
 type Hook uint8
 
-// Hooks.
+// Hooks; the numbers are enum ae_hook in bpf/common.h.
 const (
 	HookNone       Hook = iota
 	HookConnect4        // cgroup/connect4

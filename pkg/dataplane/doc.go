@@ -41,6 +41,9 @@
 //	maps/ae_local_flows ztunnel's connections to its pod's app (R10)
 //	maps/ae_steer       flows tc hands to sk_lookup (older kernels, R14)
 //	maps/ae_node_cfg    the node-wide settings the programs were loaded with
+//	maps/ae_decisions   decisions by reason (per CPU), and trace events lost
+//	maps/ae_trace       the ring buffer of decision events (while tracing)
+//	maps/ae_tracing     the flag that switches the events on (bpf/trace.h)
 //	links/<hook>        node-wide cgroup links: connect4, connect6,
 //	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
 //	                    getpeername4, getpeername6, sockops, getsockopt
@@ -60,6 +63,10 @@
 // sk_lookup sees the ingress interface (5.17) it alone captures inbound
 // flows; before that a tc program on the pod's interface files each flow
 // for it.
+//
+// Decisions are counted always and traced only while a Tracer (one at a
+// time: an flock on the pin directory) has set ae_tracing; the programs
+// check the flag, a global, before building an event.
 //
 // Pins outlive the agent: while it restarts or upgrades, redirection keeps
 // working, and New adopts what it finds (links are updated in place to the

@@ -120,7 +120,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 
 	// Programs first, map entries last: the pod is never half redirected,
 	// because outbound capture starts with the ae_netns entry.
-	for _, a := range d.plan(&pod, hostIf) {
+	for _, a := range d.plan(&pod, hostIf, st.Slot) {
 		if samePod && old.links[a.pin] != nil && (a.pin != "host_egress" && a.pin != "host_ingress" || old.HostInterface == hostIf) {
 			st.links[a.pin] = old.links[a.pin]
 			continue
@@ -408,7 +408,7 @@ func (d *Dataplane) verifiedNetns(path string, cookie uint64, netnsOf func(uint6
 // ones its pin directory names.
 func (d *Dataplane) podPlan(st *podState) []attachment {
 	pod := pinnedPod(podDir(d.cfg, st.UID), st)
-	return d.plan(&pod, st.HostInterface)
+	return d.plan(&pod, st.HostInterface, st.Slot)
 }
 
 // pinnedPod is the Pod of st with the reroute interfaces its pin

@@ -172,7 +172,7 @@ func (p *Pinned) TCHooks(nodeNetns string) ([]TCHook, error) {
 		pod := pinnedPod(dir, st)
 		_, err := os.Stat(filepath.Join(dir, "ingress"))
 		netnsErr := CheckNetns(st.netnsPath, st.NetnsCookie)
-		for _, a := range planPod(&pod, st.HostInterface, nodeNetns, err == nil, podPrograms{}) {
+		for _, a := range planPod(&pod, st.HostInterface, nodeNetns, st.Slot, err == nil, podPrograms{}) {
 			h := TCHook{Pod: st.Namespace + "/" + st.Name, Pin: a.pin, Netns: a.netns, Interface: a.iface, Direction: direction(a.attach)}
 			switch {
 			case a.netns != nodeNetns && netnsErr != nil:

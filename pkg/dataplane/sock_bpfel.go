@@ -32,6 +32,57 @@ type sockAeConfig struct {
 	ProbeV6      sockAeAddr
 }
 
+type sockAeEvent struct {
+	_           structs.HostLayout
+	TsNs        uint64
+	NetnsCookie uint64
+	Saddr       sockAeAddr
+	Daddr       sockAeAddr
+	To          sockAeAddr
+	Sport       uint16
+	Dport       uint16
+	ToPort      uint16
+	Proto       uint8
+	Hook        uint8
+	Reason      uint8
+	Pad         [3]uint8
+	Slot        uint32
+}
+
+type sockAeReason uint32
+
+const (
+	sockAeReasonAE_R_NONE             sockAeReason = 0
+	sockAeReasonAE_R_NOT_ENROLLED     sockAeReason = 1
+	sockAeReasonAE_R_ZTUNNEL_MARK     sockAeReason = 2
+	sockAeReasonAE_R_LOOPBACK         sockAeReason = 3
+	sockAeReasonAE_R_OWN_IP           sockAeReason = 4
+	sockAeReasonAE_R_PROBE_DEST       sockAeReason = 5
+	sockAeReasonAE_R_UDP_NOT_DNS      sockAeReason = 6
+	sockAeReasonAE_R_DNS_CAPTURE_OFF  sockAeReason = 7
+	sockAeReasonAE_R_NOT_TCP          sockAeReason = 8
+	sockAeReasonAE_R_OUTBOUND         sockAeReason = 9
+	sockAeReasonAE_R_DNS              sockAeReason = 10
+	sockAeReasonAE_R_ORIG_DST_ERROR   sockAeReason = 11
+	sockAeReasonAE_R_INBOUND          sockAeReason = 12
+	sockAeReasonAE_R_INGRESS_MODE     sockAeReason = 13
+	sockAeReasonAE_R_HBONE            sockAeReason = 14
+	sockAeReasonAE_R_FROM_POD         sockAeReason = 15
+	sockAeReasonAE_R_ZTUNNEL_DELIVERY sockAeReason = 16
+	sockAeReasonAE_R_PROBE_SOURCE     sockAeReason = 17
+	sockAeReasonAE_R_NO_LISTENER      sockAeReason = 18
+	sockAeReasonAE_R_ASSIGN_ERROR     sockAeReason = 19
+	sockAeReasonAE_R_REROUTE          sockAeReason = 20
+	sockAeReasonAE_R_PROBE_SNAT       sockAeReason = 21
+	sockAeReasonAE_R_FORWARDED        sockAeReason = 22
+	sockAeReasonAE_R_PROBE_PORT_TAKEN sockAeReason = 23
+	sockAeReasonAE_R_PROBE_TABLE_FULL sockAeReason = 24
+	sockAeReasonAE_R_REWRITE_ERROR    sockAeReason = 25
+	sockAeReasonAE_R_ORIG_DST_FULL    sockAeReason = 26
+	sockAeReasonAE_R_LOCAL_FLOW_FULL  sockAeReason = 27
+	sockAeReasonAE_R_MAX              sockAeReason = 28
+)
+
 type sockListenerKey struct {
 	_           structs.HostLayout
 	NetnsCookie uint64
@@ -125,6 +176,7 @@ type sockSteerKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	sockMapAeDecisions     = "ae_decisions"
 	sockMapAeListeners     = "ae_listeners"
 	sockMapAeLocalFlows    = "ae_local_flows"
 	sockMapAeNetns         = "ae_netns"
@@ -137,6 +189,7 @@ const (
 	sockMapAeSkDst         = "ae_sk_dst"
 	sockMapAeStats         = "ae_stats"
 	sockMapAeSteer         = "ae_steer"
+	sockMapAeTrace         = "ae_trace"
 	sockProgAeConnect4     = "ae_connect4"
 	sockProgAeConnect6     = "ae_connect6"
 	sockProgAeGetpeername4 = "ae_getpeername4"
@@ -149,6 +202,7 @@ const (
 	sockProgAeSendmsg6     = "ae_sendmsg6"
 	sockProgAeSockops      = "ae_sockops"
 	sockVarAeCfg           = "ae_cfg"
+	sockVarAeTracing       = "ae_tracing"
 )
 
 // loadSock returns the embedded CollectionSpec for sock.
@@ -210,6 +264,7 @@ type sockProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type sockMapSpecs struct {
+	AeDecisions  *ebpf.MapSpec `ebpf:"ae_decisions"`
 	AeListeners  *ebpf.MapSpec `ebpf:"ae_listeners"`
 	AeLocalFlows *ebpf.MapSpec `ebpf:"ae_local_flows"`
 	AeNetns      *ebpf.MapSpec `ebpf:"ae_netns"`
@@ -222,13 +277,15 @@ type sockMapSpecs struct {
 	AeSkDst      *ebpf.MapSpec `ebpf:"ae_sk_dst"`
 	AeStats      *ebpf.MapSpec `ebpf:"ae_stats"`
 	AeSteer      *ebpf.MapSpec `ebpf:"ae_steer"`
+	AeTrace      *ebpf.MapSpec `ebpf:"ae_trace"`
 }
 
 // sockVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type sockVariableSpecs struct {
-	AeCfg *ebpf.VariableSpec `ebpf:"ae_cfg"`
+	AeCfg     *ebpf.VariableSpec `ebpf:"ae_cfg"`
+	AeTracing *ebpf.VariableSpec `ebpf:"ae_tracing"`
 }
 
 // sockObjects contains all objects after they have been loaded into the kernel.
@@ -251,6 +308,7 @@ func (o *sockObjects) Close() error {
 //
 // It can be passed to loadSockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type sockMaps struct {
+	AeDecisions  *ebpf.Map `ebpf:"ae_decisions"`
 	AeListeners  *ebpf.Map `ebpf:"ae_listeners"`
 	AeLocalFlows *ebpf.Map `ebpf:"ae_local_flows"`
 	AeNetns      *ebpf.Map `ebpf:"ae_netns"`
@@ -263,10 +321,12 @@ type sockMaps struct {
 	AeSkDst      *ebpf.Map `ebpf:"ae_sk_dst"`
 	AeStats      *ebpf.Map `ebpf:"ae_stats"`
 	AeSteer      *ebpf.Map `ebpf:"ae_steer"`
+	AeTrace      *ebpf.Map `ebpf:"ae_trace"`
 }
 
 func (m *sockMaps) Close() error {
 	return _SockClose(
+		m.AeDecisions,
 		m.AeListeners,
 		m.AeLocalFlows,
 		m.AeNetns,
@@ -279,6 +339,7 @@ func (m *sockMaps) Close() error {
 		m.AeSkDst,
 		m.AeStats,
 		m.AeSteer,
+		m.AeTrace,
 	)
 }
 
@@ -286,7 +347,8 @@ func (m *sockMaps) Close() error {
 //
 // It can be passed to loadSockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type sockVariables struct {
-	AeCfg *ebpf.Variable `ebpf:"ae_cfg"`
+	AeCfg     *ebpf.Variable `ebpf:"ae_cfg"`
+	AeTracing *ebpf.Variable `ebpf:"ae_tracing"`
 }
 
 // sockPrograms contains all programs after they have been loaded into the kernel.

@@ -32,6 +32,57 @@ type tcAeConfig struct {
 	ProbeV6      tcAeAddr
 }
 
+type tcAeEvent struct {
+	_           structs.HostLayout
+	TsNs        uint64
+	NetnsCookie uint64
+	Saddr       tcAeAddr
+	Daddr       tcAeAddr
+	To          tcAeAddr
+	Sport       uint16
+	Dport       uint16
+	ToPort      uint16
+	Proto       uint8
+	Hook        uint8
+	Reason      uint8
+	Pad         [3]uint8
+	Slot        uint32
+}
+
+type tcAeReason uint32
+
+const (
+	tcAeReasonAE_R_NONE             tcAeReason = 0
+	tcAeReasonAE_R_NOT_ENROLLED     tcAeReason = 1
+	tcAeReasonAE_R_ZTUNNEL_MARK     tcAeReason = 2
+	tcAeReasonAE_R_LOOPBACK         tcAeReason = 3
+	tcAeReasonAE_R_OWN_IP           tcAeReason = 4
+	tcAeReasonAE_R_PROBE_DEST       tcAeReason = 5
+	tcAeReasonAE_R_UDP_NOT_DNS      tcAeReason = 6
+	tcAeReasonAE_R_DNS_CAPTURE_OFF  tcAeReason = 7
+	tcAeReasonAE_R_NOT_TCP          tcAeReason = 8
+	tcAeReasonAE_R_OUTBOUND         tcAeReason = 9
+	tcAeReasonAE_R_DNS              tcAeReason = 10
+	tcAeReasonAE_R_ORIG_DST_ERROR   tcAeReason = 11
+	tcAeReasonAE_R_INBOUND          tcAeReason = 12
+	tcAeReasonAE_R_INGRESS_MODE     tcAeReason = 13
+	tcAeReasonAE_R_HBONE            tcAeReason = 14
+	tcAeReasonAE_R_FROM_POD         tcAeReason = 15
+	tcAeReasonAE_R_ZTUNNEL_DELIVERY tcAeReason = 16
+	tcAeReasonAE_R_PROBE_SOURCE     tcAeReason = 17
+	tcAeReasonAE_R_NO_LISTENER      tcAeReason = 18
+	tcAeReasonAE_R_ASSIGN_ERROR     tcAeReason = 19
+	tcAeReasonAE_R_REROUTE          tcAeReason = 20
+	tcAeReasonAE_R_PROBE_SNAT       tcAeReason = 21
+	tcAeReasonAE_R_FORWARDED        tcAeReason = 22
+	tcAeReasonAE_R_PROBE_PORT_TAKEN tcAeReason = 23
+	tcAeReasonAE_R_PROBE_TABLE_FULL tcAeReason = 24
+	tcAeReasonAE_R_REWRITE_ERROR    tcAeReason = 25
+	tcAeReasonAE_R_ORIG_DST_FULL    tcAeReason = 26
+	tcAeReasonAE_R_LOCAL_FLOW_FULL  tcAeReason = 27
+	tcAeReasonAE_R_MAX              tcAeReason = 28
+)
+
 type tcListenerKey struct {
 	_           structs.HostLayout
 	NetnsCookie uint64
@@ -125,6 +176,7 @@ type tcSteerKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	tcMapAeDecisions     = "ae_decisions"
 	tcMapAeListeners     = "ae_listeners"
 	tcMapAeLocalFlows    = "ae_local_flows"
 	tcMapAeNetns         = "ae_netns"
@@ -136,6 +188,7 @@ const (
 	tcMapAeSkDst         = "ae_sk_dst"
 	tcMapAeStats         = "ae_stats"
 	tcMapAeSteer         = "ae_steer"
+	tcMapAeTrace         = "ae_trace"
 	tcProgAeHostEgress   = "ae_host_egress"
 	tcProgAeHostIngress  = "ae_host_ingress"
 	tcProgAePodIngress   = "ae_pod_ingress"
@@ -143,6 +196,7 @@ const (
 	tcProgAePodReroute   = "ae_pod_reroute"
 	tcProgAePodSteer     = "ae_pod_steer"
 	tcVarAeCfg           = "ae_cfg"
+	tcVarAeTracing       = "ae_tracing"
 )
 
 // loadTc returns the embedded CollectionSpec for tc.
@@ -199,6 +253,7 @@ type tcProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcMapSpecs struct {
+	AeDecisions  *ebpf.MapSpec `ebpf:"ae_decisions"`
 	AeListeners  *ebpf.MapSpec `ebpf:"ae_listeners"`
 	AeLocalFlows *ebpf.MapSpec `ebpf:"ae_local_flows"`
 	AeNetns      *ebpf.MapSpec `ebpf:"ae_netns"`
@@ -210,13 +265,15 @@ type tcMapSpecs struct {
 	AeSkDst      *ebpf.MapSpec `ebpf:"ae_sk_dst"`
 	AeStats      *ebpf.MapSpec `ebpf:"ae_stats"`
 	AeSteer      *ebpf.MapSpec `ebpf:"ae_steer"`
+	AeTrace      *ebpf.MapSpec `ebpf:"ae_trace"`
 }
 
 // tcVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcVariableSpecs struct {
-	AeCfg *ebpf.VariableSpec `ebpf:"ae_cfg"`
+	AeCfg     *ebpf.VariableSpec `ebpf:"ae_cfg"`
+	AeTracing *ebpf.VariableSpec `ebpf:"ae_tracing"`
 }
 
 // tcObjects contains all objects after they have been loaded into the kernel.
@@ -239,6 +296,7 @@ func (o *tcObjects) Close() error {
 //
 // It can be passed to loadTcObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcMaps struct {
+	AeDecisions  *ebpf.Map `ebpf:"ae_decisions"`
 	AeListeners  *ebpf.Map `ebpf:"ae_listeners"`
 	AeLocalFlows *ebpf.Map `ebpf:"ae_local_flows"`
 	AeNetns      *ebpf.Map `ebpf:"ae_netns"`
@@ -250,10 +308,12 @@ type tcMaps struct {
 	AeSkDst      *ebpf.Map `ebpf:"ae_sk_dst"`
 	AeStats      *ebpf.Map `ebpf:"ae_stats"`
 	AeSteer      *ebpf.Map `ebpf:"ae_steer"`
+	AeTrace      *ebpf.Map `ebpf:"ae_trace"`
 }
 
 func (m *tcMaps) Close() error {
 	return _TcClose(
+		m.AeDecisions,
 		m.AeListeners,
 		m.AeLocalFlows,
 		m.AeNetns,
@@ -265,6 +325,7 @@ func (m *tcMaps) Close() error {
 		m.AeSkDst,
 		m.AeStats,
 		m.AeSteer,
+		m.AeTrace,
 	)
 }
 
@@ -272,7 +333,8 @@ func (m *tcMaps) Close() error {
 //
 // It can be passed to loadTcObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcVariables struct {
-	AeCfg *ebpf.Variable `ebpf:"ae_cfg"`
+	AeCfg     *ebpf.Variable `ebpf:"ae_cfg"`
+	AeTracing *ebpf.Variable `ebpf:"ae_tracing"`
 }
 
 // tcPrograms contains all programs after they have been loaded into the kernel.

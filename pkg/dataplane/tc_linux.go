@@ -164,6 +164,7 @@ func (a attachment) filter(ifindex int, prog *ebpf.Program) *netlink.BpfFilter {
 		Fd:           prog.FD(),
 		Name:         a.filterName(),
 		DirectAction: true,
+		ClassId:      a.classid,
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 )
 
@@ -40,7 +41,7 @@ type Answer struct {
 
 // Leg is one hook's decision, and the checks that led to it.
 type Leg struct {
-	Pod  string `json:"pod"` // whose hook (namespace/name)
+	Pod  string `json:"pod,omitempty"` // whose hook (namespace/name); empty on the node
 	Hook Hook   `json:"hook"`
 	// Where says where the hook runs, for people ("connect4 in shop/web").
 	Where string `json:"where"`
@@ -164,7 +165,7 @@ func (w *why) answer(q Query) (*Answer, error) {
 	case client != nil:
 		a.Legs = w.fromPod(client, dst, q)
 	case q.FromNode:
-		a.Legs = w.arrive(netip.Addr{}, dst, q.UDP, true)
+		a.Legs = append([]Leg{w.nodeSocket(dst)}, w.arrive(netip.Addr{}, dst, q.UDP, true)...)
 	default:
 		a.Legs = w.arrive(q.FromAddr.Unmap(), dst, q.UDP, false)
 	}
@@ -175,12 +176,12 @@ func (w *why) answer(q Query) (*Answer, error) {
 func summary(legs []Leg) string {
 	var parts []string
 	for _, l := range legs {
-		if l.Decision != DecisionPassed {
+		if l.Decision != DecisionPassed && l.Pod != "" {
 			parts = append(parts, fmt.Sprintf("%s in %s (%s: %s)", l.Decision, l.Pod, l.Row, l.Reason.Text()))
 		}
 	}
-	if len(parts) == 0 && len(legs) > 0 {
-		l := legs[0]
+	if i := slices.IndexFunc(legs, func(l Leg) bool { return l.Pod != "" }); len(parts) == 0 && i >= 0 {
+		l := legs[i]
 		parts = append(parts, fmt.Sprintf("%s in %s (%s: %s)", l.Decision, l.Pod, l.Row, l.Reason.Text()))
 	}
 	if len(parts) == 0 {
@@ -205,7 +206,11 @@ func (w *why) fromPod(p *podState, dst netip.AddrPort, q Query) []Leg {
 		legs = append(legs, w.outbound(p, dst, false, w.cfg.mark, "ztunnel"))
 		legs = append(legs, w.arrive(self, dst, false, false)...)
 	case ReasonDNS:
-		// ztunnel's proxy answers, or asks upstream with its mark (R2).
+		// ztunnel's proxy answers from its own socket (R2), as it asks
+		// upstream for names it does not know.
+		if q.UDP && self.IsValid() {
+			legs = append(legs, w.outbound(p, netip.AddrPortFrom(self, 0), true, w.cfg.mark, "ztunnel's DNS proxy"))
+		}
 	case ReasonOwnIP:
 		if !q.UDP && w.cfg.skLookupInbound {
 			legs = append(legs, w.inbound(p, self, dst, false))
@@ -385,6 +390,18 @@ func (w *why) inbound(p *podState, src netip.Addr, dst netip.AddrPort, delivery 
 		return l.decide(ReasonNoListener, netip.AddrPort{}, "no ztunnel :%d listener is filed for the pod's netns (ae_listeners)", w.cfg.inbound)
 	}
 	return l.decide(ReasonInbound, netip.AddrPortFrom(dst.Addr(), w.cfg.inbound), "a new inbound TCP flow")
+}
+
+// nodeSocket is the node's own socket meeting the connect hooks (they are
+// attached to the cgroup root, above every process of the node): its netns
+// is no pod's.
+func (w *why) nodeSocket(dst netip.AddrPort) Leg {
+	l := &leg{Leg{Hook: HookConnect6, Dst: dst}}
+	if dst.Addr().Is4() {
+		l.Hook = HookConnect4
+	}
+	l.Where = l.Hook.String() + " on the node"
+	return l.decide(ReasonNotEnrolled, netip.AddrPort{}, "the node's netns is no enrolled pod's")
 }
 
 // hostEgress is snat_probe() in bpf/tc.c, on the node side of the pod's

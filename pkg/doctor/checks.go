@@ -120,6 +120,17 @@ func checkDataPath(_ context.Context, n *node) []Finding {
 		}
 	}
 	out := []Finding{{Check: "datapath", Status: OK, Summary: fmt.Sprintf("data path pinned at %s: %d pods enrolled", n.cfg.BPFFSDir, enrolled)}}
+	switch on, held, err := dataplane.TraceState(n.cfg.BPFFSDir); {
+	case err != nil:
+		out = append(out, Finding{Check: "trace", Status: Info, Summary: fmt.Sprintf("the trace flag cannot be read: %v", err),
+			Meaning: "pins of an agent from before tracing; the next agent start adds it"})
+	case on && !held:
+		out = append(out, Finding{Check: "trace", Status: Warn, Summary: "the programs write trace events, but nobody reads them",
+			Meaning: "a tracer died: until tracing is switched off, every decision pays for an event that fills the ring buffer",
+			Action:  "run `ambient-ebpf trace --pins --count 1` and interrupt it (it switches the events off), or restart the agent"})
+	case on:
+		out = append(out, Finding{Check: "trace", Status: Info, Summary: "someone is tracing: the programs write an event for each decision"})
+	}
 	if len(partial) > 0 {
 		out = append(out, Finding{Check: "datapath", Status: Warn, Summary: "an agent stopped part way through " + list(partial, 5),
 			Meaning: "the journal keeps such pods from staying half redirected: the next agent to start undoes it and they are enrolled again",

@@ -151,6 +151,7 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 		if r.Failed() {
 			t.Errorf("an installed node fails:\n%s", dump(r))
 		}
+		forbidStatus(t, r, "trace", Info, Warn, Fail) // nobody traces
 	})
 
 	t.Run("conflicts", func(t *testing.T) {
@@ -162,6 +163,15 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 		n.AddTCFilter(n.NodeNS, pod.HostVeth, ebpf.AttachTCXEgress, passProgram(t, "primary", ebpf.SchedCLS, ebpf.AttachNone, -1), "primary-cni")
 		iptables(t, simnode.NetnsPath(n.NodeNS), "-t", "nat", "-N", "ISTIO_POSTRT")
 		iptables(t, pod.NetnsPath(), "-t", "nat", "-N", "ISTIO_OUTPUT")
+		// A tracer that died left the events on (maps/ae_tracing, doc.go).
+		flag, err := ebpf.LoadPinnedMap(filepath.Join(n.BPFFSDir, "maps", "ae_tracing"), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := flag.Put(uint32(0), uint32(1)); err != nil {
+			t.Fatal(err)
+		}
+		flag.Close()
 		deleteOurFilter(t, pod.NS, "lo")
 		writeFile(t, filepath.Join(confDir, "10-podnet.conflist"),
 			`{"cniVersion":"1.0.0","name":"podnet","plugins":[{"type":"ambient-ebpf-cni"},{"type":"ptp"},{"type":"istio-cni"}]}`)
@@ -178,6 +188,7 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 			want{"cni", Fail, []string{filepath.Join(confDir, "05-broken.conf") + " does not parse"}},
 			want{"cni", Fail, []string{"ambient-ebpf-cni is first in " + filepath.Join(confDir, "10-podnet.conflist")}},
 			want{"cni", Warn, []string{"istio-cni is chained in"}},
+			want{"trace", Warn, []string{"the programs write trace events, but nobody reads them"}},
 		)
 		for _, f := range r.Findings {
 			if f.Check == "cgroup-hooks" && strings.Contains(f.Summary, "cil_sock") && !strings.Contains(f.Action, "socketLB.hostNamespaceOnly=true") {

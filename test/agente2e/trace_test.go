@@ -1,0 +1,166 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package agente2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/netip"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+)
+
+// While the agent runs, trace clients share the data path's one event
+// reader through its inspection API: `ambient-ebpf trace` (which goes
+// through the agent by default) and a plain gRPC client both see an
+// outbound capture, a direct reader of the pins is refused meanwhile, an
+// unknown pod is refused, the agent's Prometheus counters count the same
+// decisions, and the events go off when the last client leaves.
+func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
+	n := newAgentNode(t, "app")
+	a := n.pods["app"]
+	n.startAgent(t, "--uninstall-on-exit")
+	n.StartZtunnelFor(n.zds)
+	waitFor(t, "ztunnel connected", func() bool {
+		_, body := n.get("/metrics")
+		return strings.Contains(body, "\nztunnel_connected 1\n")
+	})
+	if resp, err := n.podAdd(t, a); err != nil || !resp.GetEnrolled() {
+		t.Fatalf("ADD: %+v, %v", resp, err)
+	}
+	out := n.StartOutsideApp()
+	out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
+	app := n.StartApp(a)
+	inspect := filepath.Join(n.dir, "inspect.sock")
+	base := []string{"--bpffs", n.BPFFSDir, "--inspect-socket", inspect}
+
+	// Client 1: the CLI, through the agent, one pod's events as JSON.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pr, pw := io.Pipe()
+	cliDone := make(chan error, 1)
+	var cliErr bytes.Buffer
+	cmd := cli.NewCommand(pw)
+	cmd.SetErr(&cliErr)
+	cmd.SetArgs(append(base, "-o", "json", "trace", "--pod", "default/app"))
+	go func() { cliDone <- cmd.ExecuteContext(ctx); pw.Close() }()
+	cliEvents := make(chan dataplane.Event, 256)
+	go func() {
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			var e dataplane.Event
+			if json.Unmarshal(sc.Bytes(), &e) == nil {
+				cliEvents <- e
+			}
+		}
+	}()
+	// Client 2: the API itself.
+	conn, err := grpc.NewClient("unix://"+inspect, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	stream, err := inspectv1.NewInspectClient(conn).Trace(ctx, &inspectv1.TraceRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	apiEvents := make(chan *inspectv1.TraceEvent, 256)
+	go func() {
+		for {
+			e, err := stream.Recv()
+			if err != nil {
+				return
+			}
+			apiEvents <- e
+		}
+	}()
+
+	dst := netip.AddrPortFrom(simnode.OutsideV4, 8080)
+	var sawCLI, sawAPI bool
+	deadline := time.Now().Add(20 * time.Second)
+	for !sawCLI || !sawAPI {
+		if time.Now().After(deadline) {
+			t.Fatalf("no outbound capture traced (cli %v, api %v); cli stderr: %s", sawCLI, sawAPI, cliErr.String())
+		}
+		if _, err := app.Dial("tcp", simnode.AppRequest{Addr: dst}); err != nil {
+			t.Fatalf("dial: %v", err)
+		}
+		wait := time.After(300 * time.Millisecond)
+	drain:
+		for {
+			select {
+			case e := <-cliEvents:
+				if e.Pod != "default/app" {
+					t.Errorf("--pod default/app printed another pod's event: %+v", e)
+				}
+				sawCLI = sawCLI || e.Reason == dataplane.ReasonOutbound && e.Dst == dst && e.To == netip.AddrPortFrom(a.V4, 15001) && e.Row == "R1"
+			case e := <-apiEvents:
+				sawAPI = sawAPI || e.Pod == "default/app" && e.Hook == "connect4" && e.Decision == "captured" && e.Reason == "outbound" &&
+					e.Dst == dst.String() && e.RedirectedTo == netip.AddrPortFrom(a.V4, 15001).String() && e.TimeUnixNano > 0
+			case <-wait:
+				break drain
+			}
+		}
+	}
+
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"trace", "--pins"}, "another tracer is reading this data path's events"},
+		{[]string{"trace", "--pod", "default/nope"}, "trace through the agent: pod default/nope: no such pod is enrolled on this node"},
+	} {
+		var b bytes.Buffer
+		cmd := cli.NewCommand(&b)
+		cmd.SetErr(io.Discard)
+		cmd.SetArgs(append(append([]string{}, base...), c.args...))
+		if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("ambient-ebpf %s: %v, want %q", strings.Join(c.args, " "), err, c.want)
+		}
+	}
+
+	_, metrics := n.get("/metrics")
+	re := regexp.MustCompile(`ambient_ebpf_decisions_total\{decision="captured",reason="outbound",row="R1"\} (\d+)`)
+	if m := re.FindStringSubmatch(metrics); m == nil {
+		t.Errorf("metrics lack the outbound decisions:\n%s", metrics)
+	} else if count, _ := strconv.Atoi(m[1]); count < 2 {
+		t.Errorf("%d outbound decisions counted, want at least the two traced", count)
+	}
+	for _, want := range []string{`ambient_ebpf_decisions_total{decision="captured",reason="inbound",row="R5"} 0`, "ambient_ebpf_trace_lost_events_total 0"} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+
+	// Both clients leave: the agent switches the events off and lets go
+	// of the reader.
+	cancel()
+	if err := <-cliDone; err != nil {
+		t.Errorf("trace through the agent: %v", err)
+	}
+	waitFor(t, "the agent to let go of the trace", func() bool {
+		tr, err := dataplane.OpenTracer(n.BPFFSDir)
+		if err == nil {
+			tr.Close()
+			return true
+		}
+		return !errors.Is(err, dataplane.ErrTraceBusy)
+	})
+}
