@@ -39,7 +39,7 @@ type Flags struct {
 	repairMode                                  string
 	dsNamespace, dsName                         string
 	uninstallOnExit                             bool
-	logLevel                                    string
+	logLevel, logFormat                         string
 	version                                     bool
 	perPodMetrics                               bool
 }
@@ -87,6 +87,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.dsName, "daemonset-name", "", "the agent's DaemonSet; while it exists, shutdown keeps all state")
 	fs.BoolVar(&f.uninstallOnExit, "uninstall-on-exit", false, "remove everything on shutdown (standalone nodes, the demo)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&f.logFormat, "log-format", "text", "text (key=value) or json (one JSON object a line)")
 	fs.BoolVar(&f.version, "version", false, "print the version (from the binary's build information) and exit")
 	return f
 }
@@ -100,7 +101,14 @@ func (f *Flags) Logger() (*slog.Logger, error) {
 	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
 		return nil, fmt.Errorf("--log-level: %w", err)
 	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})), nil
+	opts := &slog.HandlerOptions{Level: level}
+	switch f.logFormat {
+	case "text":
+		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
+	}
+	return nil, fmt.Errorf("--log-format %q: want text or json", f.logFormat)
 }
 
 // Config validates the flags and builds the agent's Config.

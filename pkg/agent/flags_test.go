@@ -44,6 +44,7 @@ func TestFlagsRefuseBadValues(t *testing.T) {
 		"repair mode": {"--repair-mode", "sometimes"},
 		"probe v4":    {"--probe-snat-v4", "not-an-ip"},
 		"log level":   {"--log-level", "loud"},
+		"log format":  {"--log-format", "xml"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			if _, err := parse(t, append([]string{"--node-name", "n1"}, args...)...); err == nil {
