@@ -34,7 +34,7 @@ type Flags struct {
 	cniKubeconfig, tokenPath, caPath, apiServer string
 	hostRoot                                    string
 	installCNI                                  bool
-	excluded                                    string
+	excluded, selectors                         string
 	dnsCapture                                  bool
 	repairMode                                  string
 	dsNamespace, dsName                         string
@@ -81,6 +81,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.caPath, "ca-path", "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt", "API server CA for the plugin's kubeconfig")
 	fs.StringVar(&f.apiServer, "api-server", "", "API server URL as the host sees it (default from KUBERNETES_SERVICE_HOST/PORT)")
 	fs.StringVar(&f.excluded, "excluded-namespaces", "kube-system", "comma-separated namespaces whose pods are never enrolled")
+	fs.StringVar(&f.selectors, "enablement-selectors", "", "istio-cni's ambient enablement selectors, a JSON or YAML list of {podSelector, namespaceSelector}; a pod is ambient when one matches (empty: the istio.io/dataplane-mode label rule)")
 	fs.BoolVar(&f.dnsCapture, "dns-capture", true, "capture DNS to ztunnel's proxy (per pod: ambient.istio.io/dns-capture)")
 	fs.StringVar(&f.repairMode, "repair-mode", "repair", "unredirected running ambient pods: repair (in place), delete, label or off")
 	fs.StringVar(&f.dsNamespace, "daemonset-namespace", os.Getenv("POD_NAMESPACE"), "the agent's DaemonSet namespace (uninstall check)")
@@ -147,6 +148,11 @@ func (f *Flags) Config() (Config, error) {
 			c.Enrollment.ExcludedNamespaces = append(c.Enrollment.ExcludedNamespaces, ns)
 		}
 	}
+	if f.selectors != "" {
+		if c.Enrollment.Selectors, err = enrollment.ParseSelectors([]byte(f.selectors)); err != nil {
+			return c, fmt.Errorf("--enablement-selectors: %w", err)
+		}
+	}
 	switch f.repairMode {
 	case "repair", "inplace":
 		c.Repair.Mode = kube.RepairInPlace
@@ -167,6 +173,7 @@ func (f *Flags) Config() (Config, error) {
 		ic := &install.Config{PluginBinary: f.pluginBinary, BinDirs: bins, ConfDir: f.cniConfDir, OwnConflist: f.cniConfName}
 		ic.Plugin.AgentSocket = f.cniSocket
 		ic.Plugin.ExcludeNamespaces = c.Enrollment.ExcludedNamespaces
+		ic.Plugin.EnablementSelectors = c.Enrollment.Selectors
 		ic.Plugin.AgentNamespace = f.dsNamespace
 		ic.Plugin.AgentPodPrefix = f.dsName
 		if f.standalone != "" {

@@ -5,6 +5,7 @@ package agent
 
 import (
 	"flag"
+	"reflect"
 	"slices"
 	"testing"
 
@@ -45,11 +46,27 @@ func TestFlagsRefuseBadValues(t *testing.T) {
 		"probe v4":    {"--probe-snat-v4", "not-an-ip"},
 		"log level":   {"--log-level", "loud"},
 		"log format":  {"--log-format", "xml"},
+		"selectors":   {"--enablement-selectors", `[{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}]`},
 	} {
 		t.Run(name, func(t *testing.T) {
 			if _, err := parse(t, append([]string{"--node-name", "n1"}, args...)...); err == nil {
 				t.Errorf("%v accepted", args)
 			}
 		})
+	}
+}
+
+// The enablement selectors reach the controllers and the plugin's conflist
+// entry, for its fallback decision.
+func TestEnablementSelectorsReachThePlugin(t *testing.T) {
+	c, err := parse(t, "--node-name", "n1", "--enablement-selectors", `[{"podSelector": {"matchLabels": {"mesh": "yes"}}}]`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Enrollment.Selectors) != 1 || c.Enrollment.Selectors[0].PodSelector.MatchLabels["mesh"] != "yes" {
+		t.Errorf("selectors %+v", c.Enrollment.Selectors)
+	}
+	if c.Install == nil || !reflect.DeepEqual(c.Install.Plugin.EnablementSelectors, c.Enrollment.Selectors) {
+		t.Errorf("plugin settings %+v", c.Install)
 	}
 }

@@ -59,6 +59,9 @@ type Settings struct {
 	// the fallback decision.
 	SelfLabels    map[string]string `json:"selfLabels,omitempty"`
 	ZtunnelLabels map[string]string `json:"ztunnelLabels,omitempty"`
+	// EnablementSelectors, when set, are the agent's enablement selectors,
+	// so the fallback decides as the agent would.
+	EnablementSelectors []enrollment.Selector `json:"enablementSelectors,omitempty"`
 }
 
 // Config is the plugin's entry in the conflist as the plugin receives it:
@@ -115,6 +118,7 @@ func (c *Config) enrollment() enrollment.Config {
 	if c.ZtunnelLabels != nil {
 		e.ZtunnelLabels = c.ZtunnelLabels
 	}
+	e.Selectors = c.EnablementSelectors
 	return e
 }
 

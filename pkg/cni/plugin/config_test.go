@@ -13,6 +13,10 @@ import (
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
 const prev100 = `{"cniVersion":"1.0.0","interfaces":[{"name":"veth1","mac":"aa:bb:cc:dd:ee:01"},{"name":"eth0","mac":"aa:bb:cc:dd:ee:02","sandbox":"/var/run/netns/p"}],` +
@@ -237,4 +241,22 @@ func FuzzParseConfig(f *testing.F) {
 			}
 		}
 	})
+}
+
+// The agent's enablement selectors in the conflist entry decide the
+// fallback as they decide in the agent.
+func TestEnablementSelectorsDecideTheFallback(t *testing.T) {
+	c, err := ParseConfig(conf("1.0.0", "", `,"enablementSelectors":[{"podSelector":{"matchLabels":{"mesh":"yes"}}}]`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web", Labels: map[string]string{"mesh": "yes"}}}
+	if d := enrollment.Decide(c.enrollment(), pod, nil); !d.Ambient || d.Reason != enrollment.ReasonSelected {
+		t.Errorf("fallback decision %+v, want ambient by the selector", d)
+	}
+	labelled := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "api",
+		Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}}}
+	if d := enrollment.Decide(c.enrollment(), labelled, nil); d.Ambient {
+		t.Errorf("fallback decision %+v for a pod no selector matches", d)
+	}
 }
