@@ -17,6 +17,8 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
 func clusterRules(podVerbs ...string) []rbacv1.PolicyRule {
@@ -351,6 +353,40 @@ imagePullSecrets: [{name: registry-b}, registry-a]
 					t.Errorf("NOTES.txt:\n%s", r.notes)
 				}
 			},
+		},
+		{
+			name: "istio-cni's default enablement selectors",
+			values: `
+ambient:
+  enablementSelectors:
+  - podSelector:
+      matchLabels: {istio.io/dataplane-mode: ambient}
+  - podSelector:
+      matchExpressions:
+      - { key: istio.io/dataplane-mode, operator: NotIn, values: [none] }
+    namespaceSelector:
+      matchLabels: {istio.io/dataplane-mode: ambient}
+`,
+			check: func(t *testing.T, r *rendered) {
+				if got := agentConfig(t, r).Enrollment.Selectors; !reflect.DeepEqual(got, enrollment.DefaultSelectors()) {
+					t.Errorf("agent selectors %+v, want istio-cni's default %+v", got, enrollment.DefaultSelectors())
+				}
+			},
+		},
+		{
+			name:   "own enablement selectors reach the agent",
+			values: "ambient: {enablementSelectors: [{podSelector: {matchLabels: {mesh: \"yes\"}}, namespaceSelector: {matchExpressions: [{key: team, operator: Exists}]}}]}",
+			check: func(t *testing.T, r *rendered) {
+				sel := agentConfig(t, r).Enrollment.Selectors
+				if len(sel) != 1 || sel[0].PodSelector.MatchLabels["mesh"] != "yes" || sel[0].NamespaceSelector.MatchExpressions[0].Key != "team" {
+					t.Errorf("agent selectors %+v", sel)
+				}
+			},
+		},
+		{
+			name:    "an enablement selector the API would refuse fails the schema",
+			values:  "ambient: {enablementSelectors: [{podSelector: {matchExpressions: [{key: a, operator: Near}]}}]}",
+			wantErr: "/ambient/enablementSelectors/0/podSelector/matchExpressions/0/operator",
 		},
 		{
 			name:   "revision labels every object, names stay",
@@ -816,7 +852,7 @@ func checkDefaults(t *testing.T, r *rendered) {
 			t.Errorf("--%s=%v, want %s", k, fl[k], v)
 		}
 	}
-	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig", "per-pod-metrics"} {
+	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig", "per-pod-metrics", "enablement-selectors"} {
 		if _, ok := fl[k]; ok {
 			t.Errorf("--%s set by default", k)
 		}
