@@ -18,9 +18,16 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/restmapper"
+	"sigs.k8s.io/yaml"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
@@ -34,15 +41,19 @@ import (
 var (
 	cluster    *kubeapi.Cluster
 	clusterErr error
+	api        *apiClients
 )
 
 func TestMain(m *testing.M) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	cluster, clusterErr = kubeapi.Start(ctx)
-	cancel()
 	if clusterErr == nil {
 		clusterErr = createNamespace(cluster.Client, releaseNS)
 	}
+	if clusterErr == nil {
+		api, clusterErr = newAPIClients(ctx, cluster)
+	}
+	cancel()
 	code := m.Run()
 	if cluster != nil {
 		cluster.Stop()
@@ -232,4 +243,120 @@ func hasEvent(c *kubeapi.Cluster, pod *corev1.Pod, reason string) bool {
 		}
 	}
 	return false
+}
+
+// apiClients send rendered objects to the API server as they are.
+type apiClients struct {
+	dynamic dynamic.Interface
+	mapper  meta.RESTMapper
+}
+
+// podMonitorCRD is the part of the Prometheus Operator's PodMonitor CRD the
+// chart uses, with its types and patterns, so that a strict dry run checks
+// our PodMonitor's fields (not the whole upstream schema).
+const podMonitorCRD = `
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: podmonitors.monitoring.coreos.com}
+spec:
+  group: monitoring.coreos.com
+  scope: Namespaced
+  names: {kind: PodMonitor, listKind: PodMonitorList, plural: podmonitors, singular: podmonitor}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema:
+          type: object
+          required: [spec]
+          properties:
+            apiVersion: {type: string}
+            kind: {type: string}
+            metadata: {type: object}
+            spec:
+              type: object
+              required: [selector]
+              properties:
+                selector:
+                  type: object
+                  properties:
+                    matchLabels: {type: object, additionalProperties: {type: string}}
+                    matchExpressions:
+                      type: array
+                      items:
+                        type: object
+                        required: [key, operator]
+                        properties:
+                          key: {type: string}
+                          operator: {type: string}
+                          values: {type: array, items: {type: string}}
+                namespaceSelector:
+                  type: object
+                  properties:
+                    any: {type: boolean}
+                    matchNames: {type: array, items: {type: string}}
+                podMetricsEndpoints:
+                  type: array
+                  items:
+                    type: object
+                    properties:
+                      port: {type: string}
+                      path: {type: string}
+                      interval: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
+`
+
+func newAPIClients(ctx context.Context, c *kubeapi.Cluster) (*apiClients, error) {
+	dyn, err := dynamic.NewForConfig(c.Config)
+	if err != nil {
+		return nil, fmt.Errorf("dynamic client: %w", err)
+	}
+	var crd unstructured.Unstructured
+	if err := yaml.Unmarshal([]byte(podMonitorCRD), &crd.Object); err != nil {
+		return nil, fmt.Errorf("PodMonitor CRD: %w", err)
+	}
+	crds := dyn.Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
+	if _, err := crds.Create(ctx, &crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return nil, fmt.Errorf("create PodMonitor CRD: %w", err)
+	}
+	disc := memory.NewMemCacheClient(c.Client.Discovery())
+	for {
+		disc.Invalidate()
+		if _, err := disc.ServerResourcesForGroupVersion("monitoring.coreos.com/v1"); err == nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("PodMonitor CRD not served: %w", ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return &apiClients{dynamic: dyn, mapper: restmapper.NewDeferredDiscoveryRESTMapper(disc)}, nil
+}
+
+// dryRun sends every rendered object to the API server as a server-side
+// dry run with strict field validation: what `kubectl apply --dry-run=server
+// --validate=strict` checks, admission included, and nothing is stored.
+func dryRun(t *testing.T, r *rendered) {
+	requireCluster(t)
+	for _, doc := range r.docs {
+		var u unstructured.Unstructured
+		if err := yaml.Unmarshal(doc, &u.Object); err != nil {
+			t.Fatal(err)
+		}
+		gvk := u.GroupVersionKind()
+		m, err := api.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+		if err != nil {
+			t.Errorf("%s: %v", gvk, err)
+			continue
+		}
+		var ri dynamic.ResourceInterface = api.dynamic.Resource(m.Resource)
+		if m.Scope.Name() == meta.RESTScopeNameNamespace {
+			ri = api.dynamic.Resource(m.Resource).Namespace(u.GetNamespace())
+		}
+		_, err = ri.Create(context.Background(), &u, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}, FieldValidation: "Strict"})
+		if err != nil {
+			t.Errorf("%s %s: the API server refuses it: %v", gvk.Kind, u.GetName(), err)
+		}
+	}
 }

@@ -17,6 +17,8 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
 func clusterRules(podVerbs ...string) []rbacv1.PolicyRule {
@@ -50,7 +52,7 @@ func checkInvariants(t *testing.T, r *rendered) {
 	privileged := valueBool(t, r, "securityContext.privileged")
 
 	// Namespaced objects land in the release namespace, cluster ones nowhere.
-	for _, o := range []interface{ GetNamespace() string }{ds, r.sa, r.role, r.rb, r.pdb} {
+	for _, o := range []interface{ GetNamespace() string }{ds, r.sa, r.role, r.rb, r.pdb, r.quota} {
 		if !reflect.ValueOf(o).IsNil() && o.GetNamespace() != releaseNS {
 			t.Errorf("%T in namespace %q, want %q", o, o.GetNamespace(), releaseNS)
 		}
@@ -164,17 +166,34 @@ func checkInvariants(t *testing.T, r *rendered) {
 	if env["NODE_NAME"] != "spec.nodeName" || env["POD_NAMESPACE"] != "metadata.namespace" {
 		t.Errorf("downward API env %v, want NODE_NAME from spec.nodeName and POD_NAMESPACE from metadata.namespace", env)
 	}
+	// The Go runtime's limits follow the container's.
+	limits := map[string]string{}
+	for _, e := range c.Env {
+		if e.ValueFrom != nil && e.ValueFrom.ResourceFieldRef != nil {
+			limits[e.Name] = e.ValueFrom.ResourceFieldRef.Resource
+		}
+	}
+	if want := map[string]string{"GOMEMLIMIT": "limits.memory", "GOMAXPROCS": "limits.cpu"}; !reflect.DeepEqual(limits, want) {
+		t.Errorf("resource env %v, want %v", limits, want)
+	}
+
+	// Every object carries the revision label, as Istio's charts set it.
+	rev := valueString(r, "revision")
+	if rev == "" {
+		rev = "default"
+	}
+	for _, o := range []interface{ GetLabels() map[string]string }{ds, r.sa, r.role, r.rb, r.pdb, r.cr, r.crb, r.quota} {
+		if !reflect.ValueOf(o).IsNil() && o.GetLabels()["istio.io/rev"] != rev {
+			t.Errorf("%T labels %v, want istio.io/rev=%s", o, o.GetLabels(), rev)
+		}
+	}
 
 	// Every flag is one the agent has and takes with its value, and every
 	// path it names is mounted.
 	agentConfig(t, r)
 	fl := flags(t, c)
 	for name, vals := range fl {
-		repeatable, known := agentFlags[name]
-		if !known {
-			t.Errorf("unknown agent flag --%s", name)
-		}
-		if len(vals) > 1 && !repeatable {
+		if len(vals) > 1 && !repeatableFlags[name] {
 			t.Errorf("--%s given %d times", name, len(vals))
 		}
 	}
@@ -231,6 +250,7 @@ func TestChartRenders(t *testing.T) {
 	cases := []struct {
 		name       string
 		values     string
+		sets       []string // --set flags, after values
 		skipSchema bool
 		wantErr    string
 		check      func(t *testing.T, r *rendered)
@@ -266,18 +286,212 @@ func TestChartRenders(t *testing.T) {
 			wantErr:    "agent.repairMode must be",
 		},
 		{
-			name: "Istio's global values are accepted",
+			name: "Istio's global values: registry, pull policy and secrets, JSON logs; not Istio's tag",
 			values: `
 global:
-  hub: docker.io/istio
+  hub: registry.corp.example/mirror/
   tag: 1.27.1
-  imagePullSecrets: [registry-key]
+  imagePullPolicy: Always
+  imagePullSecrets: [registry-a]
   logAsJson: true
   istioNamespace: istio-system
   meshID: mesh1
   proxy: {clusterDomain: cluster.local}
+imagePullSecrets: [{name: registry-b}, registry-a]
 `,
-			check: func(*testing.T, *rendered) {},
+			check: func(t *testing.T, r *rendered) {
+				c := r.agent(t)
+				if c.Image != "registry.corp.example/mirror/ambient-ebpf:0.1.0" || c.ImagePullPolicy != corev1.PullAlways {
+					t.Errorf("image %s pull %s, want the global hub, the chart's tag, Always", c.Image, c.ImagePullPolicy)
+				}
+				want := []corev1.LocalObjectReference{{Name: "registry-b"}, {Name: "registry-a"}}
+				if got := r.ds.Spec.Template.Spec.ImagePullSecrets; !reflect.DeepEqual(got, want) {
+					t.Errorf("imagePullSecrets %v, want %v", got, want)
+				}
+				if got := flag1(t, c, "log-format"); got != "json" {
+					t.Errorf("--log-format=%s with global.logAsJson", got)
+				}
+			},
+		},
+		{
+			name:   "image: own hub over the global one, own tag; repository replaces both",
+			values: "global: {hub: docker.io/istio}\nimage: {hub: quay.io/mesh, tag: 0.2.0-rc.1, pullPolicy: Never}",
+			check: func(t *testing.T, r *rendered) {
+				if c := r.agent(t); c.Image != "quay.io/mesh/ambient-ebpf:0.2.0-rc.1" || c.ImagePullPolicy != corev1.PullNever {
+					t.Errorf("image %s pull %s", c.Image, c.ImagePullPolicy)
+				}
+			},
+		},
+		{
+			name:   "image repository",
+			values: "global: {hub: docker.io/istio}\nimage: {hub: quay.io/mesh, repository: registry.example/team/redirector}",
+			check: func(t *testing.T, r *rendered) {
+				if c := r.agent(t); c.Image != "registry.example/team/redirector:0.1.0" || c.ImagePullPolicy != corev1.PullIfNotPresent {
+					t.Errorf("image %s pull %s", c.Image, c.ImagePullPolicy)
+				}
+			},
+		},
+		{
+			name:   "log format set over global.logAsJson",
+			values: "global: {logAsJson: true}\nagent: {logFormat: text}",
+			check: func(t *testing.T, r *rendered) {
+				if got := flag1(t, r.agent(t), "log-format"); got != "text" {
+					t.Errorf("--log-format=%s, want text", got)
+				}
+			},
+		},
+		{
+			name:    "an unknown log format fails the schema",
+			values:  "agent: {logFormat: logfmt}",
+			wantErr: "/agent/logFormat",
+		},
+		{
+			name:   "ambient.ipv6 false is accepted and the notes say it changes nothing",
+			values: "ambient: {ipv6: false}",
+			check: func(t *testing.T, r *rendered) {
+				if !strings.Contains(r.notes, "ambient.ipv6=false changes nothing") {
+					t.Errorf("NOTES.txt:\n%s", r.notes)
+				}
+			},
+		},
+		{
+			name: "istio-cni's default enablement selectors",
+			values: `
+ambient:
+  enablementSelectors:
+  - podSelector:
+      matchLabels: {istio.io/dataplane-mode: ambient}
+  - podSelector:
+      matchExpressions:
+      - { key: istio.io/dataplane-mode, operator: NotIn, values: [none] }
+    namespaceSelector:
+      matchLabels: {istio.io/dataplane-mode: ambient}
+`,
+			check: func(t *testing.T, r *rendered) {
+				if got := agentConfig(t, r).Enrollment.Selectors; !reflect.DeepEqual(got, enrollment.DefaultSelectors()) {
+					t.Errorf("agent selectors %+v, want istio-cni's default %+v", got, enrollment.DefaultSelectors())
+				}
+			},
+		},
+		{
+			name:   "own enablement selectors reach the agent",
+			values: "ambient: {enablementSelectors: [{podSelector: {matchLabels: {mesh: \"yes\"}}, namespaceSelector: {matchExpressions: [{key: team, operator: Exists}]}}]}",
+			check: func(t *testing.T, r *rendered) {
+				sel := agentConfig(t, r).Enrollment.Selectors
+				if len(sel) != 1 || sel[0].PodSelector.MatchLabels["mesh"] != "yes" || sel[0].NamespaceSelector.MatchExpressions[0].Key != "team" {
+					t.Errorf("agent selectors %+v", sel)
+				}
+			},
+		},
+		{
+			name:    "an enablement selector the API would refuse fails the schema",
+			values:  "ambient: {enablementSelectors: [{podSelector: {matchExpressions: [{key: a, operator: Near}]}}]}",
+			wantErr: "/ambient/enablementSelectors/0/podSelector/matchExpressions/0/operator",
+		},
+		{
+			name:   "revision labels every object, names stay",
+			values: "revision: 1-27-1",
+			check: func(t *testing.T, r *rendered) {
+				if r.ds.Name != "ambient-ebpf" || r.cr.Name != "ambient-ebpf" {
+					t.Errorf("names %s, %s changed with the revision", r.ds.Name, r.cr.Name)
+				}
+			},
+		},
+		{
+			name:    "a revision that is no label value fails the schema",
+			values:  "revision: Canary_1",
+			wantErr: "/revision",
+		},
+		{
+			name:   "daemonSetLabels on the DaemonSet only",
+			values: "daemonSetLabels: {team: mesh}",
+			check: func(t *testing.T, r *rendered) {
+				if r.ds.Labels["team"] != "mesh" || r.ds.Spec.Template.Labels["team"] != "" {
+					t.Errorf("DaemonSet labels %v, pod labels %v", r.ds.Labels, r.ds.Spec.Template.Labels)
+				}
+			},
+		},
+		{
+			name:   "resource quota for system-node-critical",
+			values: "resourceQuotas: {enabled: true, pods: 200}",
+			check:  checkQuota(200),
+		},
+		{
+			name:   "platform gke: its bin directory and the resource quota",
+			values: "platform: gke",
+			check: func(t *testing.T, r *rendered) {
+				checkCNIPaths([]string{"/home/kubernetes/bin"}, "/etc/cni/net.d")(t, r)
+				checkQuota(5000)(t, r)
+			},
+		},
+		{
+			name:   "platform gke without the quota",
+			values: "platform: gke\nresourceQuotas: {enabled: false}",
+			check: func(t *testing.T, r *rendered) {
+				if r.quota != nil {
+					t.Error("ResourceQuota rendered though resourceQuotas.enabled is false")
+				}
+			},
+		},
+		{
+			name:   "platform k3s from global.platform",
+			values: "global: {platform: k3s}",
+			check:  checkCNIPaths([]string{"/var/lib/rancher/k3s/data/cni"}, "/var/lib/rancher/k3s/agent/etc/cni/net.d"),
+		},
+		{
+			name:   "platform microk8s, explicit bin directories win",
+			values: "platform: microk8s\ncni: {binDirs: [/opt/cni/bin]}",
+			check:  checkCNIPaths([]string{"/opt/cni/bin"}, "/var/snap/microk8s/current/args/cni-network"),
+		},
+		{
+			name:    "an unknown platform fails the schema",
+			values:  "platform: aks",
+			wantErr: "/platform",
+		},
+		{
+			name:       "an unknown global.platform fails the render",
+			values:     "global: {platform: openshift}",
+			skipSchema: true,
+			wantErr:    `platform "openshift": want`,
+		},
+		{
+			name:   "PodMonitor",
+			values: "podMonitor: {enabled: true, interval: 30s, labels: {release: prometheus}}",
+			check: func(t *testing.T, r *rendered) {
+				pm := r.pm
+				if pm == nil {
+					t.Fatal("no PodMonitor")
+				}
+				if pm.Metadata.Namespace != releaseNS || pm.Metadata.Labels["release"] != "prometheus" {
+					t.Errorf("PodMonitor metadata %+v", pm.Metadata)
+				}
+				if !reflect.DeepEqual(pm.Spec.Selector.MatchLabels, r.ds.Spec.Selector.MatchLabels) ||
+					!slices.Equal(pm.Spec.NamespaceSelector.MatchNames, []string{releaseNS}) {
+					t.Errorf("PodMonitor selects %+v in %v, DaemonSet pods are %v", pm.Spec.Selector, pm.Spec.NamespaceSelector, r.ds.Spec.Selector)
+				}
+				e := pm.Spec.PodMetricsEndpoints
+				if len(e) != 1 || e[0].Port != "metrics" || e[0].Path != "/metrics" || e[0].Interval != "30s" {
+					t.Errorf("PodMonitor endpoints %+v", e)
+				}
+			},
+		},
+		{
+			name:    "a PodMonitor cannot scrape loopback metrics",
+			values:  "podMonitor: {enabled: true}\nagent: {metricsAddress: 127.0.0.1}",
+			wantErr: "loopback",
+		},
+		{
+			name: "helm template with Istio's usual flags",
+			sets: []string{"global.hub=docker.io/istio", "global.tag=1.27.1", "global.platform=k3s", "global.logAsJson=true",
+				"global.imagePullSecrets[0]=registry-key", "revision=1-27-1", "resourceQuotas.enabled=true", "global.istioNamespace=istio-system"},
+			check: func(t *testing.T, r *rendered) {
+				c := r.agent(t)
+				if c.Image != "docker.io/istio/ambient-ebpf:0.1.0" || flag1(t, c, "log-format") != "json" {
+					t.Errorf("image %s, --log-format=%s", c.Image, flag1(t, c, "log-format"))
+				}
+				checkCNIPaths([]string{"/var/lib/rancher/k3s/data/cni"}, "/var/lib/rancher/k3s/agent/etc/cni/net.d")(t, r)
+				checkQuota(5000)(t, r)
+			},
 		},
 		{
 			name:    "a global of the wrong type fails the schema",
@@ -445,7 +659,7 @@ hostPaths: {ztunnelSocketDir: /run/ztunnel}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			r, err := renderChartSchema(tc.values, !tc.skipSchema)
+			r, err := renderChartSchema(tc.values, !tc.skipSchema, tc.sets...)
 			if tc.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 					t.Fatalf("render error %v, want one containing %q", err, tc.wantErr)
@@ -460,6 +674,7 @@ hostPaths: {ztunnelSocketDir: /run/ztunnel}
 			if t.Failed() {
 				t.Logf("rendered manifest:\n%s", r.manifest)
 			}
+			t.Run("server-side dry run", func(t *testing.T) { dryRun(t, r) })
 		})
 	}
 }
@@ -470,6 +685,45 @@ func checkRepair(mode string, podVerbs ...string) func(*testing.T, *rendered) {
 		checkClusterRules(t, r, podVerbs...)
 		if got := flag1(t, r.agent(t), "repair-mode"); got != mode {
 			t.Errorf("--repair-mode=%s, want %s", got, mode)
+		}
+	}
+}
+
+// checkQuota checks the ResourceQuota admitting the agent's priority class.
+func checkQuota(pods int64) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		q := r.quota
+		if q == nil {
+			t.Fatal("no ResourceQuota")
+		}
+		if got := q.Spec.Hard.Pods().Value(); got != pods {
+			t.Errorf("quota pods %d, want %d", got, pods)
+		}
+		want := &corev1.ScopeSelector{MatchExpressions: []corev1.ScopedResourceSelectorRequirement{{
+			ScopeName: corev1.ResourceQuotaScopePriorityClass, Operator: corev1.ScopeSelectorOpIn,
+			Values: []string{r.ds.Spec.Template.Spec.PriorityClassName}}}}
+		if !reflect.DeepEqual(q.Spec.ScopeSelector, want) {
+			t.Errorf("quota scope %+v, want %+v", q.Spec.ScopeSelector, want)
+		}
+	}
+}
+
+// checkCNIPaths checks the host CNI directories the agent is given and has mounted.
+func checkCNIPaths(binDirs []string, confDir string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		fl := flags(t, r.agent(t))
+		var wantBins []string
+		for _, d := range binDirs {
+			wantBins = append(wantBins, "/host"+d)
+		}
+		if !slices.Equal(fl["cni-bin-dir"], wantBins) || !slices.Equal(fl["cni-conf-dir"], []string{"/host" + confDir}) {
+			t.Errorf("--cni-bin-dir=%v --cni-conf-dir=%v, want %v and /host%s", fl["cni-bin-dir"], fl["cni-conf-dir"], wantBins, confDir)
+		}
+		ms := mounts(t, r)
+		for i, d := range binDirs {
+			if m, ok := ms[wantBins[i]]; !ok || m.vol.HostPath == nil || m.vol.HostPath.Path != d {
+				t.Errorf("%s is not the host's %s", wantBins[i], d)
+			}
 		}
 	}
 }
@@ -598,7 +852,7 @@ func checkDefaults(t *testing.T, r *rendered) {
 			t.Errorf("--%s=%v, want %s", k, fl[k], v)
 		}
 	}
-	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig", "per-pod-metrics"} {
+	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig", "per-pod-metrics", "enablement-selectors"} {
 		if _, ok := fl[k]; ok {
 			t.Errorf("--%s set by default", k)
 		}

@@ -16,10 +16,12 @@ import (
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
 	"helm.sh/helm/v3/pkg/engine"
+	"helm.sh/helm/v3/pkg/strvals"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
@@ -35,17 +37,9 @@ const (
 	minKube = "v1.30.0"
 )
 
-// agentFlags are the agent's command-line flags (the contract with
-// cmd/ambient-ebpf-agent); repeatable ones are true.
-var agentFlags = map[string]bool{
-	"node-name": false, "kubeconfig": false, "bpffs-dir": false, "cgroup-root": false,
-	"zds-socket": false, "cni-socket": false, "inspect-socket": false,
-	"health-addr": false, "metrics-addr": false, "cni-bin-dir": true,
-	"cni-conf-dir": false, "cni-conf-name": false, "proc-root": false,
-	"excluded-namespaces": false, "dns-capture": false, "repair-mode": false,
-	"probe-snat-v4": false, "probe-snat-v6": false, "daemonset-namespace": false,
-	"daemonset-name": false, "log-level": false, "per-pod-metrics": false,
-}
+// repeatableFlags are the agent's flags the chart may give more than once;
+// the agent's own FlagSet says which flags exist (agentFlagSet).
+var repeatableFlags = map[string]bool{"cni-bin-dir": true}
 
 // rendered is one `helm template` of the chart, decoded.
 type rendered struct {
@@ -58,7 +52,30 @@ type rendered struct {
 	role     *rbacv1.Role
 	rb       *rbacv1.RoleBinding
 	pdb      *policyv1.PodDisruptionBudget
+	quota    *corev1.ResourceQuota
+	pm       *podMonitor
 	manifest string
+	notes    string
+	docs     [][]byte // every object's YAML, for the API server
+}
+
+// podMonitor is the part of the Prometheus Operator's PodMonitor the chart
+// renders, decoded strictly: a field outside it fails the test.
+type podMonitor struct {
+	APIVersion string            `json:"apiVersion"`
+	Kind       string            `json:"kind"`
+	Metadata   metav1.ObjectMeta `json:"metadata"`
+	Spec       struct {
+		Selector          metav1.LabelSelector `json:"selector"`
+		NamespaceSelector struct {
+			MatchNames []string `json:"matchNames"`
+		} `json:"namespaceSelector"`
+		PodMetricsEndpoints []struct {
+			Port     string `json:"port"`
+			Path     string `json:"path"`
+			Interval string `json:"interval,omitempty"`
+		} `json:"podMetricsEndpoints"`
+	} `json:"spec"`
 }
 
 // targetDecoder decodes strictly (unknown or duplicate fields are errors)
@@ -83,8 +100,9 @@ func renderChart(valuesYAML string) (*rendered, error) {
 }
 
 // renderChartSchema is renderChart with values.schema.json validation
-// optional, as `helm template --skip-schema-validation` makes it.
-func renderChartSchema(valuesYAML string, validate bool) (*rendered, error) {
+// optional, as `helm template --skip-schema-validation` makes it, and
+// --set flags applied over the values YAML as `helm template --set` does.
+func renderChartSchema(valuesYAML string, validate bool, sets ...string) (*rendered, error) {
 	ch, err := loader.Load(chartDir)
 	if err != nil {
 		return nil, fmt.Errorf("load chart: %w", err)
@@ -92,6 +110,11 @@ func renderChartSchema(valuesYAML string, validate bool) (*rendered, error) {
 	overrides, err := chartutil.ReadValues([]byte(valuesYAML))
 	if err != nil {
 		return nil, fmt.Errorf("read values: %w", err)
+	}
+	for _, s := range sets {
+		if err := strvals.ParseInto(s, overrides); err != nil {
+			return nil, fmt.Errorf("--set %s: %w", s, err)
+		}
 	}
 	// Render for the oldest Kubernetes we support, and refuse as Helm does
 	// when Chart.yaml's kubeVersion excludes it.
@@ -117,7 +140,7 @@ func renderChartSchema(valuesYAML string, validate bool) (*rendered, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &rendered{values: top["Values"].(chartutil.Values)}
+	r := &rendered{values: top["Values"].(chartutil.Values), notes: files[path.Join(chartDir, "templates", "NOTES.txt")]}
 	names := make([]string, 0, len(files))
 	for name := range files {
 		names = append(names, name)
@@ -154,6 +177,18 @@ func (r *rendered) decodeFile(dec runtime.Decoder, name, text string) error {
 		if len(probe) == 0 {
 			continue // only comments or whitespace
 		}
+		r.docs = append(r.docs, doc)
+		if probe["apiVersion"] == "monitoring.coreos.com/v1" && probe["kind"] == "PodMonitor" {
+			var pm podMonitor
+			if err := yaml.UnmarshalStrict(doc, &pm); err != nil {
+				return fmt.Errorf("%s: decode PodMonitor strictly: %w\n%s", name, err, doc)
+			}
+			r.kinds = append(r.kinds, "monitoring.coreos.com/v1 PodMonitor")
+			if err := setOnce(&r.pm, &pm); err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			continue
+		}
 		obj, gvk, err := dec.Decode(doc, nil, nil)
 		if err != nil {
 			return fmt.Errorf("%s: decode strictly: %w\n%s", name, err, doc)
@@ -182,6 +217,8 @@ func (r *rendered) add(obj runtime.Object, gvk *schema.GroupVersionKind) error {
 		return setOnce(&r.rb, o)
 	case *policyv1.PodDisruptionBudget:
 		return setOnce(&r.pdb, o)
+	case *corev1.ResourceQuota:
+		return setOnce(&r.quota, o)
 	}
 	return fmt.Errorf("unexpected object %s %s", apiVersion, kind)
 }

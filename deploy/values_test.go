@@ -57,8 +57,8 @@ func agentFlagSet() (*flag.FlagSet, *agent.Flags) {
 	return fs, agent.NewFlags(fs)
 }
 
-// Every log level the schema lets through is one the agent takes, and
-// every flag the chart may render is one the agent has.
+// Every log level and format the schema lets through is one the agent
+// takes.
 func TestValuesAreWhatTheAgentAccepts(t *testing.T) {
 	for _, level := range schemaEnum(t, "agent", "logLevel") {
 		fs, f := agentFlagSet()
@@ -69,10 +69,16 @@ func TestValuesAreWhatTheAgentAccepts(t *testing.T) {
 			t.Errorf("agent.logLevel %q passes the schema, the agent refuses it: %v", level, err)
 		}
 	}
-	fs, _ := agentFlagSet()
-	for name := range agentFlags {
-		if fs.Lookup(name) == nil {
-			t.Errorf("the chart test knows --%s, the agent has no such flag", name)
+	for _, format := range schemaEnum(t, "agent", "logFormat") {
+		if format == "" {
+			continue // the chart's default: from global.logAsJson
+		}
+		fs, f := agentFlagSet()
+		if err := fs.Parse([]string{"--log-format=" + format}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Logger(); err != nil {
+			t.Errorf("agent.logFormat %q passes the schema, the agent refuses it: %v", format, err)
 		}
 	}
 }

@@ -4,6 +4,7 @@
 package agent
 
 import (
+	"encoding/json"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -34,12 +35,12 @@ type Flags struct {
 	cniKubeconfig, tokenPath, caPath, apiServer string
 	hostRoot                                    string
 	installCNI                                  bool
-	excluded                                    string
+	excluded, selectors                         string
 	dnsCapture                                  bool
 	repairMode                                  string
 	dsNamespace, dsName                         string
 	uninstallOnExit                             bool
-	logLevel                                    string
+	logLevel, logFormat                         string
 	version                                     bool
 	perPodMetrics                               bool
 }
@@ -81,12 +82,14 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.caPath, "ca-path", "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt", "API server CA for the plugin's kubeconfig")
 	fs.StringVar(&f.apiServer, "api-server", "", "API server URL as the host sees it (default from KUBERNETES_SERVICE_HOST/PORT)")
 	fs.StringVar(&f.excluded, "excluded-namespaces", "kube-system", "comma-separated namespaces whose pods are never enrolled")
+	fs.StringVar(&f.selectors, "enablement-selectors", "", "istio-cni's ambient enablement selectors, a JSON or YAML list of {podSelector, namespaceSelector}; a pod is ambient when one matches (empty: the istio.io/dataplane-mode label rule)")
 	fs.BoolVar(&f.dnsCapture, "dns-capture", true, "capture DNS to ztunnel's proxy (per pod: ambient.istio.io/dns-capture)")
 	fs.StringVar(&f.repairMode, "repair-mode", "repair", "unredirected running ambient pods: repair (in place), delete, label or off")
 	fs.StringVar(&f.dsNamespace, "daemonset-namespace", os.Getenv("POD_NAMESPACE"), "the agent's DaemonSet namespace (uninstall check)")
 	fs.StringVar(&f.dsName, "daemonset-name", "", "the agent's DaemonSet; while it exists, shutdown keeps all state")
 	fs.BoolVar(&f.uninstallOnExit, "uninstall-on-exit", false, "remove everything on shutdown (standalone nodes, the demo)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&f.logFormat, "log-format", "text", "text (key=value) or json (one JSON object a line)")
 	fs.BoolVar(&f.version, "version", false, "print the version (from the binary's build information) and exit")
 	return f
 }
@@ -100,7 +103,14 @@ func (f *Flags) Logger() (*slog.Logger, error) {
 	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
 		return nil, fmt.Errorf("--log-level: %w", err)
 	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})), nil
+	opts := &slog.HandlerOptions{Level: level}
+	switch f.logFormat {
+	case "text":
+		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
+	}
+	return nil, fmt.Errorf("--log-format %q: want text or json", f.logFormat)
 }
 
 // Config validates the flags and builds the agent's Config.
@@ -139,6 +149,11 @@ func (f *Flags) Config() (Config, error) {
 			c.Enrollment.ExcludedNamespaces = append(c.Enrollment.ExcludedNamespaces, ns)
 		}
 	}
+	if f.selectors != "" {
+		if c.Enrollment.Selectors, err = enrollment.ParseSelectors([]byte(f.selectors)); err != nil {
+			return c, fmt.Errorf("--enablement-selectors: %w", err)
+		}
+	}
 	switch f.repairMode {
 	case "repair", "inplace":
 		c.Repair.Mode = kube.RepairInPlace
@@ -159,6 +174,13 @@ func (f *Flags) Config() (Config, error) {
 		ic := &install.Config{PluginBinary: f.pluginBinary, BinDirs: bins, ConfDir: f.cniConfDir, OwnConflist: f.cniConfName}
 		ic.Plugin.AgentSocket = f.cniSocket
 		ic.Plugin.ExcludeNamespaces = c.Enrollment.ExcludedNamespaces
+		if len(c.Enrollment.Selectors) > 0 {
+			sel, err := json.Marshal(c.Enrollment.Selectors)
+			if err != nil {
+				return c, fmt.Errorf("--enablement-selectors: %w", err)
+			}
+			ic.Plugin.EnablementSelectors = sel
+		}
 		ic.Plugin.AgentNamespace = f.dsNamespace
 		ic.Plugin.AgentPodPrefix = f.dsName
 		if f.standalone != "" {

@@ -4,7 +4,10 @@
 package agent
 
 import (
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+
 	"flag"
+	"reflect"
 	"slices"
 	"testing"
 
@@ -44,11 +47,32 @@ func TestFlagsRefuseBadValues(t *testing.T) {
 		"repair mode": {"--repair-mode", "sometimes"},
 		"probe v4":    {"--probe-snat-v4", "not-an-ip"},
 		"log level":   {"--log-level", "loud"},
+		"log format":  {"--log-format", "xml"},
+		"selectors":   {"--enablement-selectors", `[{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}]`},
 	} {
 		t.Run(name, func(t *testing.T) {
 			if _, err := parse(t, append([]string{"--node-name", "n1"}, args...)...); err == nil {
 				t.Errorf("%v accepted", args)
 			}
 		})
+	}
+}
+
+// The enablement selectors reach the controllers and the plugin's conflist
+// entry, for its fallback decision.
+func TestEnablementSelectorsReachThePlugin(t *testing.T) {
+	c, err := parse(t, "--node-name", "n1", "--enablement-selectors", `[{"podSelector": {"matchLabels": {"mesh": "yes"}}}]`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Enrollment.Selectors) != 1 || c.Enrollment.Selectors[0].PodSelector.MatchLabels["mesh"] != "yes" {
+		t.Errorf("selectors %+v", c.Enrollment.Selectors)
+	}
+	if c.Install == nil {
+		t.Fatal("no install configuration")
+	}
+	got, err := enrollment.ParseSelectors(c.Install.Plugin.EnablementSelectors)
+	if err != nil || !reflect.DeepEqual(got, c.Enrollment.Selectors) {
+		t.Errorf("plugin settings carry %s (%v), want %+v", c.Install.Plugin.EnablementSelectors, err, c.Enrollment.Selectors)
 	}
 }

@@ -39,6 +39,11 @@ type Config struct {
 	ZtunnelLabels map[string]string
 	// DNSCapture is the node default for R9, overridable per pod (R13).
 	DNSCapture bool
+	// Selectors, when set, replace the label rule of contract section 5
+	// (DefaultSelectors is that rule): a pod is ambient when one matches.
+	// The exclusions (host network, sidecar, excluded namespaces, the
+	// agent's and ztunnel's pods, terminated pods) hold either way.
+	Selectors []Selector
 }
 
 // DefaultConfig returns the defaults of istio-cni.
@@ -65,6 +70,8 @@ const (
 	ReasonSelf           Reason = "the agent's own pod"
 	ReasonZtunnel        Reason = "ztunnel pod"
 	ReasonTerminal       Reason = "pod terminated"
+	ReasonSelected       Reason = "an enablement selector matches"
+	ReasonNotSelected    Reason = "no enablement selector matches"
 )
 
 // Decision is the outcome for one pod.
@@ -89,6 +96,12 @@ type Options struct {
 func Decide(cfg Config, pod *corev1.Pod, ns *corev1.Namespace) Decision {
 	if d, excluded := excluded(cfg, pod); excluded {
 		return d
+	}
+	if len(cfg.Selectors) > 0 {
+		if matchesSelectors(cfg.Selectors, pod, ns) {
+			return Decision{Ambient: true, Reason: ReasonSelected, Options: PodOptions(cfg, pod)}
+		}
+		return Decision{Reason: ReasonNotSelected}
 	}
 	mode := pod.Labels[DataplaneModeLabel]
 	switch {

@@ -160,6 +160,9 @@ func (c *Cluster) start(ctx context.Context, bins string) error {
 		"--service-cluster-ip-range=10.96.0.0/16",
 		// 127.0.0.1 is refused as an endpoint address by the reconciler.
 		"--endpoint-reconciler-type=none",
+		// As clusters run it (kubeadm, the providers), so privileged
+		// containers pass validation.
+		"--allow-privileged=true",
 		// No controller-manager creates the default ServiceAccount.
 		"--disable-admission-plugins=ServiceAccount",
 	); err != nil {

@@ -32,6 +32,7 @@ helm.sh/chart: {{ include "ambient-ebpf.chart" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: istio
+istio.io/rev: {{ .Values.revision | default "default" | quote }}
 {{- end }}
 
 {{- define "ambient-ebpf.serviceAccountName" -}}
@@ -42,8 +43,70 @@ app.kubernetes.io/part-of: istio
 {{- end }}
 {{- end }}
 
+{{/*
+The image: image.repository when set, else <hub>/<image.name> with hub from
+image.hub, global.hub, then ghcr.io/ambient-ebpf. The tag is image.tag or
+the chart's appVersion, never global.tag: Istio's release tags are not ours.
+*/}}
 {{- define "ambient-ebpf.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion | toString }}
+{{- if .Values.image.repository }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- else }}
+{{- $hub := .Values.image.hub | default (index .Values.global "hub") | default "ghcr.io/ambient-ebpf" }}
+{{- printf "%s/%s:%s" (trimSuffix "/" $hub) .Values.image.name $tag }}
+{{- end }}
+{{- end }}
+
+{{- define "ambient-ebpf.pullPolicy" -}}
+{{- .Values.image.pullPolicy | default (index .Values.global "imagePullPolicy") | default "IfNotPresent" }}
+{{- end }}
+
+{{/* imagePullSecrets and global.imagePullSecrets, as a JSON list of {name}. */}}
+{{- define "ambient-ebpf.pullSecrets" -}}
+{{- $out := list }}
+{{- range concat (.Values.imagePullSecrets | default list) (index .Values.global "imagePullSecrets" | default list) }}
+{{- $s := kindIs "string" . | ternary (dict "name" .) . }}
+{{- if not (has $s $out) }}{{ $out = append $out $s }}{{ end }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
+
+{{/* --log-format: agent.logFormat, else json when global.logAsJson. */}}
+{{- define "ambient-ebpf.logFormat" -}}
+{{- .Values.agent.logFormat | default (ternary "json" "text" (index .Values.global "logAsJson" | default false)) }}
+{{- end }}
+
+{{/*
+The platform (platform, then global.platform) and its host paths, as
+Istio's platform profiles set them; "" is a plain node.
+*/}}
+{{- define "ambient-ebpf.platform" -}}
+{{- $p := .Values.platform | default (index .Values.global "platform") | default "" }}
+{{- if not (has $p (list "" "gke" "k3s" "k3d" "microk8s")) }}
+{{- fail (printf "platform %q: want gke, k3s, k3d or microk8s (or empty)" $p) }}
+{{- end }}
+{{- $p }}
+{{- end }}
+
+{{/* Host CNI bin directories, a JSON list: cni.binDirs, else the platform's. */}}
+{{- define "ambient-ebpf.cniBinDirs" -}}
+{{- $byPlatform := dict "" (list "/opt/cni/bin") "gke" (list "/home/kubernetes/bin") "k3s" (list "/var/lib/rancher/k3s/data/cni") "k3d" (list "/bin") "microk8s" (list "/var/snap/microk8s/current/opt/cni/bin") }}
+{{- toJson (.Values.cni.binDirs | default (get $byPlatform (include "ambient-ebpf.platform" .))) }}
+{{- end }}
+
+{{/* Host CNI configuration directory: cni.confDir, else the platform's. */}}
+{{- define "ambient-ebpf.cniConfDir" -}}
+{{- $k3s := "/var/lib/rancher/k3s/agent/etc/cni/net.d" }}
+{{- $byPlatform := dict "" "/etc/cni/net.d" "gke" "/etc/cni/net.d" "k3s" $k3s "k3d" $k3s "microk8s" "/var/snap/microk8s/current/args/cni-network" }}
+{{- .Values.cni.confDir | default (get $byPlatform (include "ambient-ebpf.platform" .)) }}
+{{- end }}
+
+{{/* Whether to render the ResourceQuota: resourceQuotas.enabled, else on GKE. */}}
+{{- define "ambient-ebpf.resourceQuota" -}}
+{{- $on := .Values.resourceQuotas.enabled }}
+{{- if kindIs "invalid" $on }}{{ $on = eq (include "ambient-ebpf.platform" .) "gke" }}{{ end }}
+{{- if $on }}true{{ end }}
 {{- end }}
 
 {{/* The repair mode, validated once for the DaemonSet and the RBAC. */}}

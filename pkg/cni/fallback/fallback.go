@@ -10,7 +10,10 @@
 // package links neither.
 package fallback
 
-import "time"
+import (
+	"encoding/json"
+	"time"
+)
 
 // BinaryName is the fallback binary; the installer puts it next to the plugin.
 const BinaryName = "ambient-ebpf-cni-fallback"
@@ -26,6 +29,9 @@ type Request struct {
 	ExcludeNamespaces []string          `json:"excludeNamespaces,omitempty"`
 	SelfLabels        map[string]string `json:"selfLabels,omitempty"`
 	ZtunnelLabels     map[string]string `json:"ztunnelLabels,omitempty"`
+	// EnablementSelectors are the agent's enablement selectors as the
+	// plugin's config carries them (JSON); empty: the label rule.
+	EnablementSelectors json.RawMessage `json:"enablementSelectors,omitempty"`
 	// Timeout bounds the read of the pod.
 	Timeout time.Duration `json:"timeout,omitempty"`
 }

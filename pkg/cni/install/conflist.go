@@ -12,6 +12,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+
+	"github.com/containernetworking/cni/libcni"
 )
 
 // convertedFromKey marks our entry in a conflist the installer made out of a
@@ -19,20 +21,16 @@ import (
 const convertedFromKey = "convertedFrom"
 
 // confFiles lists the CNI configuration files in dir in the order runtimes
-// (libcni) try them: by name, .conf, .conflist and .json only.
+// try them: libcni's ConfFiles with the extensions containerd and CRI-O
+// load (.conf, .conflist, .json), by name. A missing dir is an error here
+// (libcni returns no files): the installer needs it to exist.
 func confFiles(dir string) ([]string, error) {
-	entries, err := os.ReadDir(dir)
+	if _, err := os.Stat(dir); err != nil {
+		return nil, fmt.Errorf("read cni conf dir: %w", err)
+	}
+	files, err := libcni.ConfFiles(dir, []string{".conf", ".conflist", ".json"})
 	if err != nil {
 		return nil, fmt.Errorf("read cni conf dir %s: %w", dir, err)
-	}
-	var files []string
-	for _, e := range entries {
-		switch filepath.Ext(e.Name()) {
-		case ".conf", ".conflist", ".json":
-			if e.Type().IsRegular() || e.Type()&os.ModeSymlink != 0 {
-				files = append(files, filepath.Join(dir, e.Name()))
-			}
-		}
 	}
 	slices.Sort(files)
 	return files, nil

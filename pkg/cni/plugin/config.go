@@ -58,6 +58,11 @@ type Settings struct {
 	// the fallback decision.
 	SelfLabels    map[string]string `json:"selfLabels,omitempty"`
 	ZtunnelLabels map[string]string `json:"ztunnelLabels,omitempty"`
+	// EnablementSelectors, when set, are the agent's enablement selectors,
+	// so the fallback decides as the agent would.
+	// They are passed to the fallback as they are (the plugin does not link
+	// the Kubernetes types they are made of).
+	EnablementSelectors json.RawMessage `json:"enablementSelectors,omitempty"`
 }
 
 // Config is the plugin's entry in the conflist as the plugin receives it:

@@ -13,6 +13,12 @@ import (
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback/decide"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
 const prev100 = `{"cniVersion":"1.0.0","interfaces":[{"name":"veth1","mac":"aa:bb:cc:dd:ee:01"},{"name":"eth0","mac":"aa:bb:cc:dd:ee:02","sandbox":"/var/run/netns/p"}],` +
@@ -237,4 +243,25 @@ func FuzzParseConfig(f *testing.F) {
 			}
 		}
 	})
+}
+
+// The agent's enablement selectors in the conflist entry decide the
+// fallback as they decide in the agent.
+func TestEnablementSelectorsDecideTheFallback(t *testing.T) {
+	c, err := ParseConfig(conf("1.0.0", "", `,"enablementSelectors":[{"podSelector":{"matchLabels":{"mesh":"yes"}}}]`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := &fakeSource{pods: map[string]*corev1.Pod{
+		"shop/web": {ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web", Labels: map[string]string{"mesh": "yes"}}},
+		"shop/api": {ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "api",
+			Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}}},
+	}}
+	decideFor := inProcessFallback(func(*Config) decide.PodSource { return src })
+	if d, err := decideFor(c, &cniv1.Pod{Namespace: "shop", Name: "web"}); err != nil || !d.Ambient || d.Reason != string(enrollment.ReasonSelected) {
+		t.Errorf("fallback decision %+v, %v, want ambient by the selector", d, err)
+	}
+	if d, err := decideFor(c, &cniv1.Pod{Namespace: "shop", Name: "api"}); err != nil || d.Ambient {
+		t.Errorf("fallback decision %+v, %v for a pod no selector matches", d, err)
+	}
 }

@@ -40,7 +40,7 @@ func FallbackRequest(conf *Config, pod *cniv1.Pod) fallback.Request {
 	return fallback.Request{
 		Namespace: pod.GetNamespace(), Name: pod.GetName(), PodFile: conf.PodFile, Kubeconfig: conf.Kubeconfig,
 		ExcludeNamespaces: conf.ExcludeNamespaces, SelfLabels: conf.SelfLabels, ZtunnelLabels: conf.ZtunnelLabels,
-		Timeout: DefaultFallbackTimeout,
+		EnablementSelectors: conf.EnablementSelectors, Timeout: DefaultFallbackTimeout,
 	}
 }
 

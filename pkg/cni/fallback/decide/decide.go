@@ -31,12 +31,23 @@ func Decide(ctx context.Context, src PodSource, req fallback.Request) (fallback.
 	if err != nil {
 		return fallback.Response{}, err
 	}
-	d := enrollment.Decide(selection(req), pod, ns)
+	sel, err := selection(req)
+	if err != nil {
+		return fallback.Response{}, err
+	}
+	d := enrollment.Decide(sel, pod, ns)
 	return fallback.Response{Ambient: d.Ambient, Reason: string(d.Reason)}, nil
 }
 
-func selection(r fallback.Request) enrollment.Config {
+func selection(r fallback.Request) (enrollment.Config, error) {
 	e := enrollment.DefaultConfig()
+	if len(r.EnablementSelectors) > 0 {
+		sel, err := enrollment.ParseSelectors(r.EnablementSelectors)
+		if err != nil {
+			return e, err
+		}
+		e.Selectors = sel
+	}
 	if r.ExcludeNamespaces != nil {
 		e.ExcludedNamespaces = r.ExcludeNamespaces
 	}
@@ -46,7 +57,7 @@ func selection(r fallback.Request) enrollment.Config {
 	if r.ZtunnelLabels != nil {
 		e.ZtunnelLabels = r.ZtunnelLabels
 	}
-	return e
+	return e, nil
 }
 
 // maxRequestBytes bounds what the binary reads from the plugin.

@@ -13,9 +13,12 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback"
 )
@@ -24,13 +27,15 @@ func TestKubeSourceReadsPodAndNamespaceWithTheToken(t *testing.T) {
 	var auth []string
 	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		auth = append(auth, r.Header.Get("Authorization"))
+		w.Header().Set("Content-Type", "application/json")
 		switch r.URL.Path {
 		case "/api/v1/namespaces/mesh/pods/web":
 			fmt.Fprint(w, `{"apiVersion":"v1","kind":"Pod","metadata":{"name":"web","namespace":"mesh","uid":"u1"}}`)
 		case "/api/v1/namespaces/mesh":
 			fmt.Fprint(w, `{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"mesh","labels":{"istio.io/dataplane-mode":"ambient"}}}`)
 		default:
-			http.Error(w, `{"kind":"Status","code":404}`, http.StatusNotFound)
+			w.WriteHeader(http.StatusNotFound)
+			fmt.Fprintf(w, `{"apiVersion":"v1","kind":"Status","status":"Failure","reason":"NotFound","code":404,"message":"pod %s is not on this API server"}`, path.Base(r.URL.Path))
 		}
 	}))
 	defer srv.Close()
@@ -55,8 +60,9 @@ func TestKubeSourceReadsPodAndNamespaceWithTheToken(t *testing.T) {
 	if len(auth) != 2 || auth[0] != "Bearer tok-1" {
 		t.Errorf("authorization headers = %v", auth)
 	}
-	if _, _, err := src.Lookup(context.Background(), "mesh", "ghost"); err == nil || !strings.Contains(err.Error(), "mesh/ghost") {
-		t.Errorf("missing pod: %v", err)
+	if _, _, err := src.Lookup(context.Background(), "mesh", "ghost"); !apierrors.IsNotFound(err) || !strings.Contains(err.Error(), "mesh/ghost") ||
+		!strings.Contains(err.Error(), "pod ghost is not on this API server") {
+		t.Errorf("missing pod: %v, want the API server's NotFound status", err)
 	}
 }
 

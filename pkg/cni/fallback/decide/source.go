@@ -5,13 +5,11 @@ package decide
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
-	"net/http"
-	"net/url"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -53,11 +51,12 @@ func (f FileSource) Lookup(_ context.Context, namespace, name string) (*corev1.P
 	return pod, file.Namespaces[namespace], nil
 }
 
-// KubeSource reads pods and namespaces from the API server with plain GETs,
-// so the plugin binary carries no generated clientset.
+// KubeSource reads pods and namespaces from the API server with client-go's
+// REST client over a scheme of core/v1 alone, so the plugin binary carries
+// no generated clientset; the API server's errors keep their metav1.Status
+// (apierrors.IsNotFound, IsForbidden work on them).
 type KubeSource struct {
-	host   string
-	client *http.Client
+	client rest.Interface
 }
 
 // NewKubeSource builds a source from the kubeconfig at path.
@@ -66,52 +65,29 @@ func NewKubeSource(path string) (*KubeSource, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load kubeconfig %s: %w", path, err)
 	}
-	client, err := rest.HTTPClientFor(cfg)
+	s := runtime.NewScheme()
+	if err := corev1.AddToScheme(s); err != nil {
+		return nil, fmt.Errorf("core/v1 scheme: %w", err)
+	}
+	cfg.APIPath = "/api"
+	cfg.GroupVersion = &corev1.SchemeGroupVersion
+	cfg.NegotiatedSerializer = serializer.NewCodecFactory(s).WithoutConversion()
+	client, err := rest.RESTClientFor(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("api client from kubeconfig %s: %w", path, err)
 	}
-	return &KubeSource{host: cfg.Host, client: client}, nil
+	return &KubeSource{client: client}, nil
 }
-
-// maxObjectBytes bounds what the plugin reads for one object.
-const maxObjectBytes = 4 << 20
 
 // Lookup reads the pod and its namespace.
 func (k *KubeSource) Lookup(ctx context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
 	pod := &corev1.Pod{}
-	if err := k.get(ctx, "/api/v1/namespaces/"+url.PathEscape(namespace)+"/pods/"+url.PathEscape(name), pod); err != nil {
+	if err := k.client.Get().Namespace(namespace).Resource("pods").Name(name).Do(ctx).Into(pod); err != nil {
 		return nil, nil, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)
 	}
 	ns := &corev1.Namespace{}
-	if err := k.get(ctx, "/api/v1/namespaces/"+url.PathEscape(namespace), ns); err != nil {
+	if err := k.client.Get().Resource("namespaces").Name(namespace).Do(ctx).Into(ns); err != nil {
 		return nil, nil, fmt.Errorf("read namespace %s: %w", namespace, err)
 	}
 	return pod, ns, nil
-}
-
-func (k *KubeSource) get(ctx context.Context, path string, into any) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, k.host+path, nil)
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Accept", "application/json")
-	resp, err := k.client.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxObjectBytes))
-	if err != nil {
-		return fmt.Errorf("read %s: %w", path, err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		if len(body) > 256 {
-			body = body[:256]
-		}
-		return fmt.Errorf("get %s: %s: %s", path, resp.Status, body)
-	}
-	if err := json.Unmarshal(body, into); err != nil {
-		return fmt.Errorf("decode %s: %w", path, err)
-	}
-	return nil
 }
