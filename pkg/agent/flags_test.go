@@ -4,13 +4,12 @@
 package agent
 
 import (
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-
 	"flag"
 	"reflect"
 	"slices"
 	"testing"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 )
 
