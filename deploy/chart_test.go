@@ -482,7 +482,7 @@ ambient:
 		},
 		{
 			name: "helm template with Istio's usual flags",
-			sets: []string{"global.hub=docker.io/istio", "global.tag=1.27.1", "global.platform=k3s", "global.logAsJson=true",
+			sets: []string{"profile=ambient", "global.hub=docker.io/istio", "global.tag=1.27.1", "global.variant=distroless", "global.platform=k3s", "global.logAsJson=true",
 				"global.imagePullSecrets[0]=registry-key", "revision=1-27-1", "resourceQuotas.enabled=true", "global.istioNamespace=istio-system"},
 			check: func(t *testing.T, r *rendered) {
 				c := r.agent(t)
