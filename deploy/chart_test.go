@@ -17,8 +17,6 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
 func clusterRules(podVerbs ...string) []rbacv1.PolicyRule {
@@ -351,25 +349,6 @@ imagePullSecrets: [{name: registry-b}, registry-a]
 			check: func(t *testing.T, r *rendered) {
 				if !strings.Contains(r.notes, "ambient.ipv6=false changes nothing") {
 					t.Errorf("NOTES.txt:\n%s", r.notes)
-				}
-			},
-		},
-		{
-			name: "istio-cni's default enablement selectors",
-			values: `
-ambient:
-  enablementSelectors:
-  - podSelector:
-      matchLabels: {istio.io/dataplane-mode: ambient}
-  - podSelector:
-      matchExpressions:
-      - { key: istio.io/dataplane-mode, operator: NotIn, values: [none] }
-    namespaceSelector:
-      matchLabels: {istio.io/dataplane-mode: ambient}
-`,
-			check: func(t *testing.T, r *rendered) {
-				if got := agentConfig(t, r).Enrollment.Selectors; !reflect.DeepEqual(got, enrollment.DefaultSelectors()) {
-					t.Errorf("agent selectors %+v, want istio-cni's default %+v", got, enrollment.DefaultSelectors())
 				}
 			},
 		},

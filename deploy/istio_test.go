@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -19,6 +20,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
 // istioCharts is the charts directory of the istio.io/istio module this
@@ -109,4 +111,29 @@ func TestInstallNextToIstio(t *testing.T) {
 	if !found || filepath.Base(zds) != "ztunnel.sock" {
 		t.Errorf("ztunnel does not mount the host directory of --zds-socket=%s at the same path", zds)
 	}
+}
+
+// istio-cni's default ambient.enablementSelectors, taken from its chart as
+// they are, reach our agent as the label rule it decides by without them.
+func TestIstioCNIDefaultEnablementSelectors(t *testing.T) {
+	ch, err := loader.Load(filepath.Join(istioCharts(t), "istio-cni"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sel, err := chartutil.Values(ch.Values).PathValue("_internal_defaults_do_not_set.ambient.enablementSelectors")
+	if err != nil {
+		t.Fatalf("istio-cni's chart has no ambient.enablementSelectors: %v", err)
+	}
+	values, err := yaml.Marshal(map[string]any{"ambient": map[string]any{"enablementSelectors": sel}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := renderChart(string(values))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := agentConfig(t, r).Enrollment.Selectors; !reflect.DeepEqual(got, enrollment.DefaultSelectors()) {
+		t.Errorf("istio-cni's default selectors reach the agent as %+v, want %+v", got, enrollment.DefaultSelectors())
+	}
+	dryRun(t, r)
 }
