@@ -73,13 +73,7 @@ func createNamespace(c kubernetes.Interface, name string) error {
 // when its binaries are not built.
 func requireCluster(t *testing.T) *kubeapi.Cluster {
 	t.Helper()
-	if errors.Is(clusterErr, kubeapi.ErrNoBinaries) {
-		testenv.SkipOrFail(t, "%v", clusterErr)
-	}
-	if clusterErr != nil {
-		t.Fatalf("start kube-apiserver: %v", clusterErr)
-	}
-	return cluster
+	return kubeapi.Require(t, cluster, clusterErr)
 }
 
 // applyRBAC creates the rendered ServiceAccount and roles, and removes the

@@ -17,8 +17,6 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
 func clusterRules(podVerbs ...string) []rbacv1.PolicyRule {
@@ -355,25 +353,6 @@ imagePullSecrets: [{name: registry-b}, registry-a]
 			},
 		},
 		{
-			name: "istio-cni's default enablement selectors",
-			values: `
-ambient:
-  enablementSelectors:
-  - podSelector:
-      matchLabels: {istio.io/dataplane-mode: ambient}
-  - podSelector:
-      matchExpressions:
-      - { key: istio.io/dataplane-mode, operator: NotIn, values: [none] }
-    namespaceSelector:
-      matchLabels: {istio.io/dataplane-mode: ambient}
-`,
-			check: func(t *testing.T, r *rendered) {
-				if got := agentConfig(t, r).Enrollment.Selectors; !reflect.DeepEqual(got, enrollment.DefaultSelectors()) {
-					t.Errorf("agent selectors %+v, want istio-cni's default %+v", got, enrollment.DefaultSelectors())
-				}
-			},
-		},
-		{
 			name:   "own enablement selectors reach the agent",
 			values: "ambient: {enablementSelectors: [{podSelector: {matchLabels: {mesh: \"yes\"}}, namespaceSelector: {matchExpressions: [{key: team, operator: Exists}]}}]}",
 			check: func(t *testing.T, r *rendered) {
@@ -482,7 +461,7 @@ ambient:
 		},
 		{
 			name: "helm template with Istio's usual flags",
-			sets: []string{"global.hub=docker.io/istio", "global.tag=1.27.1", "global.platform=k3s", "global.logAsJson=true",
+			sets: []string{"profile=ambient", "global.hub=docker.io/istio", "global.tag=1.27.1", "global.variant=distroless", "global.platform=k3s", "global.logAsJson=true",
 				"global.imagePullSecrets[0]=registry-key", "revision=1-27-1", "resourceQuotas.enabled=true", "global.istioNamespace=istio-system"},
 			check: func(t *testing.T, r *rendered) {
 				c := r.agent(t)

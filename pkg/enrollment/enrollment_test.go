@@ -25,13 +25,7 @@ func namespace(labels map[string]string) *corev1.Namespace {
 func TestDecide(t *testing.T) {
 	ambient := map[string]string{DataplaneModeLabel: DataplaneModeAmbient}
 	none := map[string]string{DataplaneModeLabel: DataplaneModeNone}
-	cases := []struct {
-		name   string
-		pod    *corev1.Pod
-		ns     *corev1.Namespace
-		want   bool
-		reason Reason
-	}{
+	runDecide(t, DefaultConfig(), []decideCase{
 		{"pod label", pod("ns", ambient, nil), nil, true, ReasonPodLabel},
 		{"namespace label", pod("ns", nil, nil), namespace(ambient), true, ReasonNamespaceLabel},
 		{"namespace label, pod opts out", pod("ns", none, nil), namespace(ambient), false, ReasonOptedOut},
@@ -43,11 +37,23 @@ func TestDecide(t *testing.T) {
 		{"ztunnel", pod("istio-system", map[string]string{"app": "ztunnel", DataplaneModeLabel: "ambient"}, nil), nil, false, ReasonZtunnel},
 		{"self", pod("istio-system", map[string]string{"app.kubernetes.io/name": "ambient-ebpf"}, nil), namespace(ambient), false, ReasonSelf},
 		{"succeeded", pod("ns", ambient, nil, func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded }), nil, false, ReasonTerminal},
-	}
+	})
+}
+
+// decideCase is one pod for Decide and what it must decide.
+type decideCase struct {
+	name   string
+	pod    *corev1.Pod
+	ns     *corev1.Namespace
+	want   bool
+	reason Reason
+}
+
+func runDecide(t *testing.T, cfg Config, cases []decideCase) {
+	t.Helper()
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			d := Decide(DefaultConfig(), tc.pod, tc.ns)
-			if d.Ambient != tc.want || d.Reason != tc.reason {
+			if d := Decide(cfg, tc.pod, tc.ns); d.Ambient != tc.want || d.Reason != tc.reason {
 				t.Errorf("Decide = %v (%s), want %v (%s)", d.Ambient, d.Reason, tc.want, tc.reason)
 			}
 		})

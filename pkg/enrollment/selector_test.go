@@ -57,27 +57,14 @@ func TestSelectorsReplaceTheLabelRule(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Selectors = sel
 	ambient := map[string]string{DataplaneModeLabel: DataplaneModeAmbient}
-	cases := []struct {
-		name   string
-		pod    *corev1.Pod
-		ns     *corev1.Namespace
-		want   bool
-		reason Reason
-	}{
+	runDecide(t, cfg, []decideCase{
 		{"selected", pod("ns", map[string]string{"mesh": "yes"}, nil), namespace(map[string]string{"team": "a"}), true, ReasonSelected},
 		{"namespace not selected", pod("ns", map[string]string{"mesh": "yes"}, nil), namespace(map[string]string{"team": "c"}), false, ReasonNotSelected},
 		{"the ambient label alone no longer enrolls", pod("ns", ambient, nil), namespace(ambient), false, ReasonNotSelected},
 		{"exclusions still hold", pod("kube-system", map[string]string{"mesh": "yes"}, nil), namespace(map[string]string{"team": "a"}), false, ReasonExcludedNS},
 		{"host network still never", pod("ns", map[string]string{"mesh": "yes"}, nil, func(p *corev1.Pod) { p.Spec.HostNetwork = true }),
 			namespace(map[string]string{"team": "a"}), false, ReasonHostNetwork},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			if d := Decide(cfg, tc.pod, tc.ns); d.Ambient != tc.want || d.Reason != tc.reason {
-				t.Errorf("Decide = %v (%s), want %v (%s)", d.Ambient, d.Reason, tc.want, tc.reason)
-			}
-		})
-	}
+	})
 	if back, err := ParseSelectors([]byte(SelectorsString(sel))); err != nil || !reflect.DeepEqual(back, sel) {
 		t.Errorf("SelectorsString does not parse back: %v, %v", back, err)
 	}

@@ -29,10 +29,13 @@ import (
 	"path/filepath"
 	"strconv"
 	"syscall"
+	"testing"
 	"time"
 
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 )
 
 // Version is the kube-apiserver version the Makefile builds.
@@ -328,4 +331,18 @@ func (c *Cluster) ServiceAccount(namespace, name string) *rest.Config {
 		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"},
 	}
 	return cfg
+}
+
+// Require returns the cluster Start returned, or skips the test (fails it
+// under CI=true) when Start found no binaries, and fails it when they did
+// not start.
+func Require(tb testing.TB, c *Cluster, startErr error) *Cluster {
+	tb.Helper()
+	if errors.Is(startErr, ErrNoBinaries) {
+		testenv.SkipOrFail(tb, "%v", startErr)
+	}
+	if startErr != nil {
+		tb.Fatalf("start kube-apiserver: %v", startErr)
+	}
+	return c
 }

@@ -9,7 +9,6 @@ package kubee2e
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -55,13 +54,7 @@ func TestMain(m *testing.M) {
 // start.
 func requireCluster(t *testing.T) *kubeapi.Cluster {
 	t.Helper()
-	if errors.Is(clusterErr, kubeapi.ErrNoBinaries) {
-		testenv.SkipOrFail(t, "%v", clusterErr)
-	}
-	if clusterErr != nil {
-		t.Fatalf("start kube-apiserver: %v", clusterErr)
-	}
-	return cluster
+	return kubeapi.Require(t, cluster, clusterErr)
 }
 
 // scene is one test's node and namespace on the shared API server.
