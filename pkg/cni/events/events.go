@@ -239,15 +239,22 @@ func validPod(p *cniv1.Pod, add bool) error {
 	return errors.Join(checks...)
 }
 
-// toStatus maps a handler error to a status code. Unavailable and
-// DeadlineExceeded are left to the transport, so the plugin can tell "the
-// agent could not be reached" apart from "the agent could not enroll".
+// toStatus maps a handler error to a status code the plugin tells apart:
+// no ztunnel, the caller's deadline passed (a timeout, like one of the
+// transport's), or the agent could not enroll.
 func toStatus(err error) error {
 	switch {
 	case errors.Is(err, ErrNoZtunnel):
 		return status.Error(codes.FailedPrecondition, err.Error())
-	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, context.Canceled):
-		return status.Error(codes.Aborted, err.Error())
+	case errors.Is(err, context.DeadlineExceeded):
+		// The caller's deadline (it travels with the call) passed while
+		// the agent worked: for the plugin that is a timeout, whose
+		// fallback then decides, not a refusal. As Aborted it could reach
+		// the plugin before its own deadline fired and fail a pod that
+		// is not ambient.
+		return status.Error(codes.DeadlineExceeded, err.Error())
+	case errors.Is(err, context.Canceled):
+		return status.Error(codes.Canceled, err.Error())
 	}
 	return status.Error(codes.Internal, err.Error())
 }
