@@ -23,17 +23,20 @@ func TestMain(m *testing.M) {
 //	a  enrolled, DNS capture on        b  enrolled
 //	d  enrolled in ingress mode, DNS capture off
 //	x  enrolled, never handed to ztunnel (no listener)
+//	e  enrolled with a virtual interface virt0 leading to a VM (R14)
 type mesh struct {
-	n          *simnode.Node
-	dp         *dataplane.Dataplane
-	zt         *simnode.Ztunnel
-	a, b, d, x *simnode.Pod
+	n             *simnode.Node
+	dp            *dataplane.Dataplane
+	zt            *simnode.Ztunnel
+	a, b, d, x, e *simnode.Pod
+	vm            *simnode.VM
 }
 
 func newMesh(t *testing.T) *mesh {
 	t.Helper()
 	n := simnode.New(t)
-	m := &mesh{n: n, a: n.AddPod("a"), b: n.AddPod("b"), d: n.AddPod("d"), x: n.AddPod("x")}
+	m := &mesh{n: n, a: n.AddPod("a"), b: n.AddPod("b"), d: n.AddPod("d"), x: n.AddPod("x"), e: n.AddPod("e")}
+	m.vm = n.AddVirtualInterface(m.e, "virt0")
 	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
 	if err != nil {
 		t.Fatal(err)
@@ -44,7 +47,8 @@ func newMesh(t *testing.T) *mesh {
 	for _, p := range []struct {
 		pod  *simnode.Pod
 		opts dataplane.Options
-	}{{m.a, dataplane.Options{DNSCapture: true}}, {m.b, dataplane.Options{}}, {m.d, dataplane.Options{BypassInbound: true}}, {m.x, dataplane.Options{}}} {
+	}{{m.a, dataplane.Options{DNSCapture: true}}, {m.b, dataplane.Options{}}, {m.d, dataplane.Options{BypassInbound: true}}, {m.x, dataplane.Options{}},
+		{m.e, dataplane.Options{RerouteInterfaces: []string{"virt0"}}}} {
 		if p.pod != m.x {
 			m.zt.Add(p.pod)
 		}

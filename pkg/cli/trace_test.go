@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -111,6 +112,7 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 	}
 	host := n.StartNodeApp()
 	host.Listen("tcp", "node", netip.AddrPortFrom(simnode.ProbeV4, 8082))
+	vm := n.StartVMApp(m.vm)
 
 	tr := startTrace(t, n.BPFFSDir)
 	// The tracer is on once a loopback connect shows up.
@@ -155,6 +157,7 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 		{"R11_udp", []string{"default/a", ap(out4, 9999).String(), "udp"}, dial(appA, "udp", simnode.AppRequest{Addr: ap(out4, 9999)}), false},
 		{"R12_ingress_mode", []string{out4.String(), "default/d:8080"}, dial(outside, "tcp", simnode.AppRequest{Addr: ap(m.d.V4, 8080)}), false},
 		{"R13_dns_capture_off", []string{"default/d", ap(out4, 53).String(), "udp"}, dns(appD, "r13."+simnode.KnownDNSSuffix), false},
+		{"R14_virtual_interface", []string{"--via", "virt0", "default/e", ap(out4, 8080).String()}, dial(vm, "tcp", simnode.AppRequest{Addr: ap(out4, 8080)}), false},
 	}
 	traced := map[string][]dataplane.Event{}
 	for _, c := range cases {
@@ -201,8 +204,13 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 		time.Since(out.Time) > time.Minute || time.Since(out.Time) < 0 {
 		t.Errorf("a's outbound event: %+v", out)
 	}
+	sk := features.HasSkLookupIfindex() && features.HasNetnsCookieSockops()
+	inHook := dataplane.HookSkLookup
+	if !sk {
+		inHook = dataplane.HookTCIngress // before 5.17
+	}
 	in := find(ev, "default/b", dataplane.ReasonInbound)
-	if in.Hook != dataplane.HookSkLookup || in.Src.Addr() != m.a.V4 || in.Src.Port() == 0 || in.Dst != ap(m.b.V4, 8080) ||
+	if in.Hook != inHook || in.Src.Addr() != m.a.V4 || in.Src.Port() == 0 || in.Dst != ap(m.b.V4, 8080) ||
 		in.To != ap(m.b.V4, 15006) || in.Decision != dataplane.DecisionCaptured || in.Row != "R5" || in.NetnsCookie == 0 {
 		t.Errorf("b's inbound event: %+v", in)
 	}
@@ -210,6 +218,10 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 	if probe.Hook != dataplane.HookHostEgress || probe.Decision != dataplane.DecisionTranslated || probe.To.Addr() != simnode.ProbeV4 ||
 		probe.To.Port() != probe.Src.Port() || probe.Src.Addr() != simnode.GatewayV4 || probe.Dst != ap(m.a.V4, 8080) {
 		t.Errorf("the probe's translation event: %+v", probe)
+	}
+	re := find(traced["R14_virtual_interface"], "default/e", dataplane.ReasonReroute)
+	if re.Hook != dataplane.HookReroute || re.Src.Addr() != m.vm.Addr || re.Dst != ap(out4, 8080) || re.To != ap(out4, 15001) || re.Row != "R14" {
+		t.Errorf("the virtual interface's capture event: %+v", re)
 	}
 	dnsEv := find(traced["R9_dns"], "default/a", dataplane.ReasonDNS)
 	if dnsEv.Hook != dataplane.HookSendmsg4 || dnsEv.Proto != "udp" || dnsEv.Dst != ap(out4, 53) || dnsEv.To != netip.MustParseAddrPort("127.0.0.1:15053") {
@@ -226,8 +238,14 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, r := range []dataplane.Reason{dataplane.ReasonOutbound, dataplane.ReasonInbound, dataplane.ReasonDNS, dataplane.ReasonNoListener,
-		dataplane.ReasonProbeSNAT, dataplane.ReasonHBONE, dataplane.ReasonIngressMode, dataplane.ReasonZtunnelDelivery} {
+	counted := []dataplane.Reason{dataplane.ReasonOutbound, dataplane.ReasonInbound, dataplane.ReasonDNS, dataplane.ReasonNoListener, dataplane.ReasonReroute,
+		dataplane.ReasonProbeSNAT, dataplane.ReasonHBONE, dataplane.ReasonIngressMode}
+	if sk {
+		// Only sk_lookup sees ztunnel's deliveries; tc on the pod's
+		// interface never meets what goes over lo.
+		counted = append(counted, dataplane.ReasonZtunnelDelivery, dataplane.ReasonFromPod)
+	}
+	for _, r := range counted {
 		if d.ByReason[r] == 0 {
 			t.Errorf("ae_decisions counted no %s decision: %+v", r, d.ByReason)
 		}

@@ -20,6 +20,7 @@ func whyCommand(o *options) *cobra.Command {
 	var (
 		mark uint32
 		ipv6 bool
+		via  string
 	)
 	cmd := &cobra.Command{
 		Use:   "why FROM TO[:PORT] [tcp|udp]",
@@ -36,7 +37,8 @@ answer holds for any port but 53 and 15008.`,
 		Example: `  ambient-ebpf why shop/web 198.19.0.2:8080
   ambient-ebpf why shop/web 10.96.0.10:53 udp
   ambient-ebpf why 198.19.0.2 shop/web:8080
-  ambient-ebpf why node shop/web:8080`,
+  ambient-ebpf why node shop/web:8080
+  ambient-ebpf why --via tap0 shop/vm 198.19.0.2:443`,
 		Args: cobra.RangeArgs(2, 3),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			p, err := o.open()
@@ -48,7 +50,7 @@ answer holds for any port but 53 and 15008.`,
 			if err != nil {
 				return err
 			}
-			q.Mark = mark
+			q.Mark, q.Via = mark, via
 			a, err := p.Why(q)
 			if errors.Is(err, dataplane.ErrUnknownPod) {
 				return fmt.Errorf("%w (ambient-ebpf pods lists them)", err)
@@ -61,6 +63,7 @@ answer holds for any port but 53 and 15008.`,
 	}
 	cmd.Flags().Uint32Var(&mark, "mark", 0, "the client socket's mark (ztunnel's is 0x539)")
 	cmd.Flags().BoolVarP(&ipv6, "ipv6", "6", false, "when TO is a pod, use its IPv6 address")
+	cmd.Flags().StringVar(&via, "via", "", "the connection arrives on this virtual interface of the FROM pod (R14: a VM behind it)")
 	return cmd
 }
 

@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -56,40 +57,51 @@ func TestWhyNamesEachHookAndDecision(t *testing.T) {
 	m := newMesh(t)
 	a4, a6, b4, x4 := m.a.V4.String(), m.a.V6.String(), m.b.V4.String(), m.x.V4.String()
 	out4 := simnode.OutsideV4.String()
-	// The connection from a's ztunnel to its original destination, and
-	// the redirected SYN on a's own lo, around every outbound capture.
-	captured := func(self, to string, hook string) []string {
-		return []string{
-			"default/a " + hook + " captured/outbound " + to,
-			"default/a sk_lookup passed/from_pod",
-			"default/a " + hook + " passed/ztunnel_mark",
+	// Inbound flows meet the pod's sk_lookup where it sees the ingress
+	// interface (5.17), else a tc program on the pod's interface, which
+	// never sees what the pod sends itself over lo.
+	sk := features.HasSkLookupIfindex() && features.HasNetnsCookieSockops()
+	in := "sk_lookup"
+	if !sk {
+		in = "tc_ingress"
+	}
+	onSkLookup := func(legs ...string) []string {
+		if sk {
+			return legs
 		}
+		return nil
+	}
+	join := func(parts ...[]string) []string { return slices.Concat(parts...) }
+	// The redirected SYN on a's own lo, and the connection from a's
+	// ztunnel to its original destination, around every outbound capture.
+	captured := func(to string, hook string) []string {
+		return join([]string{"default/a " + hook + " captured/outbound " + to}, onSkLookup("default/a sk_lookup passed/from_pod"),
+			[]string{"default/a " + hook + " passed/ztunnel_mark"})
 	}
 	cases := []struct {
 		args []string
 		want []string
 	}{
-		{[]string{"default/a", out4 + ":8080"}, captured(a4, a4+":15001", "connect4")},
-		{[]string{"default/a", "[" + simnode.OutsideV6.String() + "]:8080"}, captured(a6, "["+a6+"]:15001", "connect6")},
-		{[]string{"default/a", "default/b:8080"}, append(captured(a4, a4+":15001", "connect4"),
-			"default/b host_egress passed/forwarded",
-			"default/b sk_lookup captured/inbound "+b4+":15006",
-			"default/b connect4 passed/ztunnel_mark",
-			"default/b sk_lookup passed/ztunnel_delivery")},
-		{[]string{out4, "default/x:8080"}, []string{"default/x host_egress passed/forwarded", "default/x sk_lookup dropped/no_listener"}},
-		{[]string{"node", "default/a:8080"}, []string{" connect4 passed/not_enrolled", "default/a host_egress translated/probe_snat 169.254.7.127", "default/a sk_lookup passed/probe_source"}},
-		{[]string{out4, "default/d:8080"}, []string{"default/d host_egress passed/forwarded", "default/d sk_lookup passed/ingress_mode"}},
-		{[]string{out4, "default/a:15008"}, []string{"default/a host_egress passed/forwarded", "default/a sk_lookup passed/hbone_port"}},
+		{[]string{"default/a", out4 + ":8080"}, captured(a4+":15001", "connect4")},
+		{[]string{"default/a", "[" + simnode.OutsideV6.String() + "]:8080"}, captured("["+a6+"]:15001", "connect6")},
+		{[]string{"default/a", "default/b:8080"}, join(captured(a4+":15001", "connect4"),
+			[]string{"default/b host_egress passed/forwarded", "default/b " + in + " captured/inbound " + b4 + ":15006", "default/b connect4 passed/ztunnel_mark"},
+			onSkLookup("default/b sk_lookup passed/ztunnel_delivery"))},
+		{[]string{out4, "default/x:8080"}, []string{"default/x host_egress passed/forwarded", "default/x " + in + " dropped/no_listener"}},
+		{[]string{"node", "default/a:8080"}, []string{" connect4 passed/not_enrolled", "default/a host_egress translated/probe_snat 169.254.7.127", "default/a " + in + " passed/probe_source"}},
+		{[]string{out4, "default/d:8080"}, []string{"default/d host_egress passed/forwarded", "default/d " + in + " passed/ingress_mode"}},
+		{[]string{out4, "default/a:15008"}, []string{"default/a host_egress passed/forwarded", "default/a " + in + " passed/hbone_port"}},
 		{[]string{"default/a", out4 + ":53", "udp"}, []string{"default/a connect4 captured/dns 127.0.0.1:15053", "default/a connect4 passed/ztunnel_mark"}},
 		{[]string{"default/d", out4 + ":53", "udp"}, []string{"default/d connect4 passed/dns_capture_off"}},
 		{[]string{"default/a", out4 + ":9999", "udp"}, []string{"default/a connect4 passed/udp_not_dns"}},
 		{[]string{"default/a", "127.0.0.1:8081"}, []string{"default/a connect4 passed/loopback"}},
-		{[]string{"default/a", "default/a:8080"}, []string{"default/a connect4 passed/own_ip", "default/a sk_lookup passed/from_pod"}},
+		{[]string{"default/a", "default/a:8080"}, join([]string{"default/a connect4 passed/own_ip"}, onSkLookup("default/a sk_lookup passed/from_pod"))},
 		{[]string{"--mark", "0x539", "default/a", out4 + ":8080"}, []string{"default/a connect4 passed/ztunnel_mark"}},
 		{[]string{"default/a", "169.254.7.127:8082"}, []string{"default/a connect4 passed/probe_destination"}},
-		{[]string{a4, out4 + ":8080"}, captured(a4, a4+":15001", "connect4")}, // a pod's address is the pod
-		{[]string{"default/a", x4 + ":8080"}, append(captured(a4, a4+":15001", "connect4"),
-			"default/x host_egress passed/forwarded", "default/x sk_lookup dropped/no_listener")},
+		{[]string{a4, out4 + ":8080"}, captured(a4+":15001", "connect4")}, // a pod's address is the pod
+		{[]string{"--via", "virt0", "default/e", out4 + ":8080"}, []string{"default/e reroute captured/reroute " + out4 + ":15001", "default/e connect4 passed/ztunnel_mark"}},
+		{[]string{"default/a", x4 + ":8080"}, join(captured(a4+":15001", "connect4"),
+			[]string{"default/x host_egress passed/forwarded", "default/x " + in + " dropped/no_listener"})},
 	}
 	for _, c := range cases {
 		t.Run(strings.Join(c.args, "_"), func(t *testing.T) {
@@ -131,7 +143,7 @@ func TestWhyNamesEachHookAndDecision(t *testing.T) {
 		"1. connect4 in default/a: " + a4 + " -> " + out4 + ":*",
 		"R9   any port but DNS (53)",
 		"captured: outbound TCP to ztunnel's :15001 -> " + a4 + ":15001",
-		"3. connect4 in default/a (ztunnel): " + a4 + " -> " + out4 + ":*",
+		". connect4 in default/a (ztunnel): " + a4 + " -> " + out4 + ":*",
 	} {
 		if !strings.Contains(table, want) {
 			t.Errorf("why table lacks %q:\n%s", want, table)
@@ -148,6 +160,7 @@ func TestWhyNamesEachHookAndDecision(t *testing.T) {
 		{[]string{"--bpffs", m.n.BPFFSDir, "why", "default/a", out4, "sctp"}, `protocol "sctp": want tcp or udp`},
 		{[]string{"--bpffs", m.n.BPFFSDir, "why", "nowhere", out4}, `FROM "nowhere": not NAMESPACE/NAME, an address or "node"`},
 		{[]string{"--bpffs", t.TempDir(), "why", "default/a", out4}, "no ambient-ebpf data path pinned here (is the agent installed on this node? see --bpffs)"},
+		{[]string{"--bpffs", m.n.BPFFSDir, "why", "--via", "virt0", "default/a", out4}, `pod default/a: virt0 is not one of its virtual interfaces (istio.io/reroute-virtual-interfaces: "")`},
 	} {
 		if err := fail(t, c.args...); !strings.Contains(err.Error(), c.want) {
 			t.Errorf("ambient-ebpf %s: %v, want %q", strings.Join(c.args, " "), err, c.want)

@@ -7,7 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -26,6 +28,9 @@ type Query struct {
 	UDP bool
 	// Mark is the client socket's mark (ztunnel's is 0x539, R2).
 	Mark uint32
+	// Via, with FromPod, is one of the pod's virtual interfaces the
+	// connection arrives on (R14: a VM behind the pod).
+	Via string
 }
 
 // Answer is what Why found: the hooks the connection meets, in order.
@@ -117,6 +122,7 @@ func (p *Pinned) Why(q Query) (*Answer, error) {
 		if st.journal != metaEnrolled {
 			continue
 		}
+		pinnedPod(podDir(Config{BPFFSDir: p.dir}, st.UID), st) // its virtual interfaces, from its pins
 		w.byName[st.Namespace+"/"+st.Name] = st
 		for _, ip := range st.IPs {
 			w.byIP[ip] = st
@@ -161,7 +167,17 @@ func (w *why) answer(q Query) (*Answer, error) {
 	default:
 		return nil, errors.New("no client: name a pod, an address or the node")
 	}
+	if q.Via != "" && (client == nil || q.FromPod == "") {
+		return nil, errors.New("--via names a virtual interface of the client pod: give the pod as FROM")
+	}
 	switch {
+	case q.Via != "":
+		if !slices.Contains(client.Options.RerouteInterfaces, q.Via) {
+			return nil, fmt.Errorf("pod %s: %s is not one of its virtual interfaces (istio.io/reroute-virtual-interfaces: %q)",
+				q.FromPod, q.Via, strings.Join(client.Options.RerouteInterfaces, ","))
+		}
+		a.From = q.FromPod + " via " + q.Via
+		a.Legs = w.fromVirtual(client, dst, q)
 	case client != nil:
 		a.Legs = w.fromPod(client, dst, q)
 	case q.FromNode:
@@ -220,6 +236,20 @@ func (w *why) fromPod(p *podState, dst netip.AddrPort, q Query) []Leg {
 		legs = append(legs, w.arrive(self, dst, q.UDP, false)...)
 	}
 	return legs
+}
+
+// fromVirtual follows TCP from behind one of the pod's virtual interfaces
+// (R14): captured on arrival, then ztunnel connects on from the pod.
+func (w *why) fromVirtual(p *podState, dst netip.AddrPort, q Query) []Leg {
+	l := &leg{Leg{Pod: podName(p), Hook: HookReroute, Where: "tc ingress on " + q.Via + " in " + podName(p), Dst: dst}}
+	if q.UDP {
+		return []Leg{l.decide(ReasonNotTCP, netip.AddrPort{}, "UDP from a virtual interface")}
+	}
+	l.pass("R14", "%s is one of the pod's virtual interfaces (istio.io/reroute-virtual-interfaces)", q.Via)
+	legs := []Leg{l.decide(ReasonReroute, netip.AddrPortFrom(dst.Addr(), w.cfg.outbound), "a new TCP flow from the virtual interface")}
+	self := podAddr(p, dst.Addr().Is4())
+	legs = append(legs, w.outbound(p, dst, false, w.cfg.mark, "ztunnel"))
+	return append(legs, w.arrive(self, dst, false, false)...)
 }
 
 // arrive follows a connection from outside the destination pod's netns to
@@ -389,6 +419,17 @@ func (w *why) inbound(p *podState, src netip.Addr, dst netip.AddrPort, delivery 
 	if w.cfg.skLookupInbound && !w.listening[p.NetnsCookie] {
 		return l.decide(ReasonNoListener, netip.AddrPort{}, "no ztunnel :%d listener is filed for the pod's netns (ae_listeners)", w.cfg.inbound)
 	}
+	if !w.cfg.skLookupInbound {
+		// tc looks the listener up in the pod's netns; so does this.
+		switch ok, err := tcpListening(p.netnsPath, w.cfg.inbound); {
+		case err != nil:
+			l.pass("R5", "whether ztunnel listens on :%d in the pod's netns is not known: %v", w.cfg.inbound, err)
+		case !ok:
+			return l.decide(ReasonNoListener, netip.AddrPort{}, "nothing listens on :%d in the pod's netns", w.cfg.inbound)
+		default:
+			l.pass("R5", "ztunnel listens on :%d in the pod's netns", w.cfg.inbound)
+		}
+	}
 	return l.decide(ReasonInbound, netip.AddrPortFrom(dst.Addr(), w.cfg.inbound), "a new inbound TCP flow")
 }
 
@@ -420,4 +461,34 @@ func (w *why) hostEgress(p *podState, src netip.Addr, dst netip.AddrPort, local 
 		probe = w.cfg.probe4
 	}
 	return l.decide(ReasonProbeSNAT, netip.AddrPortFrom(probe, 0), "a local socket of the node (kubelet's probe): its source becomes %s", probe)
+}
+
+// tcpListening reports whether a TCP socket listens on port in the netns
+// at path, from /proc/thread-self/net/tcp{,6} read inside it.
+func tcpListening(path string, port uint16) (bool, error) {
+	if path == "" {
+		return false, errors.New("the pod's netns is not known")
+	}
+	found := false
+	err := inNetns(path, func() error {
+		for _, f := range []string{"/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"} {
+			b, err := os.ReadFile(f)
+			if err != nil {
+				return err
+			}
+			for _, line := range strings.Split(string(b), "\n")[1:] {
+				// sl local_address rem_address st ...: "ADDR:PORT" in hex, st 0A is LISTEN.
+				fields := strings.Fields(line)
+				if len(fields) < 4 || fields[3] != "0A" {
+					continue
+				}
+				_, hexPort, _ := strings.Cut(fields[1], ":")
+				if p, err := strconv.ParseUint(hexPort, 16, 16); err == nil && uint16(p) == port {
+					found = true
+				}
+			}
+		}
+		return nil
+	})
+	return found, err
 }
