@@ -72,6 +72,9 @@ func replacePin(pin string, obj interface{ Pin(string) error }) error {
 type linkProgram struct{ link.Link }
 
 func (p linkProgram) detach() error {
+	// Detach first (BPF_LINK_DETACH, 5.9+): the program leaves the hook
+	// even while another handle of the link (an adopted pin's) is open.
+	_ = p.Link.Detach()
 	_ = p.Unpin()
 	return p.Link.Close()
 }
