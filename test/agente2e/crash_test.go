@@ -148,15 +148,22 @@ func TestAgentKilledDuringABurstConverges(t *testing.T) {
 	}
 }
 
-// startConnectedAgent starts the agent and waits until ztunnel (started
-// by the test) is connected to it, as a CNI ADD needs.
-func (n *agentNode) startConnectedAgent(t *testing.T) {
+// waitZtunnel waits until ztunnel (started by the test) is connected to
+// the agent, as a CNI ADD needs.
+func (n *agentNode) waitZtunnel(t *testing.T) {
 	t.Helper()
-	n.startAgent(t)
 	waitFor(t, "ztunnel connected", func() bool {
 		_, body := n.get("/metrics")
 		return strings.Contains(body, "\nztunnel_connected 1\n")
 	})
+}
+
+// startConnectedAgent starts the agent and waits until ztunnel (started
+// by the test) is connected to it.
+func (n *agentNode) startConnectedAgent(t *testing.T) {
+	t.Helper()
+	n.startAgent(t)
+	n.waitZtunnel(t)
 }
 
 func (n *agentNode) tryPodAdd(p *simnode.Pod) (*cniv1.PodAddResponse, error) {

@@ -5,7 +5,6 @@ package agente2e
 
 import (
 	"net/netip"
-	"strings"
 	"testing"
 	"time"
 
@@ -22,10 +21,7 @@ func TestAgentSIGKILLKeepsRedirection(t *testing.T) {
 	a := n.pods["app"]
 	n.startAgent(t)
 	zt := n.StartZtunnelFor(n.zds)
-	waitFor(t, "ztunnel connected", func() bool {
-		_, body := n.get("/metrics")
-		return strings.Contains(body, "\nztunnel_connected 1\n")
-	})
+	n.waitZtunnel(t)
 	if resp, err := n.podAdd(t, a); err != nil || !resp.GetEnrolled() {
 		t.Fatalf("ADD: %+v, %v", resp, err)
 	}

@@ -173,10 +173,7 @@ func TestAgentEnrollsThroughCNIAndZDS(t *testing.T) {
 	zt := n.StartZtunnelFor(n.zds)
 
 	// Fail closed is the plugin's side; here: ambient pods need ztunnel.
-	waitFor(t, "ztunnel connected", func() bool {
-		_, body := n.get("/metrics")
-		return strings.Contains(body, "\nztunnel_connected 1\n")
-	})
+	n.waitZtunnel(t)
 	resp, err := n.podAdd(t, a)
 	if err != nil || !resp.GetEnrolled() {
 		t.Fatalf("ADD of the ambient pod: %+v, %v; agent:\n%s", resp, err, n.agent.Output.String())

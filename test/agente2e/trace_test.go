@@ -38,10 +38,7 @@ func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 	a := n.pods["app"]
 	n.startAgent(t, "--uninstall-on-exit")
 	n.StartZtunnelFor(n.zds)
-	waitFor(t, "ztunnel connected", func() bool {
-		_, body := n.get("/metrics")
-		return strings.Contains(body, "\nztunnel_connected 1\n")
-	})
+	n.waitZtunnel(t)
 	if resp, err := n.podAdd(t, a); err != nil || !resp.GetEnrolled() {
 		t.Fatalf("ADD: %+v, %v", resp, err)
 	}
