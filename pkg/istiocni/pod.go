@@ -175,7 +175,7 @@ func (p *Pod) judge() {
 	setOpts := func(o Options, what string) {
 		if first {
 			p.Options, first = o, false
-		} else if !p.Options.equal(o) {
+		} else if !p.Options.Equal(o) {
 			why = append(why, fmt.Sprintf("%s expresses other options (%s) than the rest (%s)", what, o, p.Options))
 		}
 	}
@@ -221,21 +221,38 @@ type part struct {
 // jumping to them; ok is false when no table has any of them.
 func istioPart(s *Save, names []string) (part, bool) {
 	var p part
-	for _, t := range s.Tables {
+	// Compared table by table, chain by chain (both by name), rules in
+	// order within a chain: the order a save prints tables and chains in
+	// depends on what else was created first.
+	tables := slices.Clone(s.Tables)
+	slices.SortFunc(tables, func(a, b *Table) int { return strings.Compare(a.Name, b.Name) })
+	for _, t := range tables {
+		var decl []string
 		for _, c := range t.Chains {
 			if slices.Contains(names, c.Name) {
 				p.chains = append(p.chains, t.Name+"/"+c.Name)
-				p.lines = append(p.lines, t.Name+": :"+c.Name+" "+c.Policy)
+				decl = append(decl, t.Name+": :"+c.Name+" "+c.Policy)
 			}
 		}
+		slices.Sort(decl)
+		p.lines = append(p.lines, decl...)
+		byChain := map[string][]string{}
 		for _, r := range t.Rules {
 			switch {
 			case slices.Contains(names, r.Chain):
-				p.lines = append(p.lines, t.Name+": "+r.String())
+				byChain[r.Chain] = append(byChain[r.Chain], t.Name+": "+r.String())
 			case slices.Contains(names, r.Target()):
 				p.jumps = append(p.jumps, t.Name+": "+r.String())
-				p.lines = append(p.lines, t.Name+": "+r.String())
+				byChain[r.Chain] = append(byChain[r.Chain], t.Name+": "+r.String())
 			}
+		}
+		chains := make([]string, 0, len(byChain))
+		for c := range byChain {
+			chains = append(chains, c)
+		}
+		slices.Sort(chains)
+		for _, c := range chains {
+			p.lines = append(p.lines, byChain[c]...)
 		}
 	}
 	return p, len(p.chains) > 0 || len(p.jumps) > 0

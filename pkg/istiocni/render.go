@@ -19,7 +19,8 @@ func (o Options) String() string {
 	return fmt.Sprintf("dns=%t ingressMode=%t reroute=%v", o.DNS, o.IngressMode, o.Reroute)
 }
 
-func (o Options) equal(p Options) bool {
+// Equal compares two option sets, reroute interfaces in order.
+func (o Options) Equal(p Options) bool {
 	if o.DNS != p.DNS || o.IngressMode != p.IngressMode || len(o.Reroute) != len(p.Reroute) {
 		return false
 	}
