@@ -102,7 +102,7 @@ func (in *Inspector) InspectNode(ctx context.Context, path string) (*Node, error
 		if !ok {
 			continue
 		}
-		want, err := in.canonicalIptables(ctx, t, RenderHost(t.family))
+		want, err := in.canonicalIptables(ctx, t, RenderHost(t.family), createProbeSets)
 		if err != nil {
 			return nil, err
 		}
@@ -255,4 +255,20 @@ func (in *Inspector) RemoveProbeEntries(ctx context.Context, path, uid string, i
 		}
 		return errors.Join(errs...)
 	})
+}
+
+// createProbeSets creates istio-cni's probe ipsets in the thread's
+// netns (the scratch one: its host rule names them).
+func createProbeSets() error {
+	h, err := netlink.NewHandle(unix.NETLINK_NETFILTER)
+	if err != nil {
+		return fmt.Errorf("netlink: %w", err)
+	}
+	defer h.Close()
+	for set, fam := range map[string]uint8{ProbeSetV4: unix.AF_INET, ProbeSetV6: unix.AF_INET6} {
+		if err := h.IpsetCreate(set, "hash:ip", netlink.IpsetCreateOptions{Family: fam, Comments: true, Replace: true}); err != nil {
+			return fmt.Errorf("ipset create %s: %w", set, err)
+		}
+	}
+	return nil
 }

@@ -122,7 +122,7 @@ func (in *Inspector) InspectPod(ctx context.Context, path string) (*Pod, error) 
 			continue
 		}
 		fr := IptablesRules{Backend: t.backend, Family: t.family.Name, Chains: r.chains, Jumps: r.jumps, Options: iptablesOptions(s)}
-		want, err := in.canonicalIptables(ctx, t, RenderInpod(fr.Options, t.family))
+		want, err := in.canonicalIptables(ctx, t, RenderInpod(fr.Options, t.family), nil)
 		if err != nil {
 			return nil, err
 		}
@@ -305,7 +305,7 @@ func firstDiff(have, want []string) string {
 
 // canonicalIptables applies input with the backend's restore in a scratch
 // netns and returns the backend's save of it.
-func (in *Inspector) canonicalIptables(ctx context.Context, t tools, input string) (string, error) {
+func (in *Inspector) canonicalIptables(ctx context.Context, t tools, input string, prepare func() error) (string, error) {
 	key := t.save + "\x00" + input
 	in.mu.Lock()
 	out, ok := in.canon[key]
@@ -314,6 +314,11 @@ func (in *Inspector) canonicalIptables(ctx context.Context, t tools, input strin
 		return out, nil
 	}
 	err := inScratchNetns(func() error {
+		if prepare != nil {
+			if err := prepare(); err != nil {
+				return err
+			}
+		}
 		if _, err := run(ctx, "scratch", input, t.restore, "--noflush"); err != nil {
 			return err
 		}
