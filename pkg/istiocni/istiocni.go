@@ -17,6 +17,16 @@
 // rules iptables can no longer list or delete. What istio-cni would write
 // is compared in the form those same binaries print: the expected rules
 // are applied and saved in a scratch netns first.
+//
+// Removing istio-cni's rules alone resets every connection they
+// redirected: conntrack and NAT hooks are registered in a netns only while
+// something uses them (nf_ct_netns_get), and in a pod istio-cni's rules
+// are those users. So the takeover of a pod is: enrol it in eBPF;
+// InstallDrain, which adds table inet ambient-ebpf-drain (our own no-op
+// rules that hold conntrack and NAT, and keep istio-cni's return mark on
+// its inbound deliveries); RemovePod with KeepReturnPath; and RemoveDrain
+// once RedirectedFlows is 0. The drain speaks netlink (google/nftables,
+// ctnetlink), not the nft binary. See DrainTable.
 package istiocni
 
 import (
