@@ -1,0 +1,460 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+//go:build bench
+
+package bench
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"runtime"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
+	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
+)
+
+// leanProxy is the proxy of the lean paths (issue 15): ztunnel's socket
+// contract and as little else as a relay can do, so that what a meshed
+// connection costs beyond the direct path is mostly the redirection. It
+// runs inside one pod's netns (a process per pod) and serves that pod's
+// listeners as ztunnel does: wildcard dual-stack listeners on 15001 and
+// 15006 with SO_MARK 0x539, SO_REUSEPORT and IP_TRANSPARENT; the original
+// destination of every accepted connection by getsockopt(SO_ORIGINAL_DST),
+// never a fallback; upstream sockets marked 0x539, plain TCP (never MPTCP);
+// inbound ones bound to the client's address (IP_TRANSPARENT, the port
+// left to connect by IP_BIND_ADDRESS_NO_PORT), as ztunnel keeps the
+// original source. One OS thread runs a level-triggered epoll loop over
+// non-blocking sockets and relays with read/write through one buffer: for
+// the benchmark's 64-byte messages that is one copy each way and the
+// fewest system calls (splice would need a pipe per direction and two
+// calls per message).
+type leanProxy struct {
+	epfd, wake int
+	listeners  map[int32]uint16 // listener fd -> port
+	conns      []*leanConn      // by fd
+	pool       []*leanConn
+	gen        int32
+	buf        []byte
+	done       chan struct{}
+	counts     leanCounts
+}
+
+// leanCounts are what the proxy did, for the benchmark's path checks.
+type leanCounts struct {
+	outbound, inbound, errors atomic.Int64
+	lastError                 atomic.Value // string
+}
+
+// leanCountsReply is a snapshot of leanCounts.
+type leanCountsReply struct {
+	Outbound  int64  `json:"outbound"` // connections accepted on :15001
+	Inbound   int64  `json:"inbound"`  // on :15006
+	Errors    int64  `json:"errors"`   // connections it could not relay
+	LastError string `json:"lastError,omitempty"`
+}
+
+// leanConn is one socket of a relayed pair.
+type leanConn struct {
+	fd         int
+	gen        int32 // tells a reused fd's events from its predecessor's
+	peer       *leanConn
+	connecting bool   // upstream: connect in progress
+	eof        bool   // its read side saw EOF (passed on to the peer)
+	pending    []byte // read from the peer, not yet written here
+	events     uint32 // the epoll interest registered
+	added      bool   // in the epoll set
+}
+
+type leanRequest struct {
+	Op string `json:"op"` // listen, counts
+}
+
+func (p *leanProxy) handle(line []byte) (any, error) {
+	req, err := decode[leanRequest](line)
+	if err != nil {
+		return nil, err
+	}
+	switch req.Op {
+	case "listen":
+		if p.done != nil {
+			return nil, errors.New("already listening")
+		}
+		return nil, p.listen()
+	case "counts":
+		c := leanCountsReply{Outbound: p.counts.outbound.Load(), Inbound: p.counts.inbound.Load(), Errors: p.counts.errors.Load()}
+		c.LastError, _ = p.counts.lastError.Load().(string)
+		return c, nil
+	}
+	return nil, fmt.Errorf("unknown op %q", req.Op)
+}
+
+// listen opens the listeners in this process's netns and starts the loop.
+func (p *leanProxy) listen() error {
+	var err error
+	if p.epfd, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
+		return fmt.Errorf("epoll_create1: %w", err)
+	}
+	if p.wake, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+		return fmt.Errorf("eventfd: %w", err)
+	}
+	if err := p.register(p.wake, 0, unix.EPOLLIN); err != nil {
+		return err
+	}
+	ns, err := sockutil.EnterNetns(nil)
+	if err != nil {
+		return err
+	}
+	defer ns.Close()
+	p.listeners = map[int32]uint16{}
+	for _, port := range []uint16{standin.OutboundPort, standin.InboundPort} {
+		fd, err := ns.Socket(unix.AF_INET6, unix.SOCK_STREAM, sockutil.Opts{Mark: standin.Mark, ReusePort: true, Transparent: true,
+			Bind: netip.AddrPortFrom(netip.IPv6Unspecified(), port)})
+		if err != nil {
+			return fmt.Errorf("listener on %d: %w", port, err)
+		}
+		if err := unix.Listen(fd, 4096); err != nil {
+			unix.Close(fd)
+			return fmt.Errorf("listen on %d: %w", port, err)
+		}
+		p.listeners[int32(fd)] = port
+		if err := p.register(fd, 0, unix.EPOLLIN); err != nil {
+			return err
+		}
+	}
+	p.buf = make([]byte, 64<<10)
+	p.done = make(chan struct{})
+	go p.loop()
+	return nil
+}
+
+func (p *leanProxy) register(fd int, gen int32, events uint32) error {
+	ev := unix.EpollEvent{Events: events, Fd: int32(fd), Pad: gen}
+	if err := unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+		return fmt.Errorf("epoll_ctl add %d: %w", fd, err)
+	}
+	return nil
+}
+
+// close stops the loop and closes every socket.
+func (p *leanProxy) close() {
+	if p.done == nil {
+		return
+	}
+	_, _ = unix.Write(p.wake, []byte{1, 0, 0, 0, 0, 0, 0, 0})
+	<-p.done
+	for fd := range p.listeners {
+		unix.Close(int(fd))
+	}
+	for _, c := range p.conns {
+		if c != nil {
+			unix.Close(c.fd)
+		}
+	}
+	unix.Close(p.wake)
+	unix.Close(p.epfd)
+}
+
+// loop is the proxy's one thread.
+func (p *leanProxy) loop() {
+	runtime.LockOSThread()
+	defer close(p.done)
+	events := make([]unix.EpollEvent, 256)
+	for {
+		n, err := unix.EpollWait(p.epfd, events, -1)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			p.fail(fmt.Errorf("epoll_wait: %w", err))
+			return
+		}
+		for _, ev := range events[:n] {
+			switch port, listener := p.listeners[ev.Fd]; {
+			case int(ev.Fd) == p.wake:
+				return
+			case listener:
+				p.accept(int(ev.Fd), port)
+			default:
+				c := p.conn(int(ev.Fd))
+				if c == nil || c.gen != ev.Pad {
+					continue // closed earlier in this batch
+				}
+				p.ready(c, ev.Events)
+			}
+		}
+	}
+}
+
+// accept takes every pending connection of a listener and connects its
+// upstream.
+func (p *leanProxy) accept(lfd int, port uint16) {
+	for {
+		fd, sa, err := unix.Accept4(lfd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
+			return
+		}
+		if err != nil {
+			p.fail(fmt.Errorf("accept on %d: %w", port, err))
+			return
+		}
+		if port == standin.OutboundPort {
+			p.counts.outbound.Add(1)
+		} else {
+			p.counts.inbound.Add(1)
+		}
+		if err := p.open(fd, sa, port); err != nil {
+			unix.Close(fd)
+			p.fail(err)
+		}
+	}
+}
+
+// open starts the upstream connection of an accepted socket; the
+// downstream joins the loop once it is connected.
+func (p *leanProxy) open(fd int, peer unix.Sockaddr, port uint16) error {
+	dst, err := sockutil.OriginalDstFD(fd)
+	if err != nil {
+		return fmt.Errorf("getsockopt SO_ORIGINAL_DST on :%d: %w", port, err)
+	}
+	if dst.Port() == port {
+		return fmt.Errorf("original destination %s is a listener of ours", dst)
+	}
+	dst = netip.AddrPortFrom(dst.Addr().Unmap(), dst.Port())
+	family := unix.AF_INET6
+	if dst.Addr().Is4() {
+		family = unix.AF_INET
+	}
+	up, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("socket: %w", err)
+	}
+	if err := p.dial(up, family, dst, peer, port == standin.InboundPort); err != nil {
+		unix.Close(up)
+		return err
+	}
+	down, upc := p.newConn(fd), p.newConn(up)
+	down.peer, upc.peer, upc.connecting = upc, down, true
+	if err := p.watch(upc, unix.EPOLLOUT); err != nil {
+		p.release(down)
+		p.release(upc)
+		unix.Close(up)
+		return err
+	}
+	return nil
+}
+
+// dial marks the upstream socket, for inbound binds it to the client's
+// address, and starts its connect.
+func (p *leanProxy) dial(fd, family int, dst netip.AddrPort, peer unix.Sockaddr, inbound bool) error {
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, standin.Mark); err != nil {
+		return fmt.Errorf("setsockopt SO_MARK: %w", err)
+	}
+	if inbound {
+		src, ok := sockaddrAddr(peer)
+		if !ok {
+			return fmt.Errorf("inbound connection from %v: no address", peer)
+		}
+		if src.Is4() != (family == unix.AF_INET) {
+			return fmt.Errorf("inbound connection from %s to %s: families differ", src, dst)
+		}
+		for _, o := range [][2]int{{unix.SOL_IP, unix.IP_TRANSPARENT}, {unix.SOL_IP, unix.IP_BIND_ADDRESS_NO_PORT}} {
+			if err := unix.SetsockoptInt(fd, o[0], o[1], 1); err != nil {
+				return fmt.Errorf("setsockopt %d/%d: %w", o[0], o[1], err)
+			}
+		}
+		if err := unix.Bind(fd, sockutil.Sockaddr(family, netip.AddrPortFrom(src, 0))); err != nil {
+			return fmt.Errorf("bind %s: %w", src, err)
+		}
+	}
+	if err := unix.Connect(fd, sockutil.Sockaddr(family, dst)); err != nil && !errors.Is(err, unix.EINPROGRESS) {
+		return fmt.Errorf("connect %s: %w", dst, err)
+	}
+	return nil
+}
+
+func sockaddrAddr(sa unix.Sockaddr) (netip.Addr, bool) {
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrFrom4(a.Addr), true
+	case *unix.SockaddrInet6:
+		return netip.AddrFrom16(a.Addr).Unmap(), true
+	}
+	return netip.Addr{}, false
+}
+
+// ready handles the events of one socket. Level-triggered epoll reports
+// EPOLLERR and EPOLLHUP whatever the interest, so a socket that is not
+// read (its read side done, or its peer's writes pending) and hangs up is
+// closed here rather than reported again and again.
+func (p *leanProxy) ready(c *leanConn, events uint32) {
+	if c.connecting {
+		if events&(unix.EPOLLERR|unix.EPOLLHUP) != 0 {
+			errno, _ := unix.GetsockoptInt(c.fd, unix.SOL_SOCKET, unix.SO_ERROR)
+			p.closePair(c, fmt.Errorf("connect upstream: %w", unix.Errno(errno)))
+			return
+		}
+		c.connecting = false
+		if err := p.watch(c, unix.EPOLLIN); err != nil {
+			p.closePair(c, err)
+			return
+		}
+		if err := p.watch(c.peer, unix.EPOLLIN); err != nil {
+			p.closePair(c, err)
+		}
+		return
+	}
+	if events&unix.EPOLLERR != 0 {
+		p.closePair(c, nil) // a reset: the other side learns it from the close
+		return
+	}
+	if events&unix.EPOLLOUT != 0 && len(c.pending) > 0 && !p.flush(c) {
+		return
+	}
+	switch {
+	case c.events&unix.EPOLLIN != 0 && events&(unix.EPOLLIN|unix.EPOLLHUP) != 0:
+		p.relay(c)
+	case events&unix.EPOLLHUP != 0:
+		p.closePair(c, nil)
+	}
+}
+
+// relay reads what c has and writes it to its peer; a partial write
+// parks the rest on the peer and stops reading c until it is written.
+func (p *leanProxy) relay(c *leanConn) {
+	n, err := unix.Read(c.fd, p.buf)
+	switch {
+	case errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR):
+		return
+	case err != nil:
+		p.closePair(c, nil) // a reset: the other side learns it from the close
+		return
+	case n == 0:
+		c.eof = true
+		if err := p.watch(c, 0); err != nil {
+			p.closePair(c, err)
+			return
+		}
+		if c.peer.eof {
+			p.closePair(c, nil)
+			return
+		}
+		_ = unix.Shutdown(c.peer.fd, unix.SHUT_WR)
+		return
+	}
+	w, err := unix.Write(c.peer.fd, p.buf[:n])
+	if errors.Is(err, unix.EAGAIN) {
+		w, err = 0, nil
+	}
+	if err != nil {
+		p.closePair(c, nil)
+		return
+	}
+	if w == n {
+		return
+	}
+	c.peer.pending = append(c.peer.pending[:0], p.buf[w:n]...)
+	if err := p.watch(c, 0); err != nil {
+		p.closePair(c, err)
+		return
+	}
+	if err := p.watch(c.peer, c.peer.events|unix.EPOLLOUT); err != nil {
+		p.closePair(c, err)
+	}
+}
+
+// flush writes c's pending bytes; once they are out, its peer is read
+// again. It reports whether c is still open.
+func (p *leanProxy) flush(c *leanConn) bool {
+	w, err := unix.Write(c.fd, c.pending)
+	if errors.Is(err, unix.EAGAIN) {
+		return true
+	}
+	if err != nil {
+		p.closePair(c, nil)
+		return false
+	}
+	c.pending = c.pending[w:]
+	if len(c.pending) > 0 {
+		return true
+	}
+	if err := p.watch(c, c.events&^unix.EPOLLOUT); err != nil {
+		p.closePair(c, err)
+		return false
+	}
+	if !c.peer.eof {
+		if err := p.watch(c.peer, unix.EPOLLIN); err != nil {
+			p.closePair(c, err)
+			return false
+		}
+	}
+	return true
+}
+
+// watch sets c's epoll interest, adding c to the set the first time.
+func (p *leanProxy) watch(c *leanConn, events uint32) error {
+	op := unix.EPOLL_CTL_ADD
+	if c.added {
+		if events == c.events {
+			return nil
+		}
+		op = unix.EPOLL_CTL_MOD
+	}
+	ev := unix.EpollEvent{Events: events, Fd: int32(c.fd), Pad: c.gen}
+	if err := unix.EpollCtl(p.epfd, op, c.fd, &ev); err != nil {
+		return fmt.Errorf("epoll_ctl %d: %w", c.fd, err)
+	}
+	c.events, c.added = events, true
+	return nil
+}
+
+// closePair closes both sockets of a pair; err, when set, is counted as
+// a connection the proxy could not relay.
+func (p *leanProxy) closePair(c *leanConn, err error) {
+	if err != nil {
+		p.fail(err)
+	}
+	for _, s := range []*leanConn{c, c.peer} {
+		unix.Close(s.fd)
+		p.release(s)
+	}
+}
+
+func (p *leanProxy) fail(err error) {
+	p.counts.errors.Add(1)
+	p.counts.lastError.Store(err.Error())
+}
+
+func (p *leanProxy) newConn(fd int) *leanConn {
+	var c *leanConn
+	if n := len(p.pool); n > 0 {
+		c, p.pool = p.pool[n-1], p.pool[:n-1]
+	} else {
+		c = &leanConn{}
+	}
+	p.gen++
+	*c = leanConn{fd: fd, gen: p.gen, pending: c.pending[:0]}
+	for fd >= len(p.conns) {
+		p.conns = append(p.conns, make([]*leanConn, len(p.conns)+64)...)
+	}
+	p.conns[fd] = c
+	return c
+}
+
+func (p *leanProxy) conn(fd int) *leanConn {
+	if fd < 0 || fd >= len(p.conns) {
+		return nil
+	}
+	return p.conns[fd]
+}
+
+func (p *leanProxy) release(c *leanConn) {
+	if p.conns[c.fd] == c {
+		p.conns[c.fd] = nil
+	}
+	p.pool = append(p.pool, c)
+}
