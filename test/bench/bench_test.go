@@ -234,14 +234,12 @@ type path struct {
 	client, server *simnode.Pod
 	gen, srv       *simnode.Proc // load generator, server
 	echo, sink     string        // server addresses
-	// lean are the lean proxies of the client and the server pod (lean
-	// paths only), each in a cgroup of its own (leanCgroups).
+	// lean are the lean proxies of the client and the server pod, each
+	// in a cgroup of its own (leanCgroups): on the lean paths ztunnel's
+	// listeners, in the direct pods explicit ones (direct+proxy).
 	lean        []*simnode.Proc
 	leanCgroups []string
 }
-
-// lean reports whether the path goes through lean proxies.
-func (p *path) isLean() bool { return len(p.lean) > 0 }
 
 // iptables and ebpf tell the backend of a meshed path.
 func (p *path) iptables() bool { return p.name == pathIptables || p.name == pathIptablesLean }
@@ -325,7 +323,7 @@ func newEnv(t *testing.T, s settings) *env {
 				}
 			}
 		}
-		if name == pathIptablesLean || name == pathEBPFLean {
+		if name == pathIptablesLean || name == pathEBPFLean || name == pathDirect {
 			e.startLean(p)
 		}
 		p.srv = simnode.StartHelper(t, roleServer, p.server.NS, p.server.Cgroup)

@@ -183,7 +183,7 @@ func ratioPlot(r *Results) (*plot.Plot, error) {
 				continue
 			}
 			// A variant's advantage over ebpf: ebpf's place taken by the variant.
-			for _, k := range slices.Sorted(maps.Keys(row.f.Variants)) {
+			for _, k := range slices.Sorted(maps.Keys(row.f.RatioVariantEBPF)) {
 				vf := row.f
 				vf.EBPF = row.f.Variants[k]
 				add(vf, row.f.EBPF)

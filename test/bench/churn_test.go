@@ -48,10 +48,11 @@ func (e *env) churn(res *Results) {
 		return
 	}
 	fill := limit - churnHeadroom
-	base := []leanVariant{
-		{name: pathDirect, path: e.paths[pathDirect]},
-		{name: pathIptables, path: e.paths[pathIptablesLean]},
-		{name: pathEBPF, path: e.paths[pathEBPFLean]},
+	var base []leanVariant
+	for _, v := range e.leanVariants(res) {
+		if v.base() {
+			base = append(base, v)
+		}
 	}
 	failed, rates := map[string][]float64{}, map[string][]float64{}
 	first := map[string]string{}
@@ -72,7 +73,7 @@ func (e *env) churn(res *Results) {
 				}
 			}
 			fillTime += time.Since(t0)
-			r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.path.echo, Duration: churnDuration, Conc: churnConc, Timeout: churnTimeout, Storm: true})
+			r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: churnDuration, Conc: churnConc, Timeout: churnTimeout, Storm: true})
 			failed[v.name] = append(failed[v.name], float64(r.Failures))
 			rates[v.name] = append(rates[v.name], rate(r.run()))
 			if r.FirstError != "" && first[v.name] == "" {

@@ -9,6 +9,7 @@ import (
 	"bytes"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,10 +22,27 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
-// variantTrace is the ebpf-lean pair with someone tracing (issue 18): the
-// agent reads the ring buffer and streams every event to `ambient-ebpf
-// trace -o json`.
-const variantTrace = "ebpf+trace"
+// Variants of the lean figures besides direct, iptables and ebpf.
+const (
+	// variantTrace is the ebpf-lean pair with someone tracing (issue
+	// 18): the agent reads the ring buffer and streams every event to
+	// `ambient-ebpf trace -o json`.
+	variantTrace = "ebpf+trace"
+	// variantProxy is the direct pair through the same lean proxies,
+	// addressed explicitly (the client connects to its pod's proxy,
+	// which forwards to the server pod's, which forwards to the server):
+	// the same three TCP connections and relays as a meshed connection,
+	// with no redirection and no conntrack in the pods. redirect_cpu_us
+	// is the meshed paths' CPU less this one's.
+	variantProxy = "direct+proxy"
+)
+
+// The explicit listeners of the direct+proxy baseline (clear of ztunnel's
+// ports, which the dataplane files listeners of).
+const (
+	explicitOutPort = 15101
+	explicitInPort  = 15106
+)
 
 // agentVariants are variants of the ebpf-lean pair that need the node
 // agent started with flags: for a variant's block of each repetition the
@@ -41,13 +59,22 @@ var agentVariants = []struct {
 
 // leanVariant is one column of the lean figures: a path, and how it runs.
 type leanVariant struct {
-	name       string // direct, iptables, ebpf, or a variant of ebpf
-	path       *path
-	trace      bool     // someone traces while it runs
-	agentFlags []string // the node agent runs with these for the variant's block
+	name string // direct, iptables, ebpf, direct+proxy, or a variant of ebpf
+	path *path
+	addr string // where the client connects
+	// proxies relay the variant's connections, in the client and the
+	// server pod, each in a cgroup of its own (proxyCgroups); none on
+	// direct.
+	proxies      []*simnode.Proc
+	proxyCgroups []string
+	trace        bool     // someone traces while it runs
+	agentFlags   []string // the node agent runs with these for the variant's block
 }
 
-func (v leanVariant) base() bool { return !v.trace && len(v.agentFlags) == 0 }
+// base tells the three paths every lean figure has.
+func (v leanVariant) base() bool {
+	return v.name == pathDirect || v.name == pathIptables || v.name == pathEBPF
+}
 
 // leanRun is one measurement of a lean variant.
 type leanRun struct {
@@ -56,40 +83,57 @@ type leanRun struct {
 	// lean proxies' cgroups and the ksoftirqd threads (softirq of this
 	// kernel is charged to whichever task it interrupted: without
 	// CONFIG_IRQ_TIME_ACCOUNTING, receive processing run on the way out
-	// of a send lands in the sender's time), of which softirqd.
-	cpu, softirqd time.Duration
+	// of a send lands in the sender's time), of which softirqd and
+	// proxyCPU.
+	cpu, softirqd, proxyCPU time.Duration
 	// tracerCPU is the agent's and the tracer's cgroups' CPU time while
 	// tracing; events and lost what the tracer printed and missed.
 	tracerCPU    time.Duration
 	events, lost int64
 }
 
+// leanVariants are the lean figures' columns in the order each
+// repetition runs them: the two baselines first.
 func (e *env) leanVariants(res *Results) []leanVariant {
-	ebpf := e.paths[pathEBPFLean]
-	vs := []leanVariant{
-		{name: pathDirect, path: e.paths[pathDirect]},
-		{name: pathIptables, path: e.paths[pathIptablesLean]},
-		{name: pathEBPF, path: ebpf},
-		{name: variantTrace, path: ebpf, trace: true},
+	direct, ipt, ebpf := e.paths[pathDirect], e.paths[pathIptablesLean], e.paths[pathEBPFLean]
+	meshed := func(name string, p *path) leanVariant {
+		return leanVariant{name: name, path: p, addr: p.echo, proxies: p.lean, proxyCgroups: p.leanCgroups}
 	}
+	proxy := meshed(variantProxy, direct)
+	proxy.addr = fmt.Sprintf("%s:%d", direct.client.V4, explicitOutPort)
+	trace := meshed(variantTrace, ebpf)
+	trace.trace = true
+	vs := []leanVariant{{name: pathDirect, path: direct, addr: direct.echo}, proxy, meshed(pathIptables, ipt), meshed(pathEBPF, ebpf), trace}
 	for _, av := range agentVariants {
 		if missing := e.agent.unknownFlags(av.flags); len(missing) > 0 {
 			res.Notes["variant "+av.name] = "not measured: the agent has no " + strings.Join(missing, ", ") + " (agentVariants in test/bench/lean_test.go)"
 			continue
 		}
-		vs = append(vs, leanVariant{name: av.name, path: ebpf, agentFlags: av.flags})
+		v := meshed(av.name, ebpf)
+		v.agentFlags = av.flags
+		vs = append(vs, v)
 	}
 	return vs
 }
 
 // startLean starts the lean proxies of a path's two pods, each in the
 // pod's netns and a cgroup of its own below the node's root (where the
-// socket hooks apply, as to ztunnel's), on one OS thread (GOMAXPROCS=1).
+// socket hooks apply, as to ztunnel's), on one OS thread (GOMAXPROCS=1):
+// ztunnel's listeners in meshed pods; in the direct pair explicit
+// listeners for the direct+proxy baseline (client pod: to the server
+// pod's proxy; server pod: to the server).
 func (e *env) startLean(p *path) {
-	for _, pod := range []*simnode.Pod{p.client, p.server} {
+	for i, pod := range []*simnode.Pod{p.client, p.server} {
+		var ls []leanListener
+		if p.name == pathDirect {
+			ls = []leanListener{
+				{Port: explicitOutPort, To: netip.AddrPortFrom(p.server.V4, explicitInPort)},
+				{Port: explicitInPort, Inbound: true, To: netip.AddrPortFrom(p.server.V4, echoPort)},
+			}[i : i+1]
+		}
 		cg := e.cgroup("lean-" + pod.Name)
 		lp := simnode.StartHelper(e.t, roleLean, pod.NS, cg, "GOMAXPROCS=1")
-		if err := call(lp, leanRequest{Op: "listen"}, nil); err != nil {
+		if err := call(lp, leanRequest{Op: "listen", Listeners: ls}, nil); err != nil {
 			e.t.Fatalf("lean proxy in %s: %v", pod.Name, err)
 		}
 		p.lean, p.leanCgroups = append(p.lean, lp), append(p.leanCgroups, cg)
@@ -113,27 +157,36 @@ func (e *env) leanCounts(lp *simnode.Proc) leanCountsReply {
 func (e *env) lean(res *Results) {
 	s := e.s
 	vs := e.leanVariants(res)
-	for _, v := range vs[:3] {
-		e.measureLean(v, loadRequest{Op: "conn", Addr: v.path.echo, Duration: 200 * time.Millisecond})
+	for _, v := range vs[:4] {
+		e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: 200 * time.Millisecond})
 	}
 	seq, conc, p50, p99 := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
-	cpu, redirect, softirqd := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
+	cpu, redirect, meshExtra, softirqd := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
+	proxyCPU := map[string][]float64{}
 	ctPod, ctNode := map[string][]float64{}, map[string][]float64{}
 	var tracerCPU, events, lost []float64
 	for rep := range s.reps {
-		var directCPU float64
+		var directCPU, proxiedCPU float64
 		for _, v := range vs {
 			e.enterVariant(v)
-			r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.path.echo, Duration: s.duration})
+			r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: s.duration})
 			seq[v.name] = append(seq[v.name], rate(r.run()))
 			if r.Conns > 0 {
 				c := us(r.cpu) / float64(r.Conns)
 				cpu[v.name] = append(cpu[v.name], c)
 				softirqd[v.name] = append(softirqd[v.name], us(r.softirqd)/float64(r.Conns))
-				if v.name == pathDirect {
+				if len(v.proxies) > 0 {
+					proxyCPU[v.name] = append(proxyCPU[v.name], us(r.proxyCPU)/float64(r.Conns))
+				}
+				switch v.name {
+				case pathDirect:
 					directCPU = c
-				} else {
-					redirect[v.name] = append(redirect[v.name], c-directCPU)
+				case variantProxy:
+					proxiedCPU = c
+					meshExtra[v.name] = append(meshExtra[v.name], c-directCPU)
+				default:
+					redirect[v.name] = append(redirect[v.name], c-proxiedCPU)
+					meshExtra[v.name] = append(meshExtra[v.name], c-directCPU)
 				}
 				if v.trace {
 					tracerCPU = append(tracerCPU, us(r.tracerCPU)/float64(r.Conns))
@@ -141,8 +194,8 @@ func (e *env) lean(res *Results) {
 					lost = append(lost, float64(r.lost))
 				}
 			}
-			conc[v.name] = append(conc[v.name], rate(e.measureLean(v, loadRequest{Op: "conn", Addr: v.path.echo, Duration: s.duration, Conc: s.conc}).run()))
-			rr := e.measureLean(v, loadRequest{Op: "rr", Addr: v.path.echo, Count: s.rtts})
+			conc[v.name] = append(conc[v.name], rate(e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: s.duration, Conc: s.conc}).run()))
+			rr := e.measureLean(v, loadRequest{Op: "rr", Addr: v.addr, Count: s.rtts})
 			p50[v.name] = append(p50[v.name], us(percentile(rr.RTTs, 50)))
 			p99[v.name] = append(p99[v.name], us(percentile(rr.RTTs, 99)))
 			if v.base() {
@@ -162,8 +215,13 @@ func (e *env) lean(res *Results) {
 		newFigure("lean_rr_latency_p99", "us", "lower", "<= 0.8x iptables", p99),
 		newFigure("lean_conn_cpu_us", "us CPU/conn", "lower", "", cpu).withNote(cpuNote+"; direct: no proxy"),
 		newFigure("redirect_cpu_us", "us CPU/conn", "lower", "ebpf <= 0.5x iptables", redirect).withNote(
-			"lean_conn_cpu_us of the meshed path minus the direct path's of the same repetition: the redirection and the proxy's two relays "+
-				"(the same proxy on both backends; two more TCP connections per connection than direct)"),
+			"lean_conn_cpu_us of the meshed path minus direct+proxy's of the same repetition: what the redirection costs (capture, "+
+				"SO_ORIGINAL_DST, the return path, conntrack and NAT where there are any), the relays and the three TCP connections being "+
+				"the same on both sides"),
+		newFigure("meshed_extra_cpu_us", "us CPU/conn", "lower", "", meshExtra).withNote(
+			"lean_conn_cpu_us minus direct's (no proxy) of the same repetition: the redirection plus the proxy's two relays and the two "+
+				"extra TCP connections a meshed connection makes"),
+		newFigure("lean_proxy_cpu_us", "us CPU/conn", "lower", "", proxyCPU).withNote("the two lean proxies' cgroups alone, per connection of conn_rate_seq"),
 		newFigure("conntrack_entries_per_conn", "entries/conn", "lower", "0 for ebpf", ctPod).withNote(
 			"conntrack entries in the client and the server pod's netns per connection: both tables and the node's flushed (ctnetlink), "+
 				fmt.Sprint(ctConns)+" sequential connections, then nf_conntrack_count in each netns"),
@@ -200,7 +258,7 @@ func (e *env) conntrackPerConn(v leanVariant) (pod, node float64) {
 			e.t.Fatal(err)
 		}
 	}
-	r := e.measureLean(v, loadRequest{Op: "conn", Addr: p.echo, Count: ctConns, Duration: time.Minute})
+	r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Count: ctConns, Duration: time.Minute})
 	count := func(ns string) int {
 		n, err := ctCount(ns)
 		if err != nil {
@@ -245,7 +303,7 @@ func (e *env) measureLean(v leanVariant, req loadRequest) leanRun {
 	p := v.path
 	zt0 := e.ztCounts()
 	var lean0 []leanCountsReply
-	for _, lp := range p.lean {
+	for _, lp := range v.proxies {
 		lean0 = append(lean0, e.leanCounts(lp))
 	}
 	var dp0 dataplane.Stats
@@ -255,15 +313,15 @@ func (e *env) measureLean(v leanVariant, req loadRequest) leanRun {
 	if v.trace {
 		e.startTrace()
 	}
-	hot := append([]string{p.client.Cgroup, p.server.Cgroup}, p.leanCgroups...)
+	hot := append([]string{p.client.Cgroup, p.server.Cgroup}, v.proxyCgroups...)
 	tracing := []string{e.agent.cgroup, e.tracerCG}
-	cpu0, sirq0, tr0 := cgroupsCPU(hot), threadsCPU(e.softirqd), cgroupsCPU(tracing)
+	cpu0, sirq0, tr0, px0 := cgroupsCPU(hot), threadsCPU(e.softirqd), cgroupsCPU(tracing), cgroupsCPU(v.proxyCgroups)
 	var r leanRun
 	if err := call(p.gen, req, &r.loadResult); err != nil {
 		e.t.Fatalf("%s %s on %s: %v", req.Op, req.Addr, v.name, err)
 	}
 	sirq := threadsCPU(e.softirqd) - sirq0
-	r.cpu, r.softirqd, r.tracerCPU = cgroupsCPU(hot)-cpu0+sirq, sirq, cgroupsCPU(tracing)-tr0
+	r.cpu, r.softirqd, r.tracerCPU, r.proxyCPU = cgroupsCPU(hot)-cpu0+sirq, sirq, cgroupsCPU(tracing)-tr0, cgroupsCPU(v.proxyCgroups)-px0
 	if v.trace {
 		tr := e.stopTrace()
 		r.events, r.lost = tr.Events, tr.lost()
@@ -273,13 +331,12 @@ func (e *env) measureLean(v leanVariant, req loadRequest) leanRun {
 	}
 	var relayErrs int64
 	var lastErr string
+	if zt := e.ztCounts(); p.name == pathDirect && (zt.Outbound != zt0.Outbound || zt.Inbound != zt0.Inbound) {
+		e.t.Fatalf("%s on %s: connections went through the stand-in", req.Op, v.name)
+	}
 	switch {
-	case p.name == pathDirect:
-		if zt := e.ztCounts(); zt.Outbound != zt0.Outbound || zt.Inbound != zt0.Inbound {
-			e.t.Fatalf("%s on direct: connections went through the stand-in", req.Op)
-		}
-	case p.isLean():
-		out, in := e.leanCounts(p.lean[0]), e.leanCounts(p.lean[1])
+	case len(v.proxies) == 2:
+		out, in := e.leanCounts(v.proxies[0]), e.leanCounts(v.proxies[1])
 		if got := out.Outbound - lean0[0].Outbound; got < r.Conns {
 			e.t.Fatalf("%s on %s: %d connections, but the client pod's lean proxy accepted %d outbound", req.Op, v.name, r.Conns, got)
 		}
@@ -288,8 +345,8 @@ func (e *env) measureLean(v leanVariant, req loadRequest) leanRun {
 		}
 		relayErrs = out.Errors - lean0[0].Errors + in.Errors - lean0[1].Errors
 		lastErr = strings.TrimSpace(out.LastError + " " + in.LastError)
-	default:
-		e.t.Fatalf("%s is no lean path", p.name)
+	case p.name != pathDirect:
+		e.t.Fatalf("%s: a meshed path without lean proxies", v.name)
 	}
 	if !req.Storm && r.Failures*10 > r.Conns {
 		e.t.Fatalf("%s on %s: %d of %d connections failed, the first: %s; the lean proxies' latest failures: %s",

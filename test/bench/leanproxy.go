@@ -35,7 +35,7 @@ import (
 // calls per message).
 type leanProxy struct {
 	epfd, wake int
-	listeners  map[int32]uint16 // listener fd -> port
+	listeners  map[int32]leanListener // by fd
 	conns      []*leanConn      // by fd
 	pool       []*leanConn
 	gen        int32
@@ -72,6 +72,21 @@ type leanConn struct {
 
 type leanRequest struct {
 	Op string `json:"op"` // listen, counts
+	// Listeners are the listeners to open; none: ztunnel's (15001
+	// outbound and 15006 inbound, original destination by
+	// SO_ORIGINAL_DST).
+	Listeners []leanListener `json:"listeners,omitempty"`
+}
+
+// leanListener is one listener of the lean proxy.
+type leanListener struct {
+	Port    uint16 `json:"port"`
+	Inbound bool   `json:"inbound,omitempty"` // counted as inbound; with no To, bound to the client's address upstream
+	// To is a fixed upstream for the connections of this listener,
+	// addressed to the proxy explicitly: no original destination, and
+	// the upstream socket gets the pod's own address (no transparent
+	// bind). The direct+proxy baseline: the same relays, no redirection.
+	To netip.AddrPort `json:"to,omitzero"`
 }
 
 func (p *leanProxy) handle(line []byte) (any, error) {
@@ -84,7 +99,11 @@ func (p *leanProxy) handle(line []byte) (any, error) {
 		if p.done != nil {
 			return nil, errors.New("already listening")
 		}
-		return nil, p.listen()
+		ls := req.Listeners
+		if len(ls) == 0 {
+			ls = []leanListener{{Port: standin.OutboundPort}, {Port: standin.InboundPort, Inbound: true}}
+		}
+		return nil, p.listen(ls)
 	case "counts":
 		c := leanCountsReply{Outbound: p.counts.outbound.Load(), Inbound: p.counts.inbound.Load(), Errors: p.counts.errors.Load()}
 		c.LastError, _ = p.counts.lastError.Load().(string)
@@ -94,7 +113,7 @@ func (p *leanProxy) handle(line []byte) (any, error) {
 }
 
 // listen opens the listeners in this process's netns and starts the loop.
-func (p *leanProxy) listen() error {
+func (p *leanProxy) listen(ls []leanListener) error {
 	var err error
 	if p.epfd, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
 		return fmt.Errorf("epoll_create1: %w", err)
@@ -110,18 +129,18 @@ func (p *leanProxy) listen() error {
 		return err
 	}
 	defer ns.Close()
-	p.listeners = map[int32]uint16{}
-	for _, port := range []uint16{standin.OutboundPort, standin.InboundPort} {
+	p.listeners = map[int32]leanListener{}
+	for _, l := range ls {
 		fd, err := ns.Socket(unix.AF_INET6, unix.SOCK_STREAM, sockutil.Opts{Mark: standin.Mark, ReusePort: true, Transparent: true,
-			Bind: netip.AddrPortFrom(netip.IPv6Unspecified(), port)})
+			Bind: netip.AddrPortFrom(netip.IPv6Unspecified(), l.Port)})
 		if err != nil {
-			return fmt.Errorf("listener on %d: %w", port, err)
+			return fmt.Errorf("listener on %d: %w", l.Port, err)
 		}
 		if err := unix.Listen(fd, 4096); err != nil {
 			unix.Close(fd)
-			return fmt.Errorf("listen on %d: %w", port, err)
+			return fmt.Errorf("listen on %d: %w", l.Port, err)
 		}
-		p.listeners[int32(fd)] = port
+		p.listeners[int32(fd)] = l
 		if err := p.register(fd, 0, unix.EPOLLIN); err != nil {
 			return err
 		}
@@ -174,11 +193,11 @@ func (p *leanProxy) loop() {
 			return
 		}
 		for _, ev := range events[:n] {
-			switch port, listener := p.listeners[ev.Fd]; {
+			switch l, listener := p.listeners[ev.Fd]; {
 			case int(ev.Fd) == p.wake:
 				return
 			case listener:
-				p.accept(int(ev.Fd), port)
+				p.accept(int(ev.Fd), l)
 			default:
 				c := p.conn(int(ev.Fd))
 				if c == nil || c.gen != ev.Pad {
@@ -192,22 +211,22 @@ func (p *leanProxy) loop() {
 
 // accept takes every pending connection of a listener and connects its
 // upstream.
-func (p *leanProxy) accept(lfd int, port uint16) {
+func (p *leanProxy) accept(lfd int, l leanListener) {
 	for {
 		fd, sa, err := unix.Accept4(lfd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
 		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
 			return
 		}
 		if err != nil {
-			p.fail(fmt.Errorf("accept on %d: %w", port, err))
+			p.fail(fmt.Errorf("accept on %d: %w", l.Port, err))
 			return
 		}
-		if port == standin.OutboundPort {
-			p.counts.outbound.Add(1)
-		} else {
+		if l.Inbound {
 			p.counts.inbound.Add(1)
+		} else {
+			p.counts.outbound.Add(1)
 		}
-		if err := p.open(fd, sa, port); err != nil {
+		if err := p.open(fd, sa, l); err != nil {
 			unix.Close(fd)
 			p.fail(err)
 		}
@@ -216,13 +235,16 @@ func (p *leanProxy) accept(lfd int, port uint16) {
 
 // open starts the upstream connection of an accepted socket; the
 // downstream joins the loop once it is connected.
-func (p *leanProxy) open(fd int, peer unix.Sockaddr, port uint16) error {
-	dst, err := sockutil.OriginalDstFD(fd)
-	if err != nil {
-		return fmt.Errorf("getsockopt SO_ORIGINAL_DST on :%d: %w", port, err)
-	}
-	if dst.Port() == port {
-		return fmt.Errorf("original destination %s is a listener of ours", dst)
+func (p *leanProxy) open(fd int, peer unix.Sockaddr, l leanListener) error {
+	dst := l.To
+	if !dst.IsValid() {
+		var err error
+		if dst, err = sockutil.OriginalDstFD(fd); err != nil {
+			return fmt.Errorf("getsockopt SO_ORIGINAL_DST on :%d: %w", l.Port, err)
+		}
+		if dst.Port() == l.Port {
+			return fmt.Errorf("original destination %s is a listener of ours", dst)
+		}
 	}
 	dst = netip.AddrPortFrom(dst.Addr().Unmap(), dst.Port())
 	family := unix.AF_INET6
@@ -233,7 +255,7 @@ func (p *leanProxy) open(fd int, peer unix.Sockaddr, port uint16) error {
 	if err != nil {
 		return fmt.Errorf("socket: %w", err)
 	}
-	if err := p.dial(up, family, dst, peer, port == standin.InboundPort); err != nil {
+	if err := p.dial(up, family, dst, peer, l.Inbound && !l.To.IsValid()); err != nil {
 		unix.Close(up)
 		return err
 	}
@@ -248,13 +270,14 @@ func (p *leanProxy) open(fd int, peer unix.Sockaddr, port uint16) error {
 	return nil
 }
 
-// dial marks the upstream socket, for inbound binds it to the client's
-// address, and starts its connect.
-func (p *leanProxy) dial(fd, family int, dst netip.AddrPort, peer unix.Sockaddr, inbound bool) error {
+// dial marks the upstream socket, with transparent binds it to the
+// client's address (inbound delivery keeps the original source), and
+// starts its connect.
+func (p *leanProxy) dial(fd, family int, dst netip.AddrPort, peer unix.Sockaddr, transparent bool) error {
 	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, standin.Mark); err != nil {
 		return fmt.Errorf("setsockopt SO_MARK: %w", err)
 	}
-	if inbound {
+	if transparent {
 		src, ok := sockaddrAddr(peer)
 		if !ok {
 			return fmt.Errorf("inbound connection from %v: no address", peer)

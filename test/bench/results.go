@@ -55,9 +55,11 @@ type Figure struct {
 	EBPF              *Summary `json:"ebpf,omitempty"`
 	RatioEBPFIptables *float64 `json:"ratio_ebpf_iptables,omitempty"`
 	RatioEBPFDirect   *float64 `json:"ratio_ebpf_direct,omitempty"`
-	// Variants are variants of the ebpf path measured in the same run
-	// (ebpf+trace: someone tracing; an agent flag's variant), by name,
-	// with the ratio of each median to ebpf's.
+	// Variants are more columns measured in the same repetitions, by
+	// name: variants of the ebpf path (ebpf+trace: someone tracing; an
+	// agent flag's variant), with the ratio of each median to ebpf's, and
+	// direct+proxy (the direct pair through the lean proxies, addressed
+	// explicitly).
 	Variants         map[string]*Summary `json:"variants,omitempty"`
 	RatioVariantEBPF map[string]float64  `json:"ratio_variant_ebpf,omitempty"`
 	// Target is the issue's goal for this figure, for the table.
@@ -131,7 +133,7 @@ func newFigure(name, unit, better, target string, samples map[string][]float64) 
 			f.Variants, f.RatioVariantEBPF = map[string]*Summary{}, map[string]float64{}
 		}
 		f.Variants[k] = v
-		if r := ratio(v, f.EBPF); r != nil {
+		if r := ratio(v, f.EBPF); r != nil && strings.HasPrefix(k, pathEBPF+"+") {
 			f.RatioVariantEBPF[k] = *r
 		}
 	}
@@ -242,8 +244,9 @@ func markdown(r *Results) string {
 		fmt.Fprintf(&b, "- %s: %s\n", k, r.Config[k])
 	}
 	b.WriteString("\nEach cell: median (min to max) over the repetitions. The `lean_*`, `redirect_*`, `conntrack_*` and `churn_*` figures go through " +
-		"the lean proxy (iptables: the iptables-lean pair, ebpf: the ebpf-lean pair); variants are the ebpf-lean pair measured another way " +
-		"in the same repetitions, with their ratio to ebpf.\n\n")
+		"the lean proxy (iptables: the iptables-lean pair, ebpf: the ebpf-lean pair). Variants are more columns of the same repetitions: " +
+		"direct+proxy, the direct pair through the same lean proxies addressed explicitly (no redirection), and variants of the ebpf-lean pair " +
+		"(ebpf+trace: someone tracing), with their ratio to ebpf.\n\n")
 	b.WriteString("| figure | unit | better | direct | iptables | ebpf | ebpf / iptables | ebpf / direct | variants | target |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, f := range r.Figures {
