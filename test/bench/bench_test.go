@@ -205,6 +205,11 @@ type env struct {
 	// agent), for the ebpf+trace variant of the lean paths.
 	tracer   *simnode.Proc
 	tracerCG string
+	// leanpx is the lean proxy serving the lean paths' pods (ztunnel's
+	// listeners) and the direct pods (explicit ones, direct+proxy), in
+	// cgroup leanCG.
+	leanpx *simnode.Proc
+	leanCG string
 	// softirqd are the ksoftirqd threads, whose CPU time the lean
 	// figures count.
 	softirqd []int
@@ -234,11 +239,6 @@ type path struct {
 	client, server *simnode.Pod
 	gen, srv       *simnode.Proc // load generator, server
 	echo, sink     string        // server addresses
-	// lean are the lean proxies of the client and the server pod, each
-	// in a cgroup of its own (leanCgroups): on the lean paths ztunnel's
-	// listeners, in the direct pods explicit ones (direct+proxy).
-	lean        []*simnode.Proc
-	leanCgroups []string
 }
 
 // iptables and ebpf tell the backend of a meshed path.
@@ -304,6 +304,8 @@ func newEnv(t *testing.T, s settings) *env {
 	e.tracerCG = e.cgroup("tracer")
 	e.tracer = simnode.StartHelper(t, roleTracer, n.NodeNS, e.tracerCG)
 	e.softirqd = softirqThreads()
+	e.leanCG = e.cgroup("lean")
+	e.leanpx = simnode.StartHelper(t, roleLean, n.NodeNS, e.leanCG, "GOMAXPROCS=1")
 	for _, name := range slices.Concat(allPaths, leanPaths[1:]) {
 		p := e.paths[name]
 		for _, pod := range []*simnode.Pod{p.client, p.server} {
@@ -324,7 +326,7 @@ func newEnv(t *testing.T, s settings) *env {
 			}
 		}
 		if name == pathIptablesLean || name == pathEBPFLean || name == pathDirect {
-			e.startLean(p)
+			e.addLean(p)
 		}
 		p.srv = simnode.StartHelper(t, roleServer, p.server.NS, p.server.Cgroup)
 		if err := call(p.srv, serverRequest{Op: "listen"}, nil); err != nil {
@@ -333,6 +335,9 @@ func newEnv(t *testing.T, s settings) *env {
 		p.gen = simnode.StartHelper(t, roleClient, p.client.NS, p.client.Cgroup)
 		p.echo = fmt.Sprintf("%s:%d", p.server.V4, echoPort)
 		p.sink = fmt.Sprintf("%s:%d", p.server.V4, sinkPort)
+	}
+	if err := call(e.leanpx, leanRequest{Op: "serve"}, nil); err != nil {
+		t.Fatalf("lean proxy: %v", err)
 	}
 	return e
 }

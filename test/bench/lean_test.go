@@ -62,13 +62,11 @@ type leanVariant struct {
 	name string // direct, iptables, ebpf, direct+proxy, or a variant of ebpf
 	path *path
 	addr string // where the client connects
-	// proxies relay the variant's connections, in the client and the
-	// server pod, each in a cgroup of its own (proxyCgroups); none on
-	// direct.
-	proxies      []*simnode.Proc
-	proxyCgroups []string
-	trace        bool     // someone traces while it runs
-	agentFlags   []string // the node agent runs with these for the variant's block
+	// proxied: the lean proxy relays the variant's connections (all but
+	// direct).
+	proxied    bool
+	trace      bool     // someone traces while it runs
+	agentFlags []string // the node agent runs with these for the variant's block
 }
 
 // base tells the three paths every lean figure has.
@@ -86,6 +84,7 @@ type leanRun struct {
 	// of a send lands in the sender's time), of which softirqd and
 	// proxyCPU.
 	cpu, softirqd, proxyCPU time.Duration
+	clientCPU, serverCPU    time.Duration // the two pods' cgroups
 	// tracerCPU is the agent's and the tracer's cgroups' CPU time while
 	// tracing; events and lost what the tracer printed and missed.
 	tracerCPU    time.Duration
@@ -97,7 +96,7 @@ type leanRun struct {
 func (e *env) leanVariants(res *Results) []leanVariant {
 	direct, ipt, ebpf := e.paths[pathDirect], e.paths[pathIptablesLean], e.paths[pathEBPFLean]
 	meshed := func(name string, p *path) leanVariant {
-		return leanVariant{name: name, path: p, addr: p.echo, proxies: p.lean, proxyCgroups: p.leanCgroups}
+		return leanVariant{name: name, path: p, addr: p.echo, proxied: true}
 	}
 	proxy := meshed(variantProxy, direct)
 	proxy.addr = fmt.Sprintf("%s:%d", direct.client.V4, explicitOutPort)
@@ -116,13 +115,13 @@ func (e *env) leanVariants(res *Results) []leanVariant {
 	return vs
 }
 
-// startLean starts the lean proxies of a path's two pods, each in the
-// pod's netns and a cgroup of its own below the node's root (where the
-// socket hooks apply, as to ztunnel's), on one OS thread (GOMAXPROCS=1):
-// ztunnel's listeners in meshed pods; in the direct pair explicit
-// listeners for the direct+proxy baseline (client pod: to the server
-// pod's proxy; server pod: to the server).
-func (e *env) startLean(p *path) {
+// addLean has the lean proxy serve a path's two pods: ztunnel's
+// listeners in meshed pods; in the direct pair explicit listeners for the
+// direct+proxy baseline (client pod: to the server pod's; server pod: to
+// the server). The proxy runs in the node netns like ztunnel, in a cgroup
+// below the node's root (where the socket hooks apply, as to ztunnel's),
+// on one OS thread (GOMAXPROCS=1).
+func (e *env) addLean(p *path) {
 	for i, pod := range []*simnode.Pod{p.client, p.server} {
 		var ls []leanListener
 		if p.name == pathDirect {
@@ -131,18 +130,15 @@ func (e *env) startLean(p *path) {
 				{Port: explicitInPort, Inbound: true, To: netip.AddrPortFrom(p.server.V4, echoPort)},
 			}[i : i+1]
 		}
-		cg := e.cgroup("lean-" + pod.Name)
-		lp := simnode.StartHelper(e.t, roleLean, pod.NS, cg, "GOMAXPROCS=1")
-		if err := call(lp, leanRequest{Op: "listen", Listeners: ls}, nil); err != nil {
-			e.t.Fatalf("lean proxy in %s: %v", pod.Name, err)
+		if err := call(e.leanpx, leanRequest{Op: "add", Pod: pod.Name, Netns: pod.NetnsPath(), Listeners: ls}, nil); err != nil {
+			e.t.Fatalf("lean proxy for %s: %v", pod.Name, err)
 		}
-		p.lean, p.leanCgroups = append(p.lean, lp), append(p.leanCgroups, cg)
 	}
 }
 
-func (e *env) leanCounts(lp *simnode.Proc) leanCountsReply {
+func (e *env) leanCounts(pod *simnode.Pod) leanCountsReply {
 	var c leanCountsReply
-	if err := call(lp, leanRequest{Op: "counts"}, &c); err != nil {
+	if err := call(e.leanpx, leanRequest{Op: "counts", Pod: pod.Name}, &c); err != nil {
 		e.t.Fatalf("lean proxy counts: %v", err)
 	}
 	return c
@@ -162,7 +158,7 @@ func (e *env) lean(res *Results) {
 	}
 	seq, conc, p50, p99 := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	cpu, redirect, meshExtra, softirqd := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
-	proxyCPU := map[string][]float64{}
+	proxyCPU, clientCPU, serverCPU := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	ctPod, ctNode := map[string][]float64{}, map[string][]float64{}
 	var tracerCPU, events, lost []float64
 	for rep := range s.reps {
@@ -175,7 +171,9 @@ func (e *env) lean(res *Results) {
 				c := us(r.cpu) / float64(r.Conns)
 				cpu[v.name] = append(cpu[v.name], c)
 				softirqd[v.name] = append(softirqd[v.name], us(r.softirqd)/float64(r.Conns))
-				if len(v.proxies) > 0 {
+				clientCPU[v.name] = append(clientCPU[v.name], us(r.clientCPU)/float64(r.Conns))
+				serverCPU[v.name] = append(serverCPU[v.name], us(r.serverCPU)/float64(r.Conns))
+				if v.proxied {
 					proxyCPU[v.name] = append(proxyCPU[v.name], us(r.proxyCPU)/float64(r.Conns))
 				}
 				switch v.name {
@@ -206,7 +204,7 @@ func (e *env) lean(res *Results) {
 		}
 		slog.Info("lean repetition done", "rep", rep+1, "of", s.reps, "conn_seq", last(seq), "rr_p50_us", last(p50), "redirect_cpu_us", last(redirect))
 	}
-	cpuNote := "CPU time (cgroup v2 cpu.stat usage_usec, exact) of the client and server pods' cgroups and of both lean proxies' cgroups, " +
+	cpuNote := "CPU time (cgroup v2 cpu.stat usage_usec, exact) of the client and server pods' cgroups and of the lean proxy's cgroup, " +
 		"plus the ksoftirqd threads' (/proc/<pid>/schedstat), during each conn_rate_seq run, per connection"
 	res.Figures = append(res.Figures,
 		newFigure("lean_conn_rate_seq", "conn/s", "higher", ">= 1.3x iptables", seq),
@@ -221,7 +219,7 @@ func (e *env) lean(res *Results) {
 		newFigure("meshed_extra_cpu_us", "us CPU/conn", "lower", "", meshExtra).withNote(
 			"lean_conn_cpu_us minus direct's (no proxy) of the same repetition: the redirection plus the proxy's two relays and the two "+
 				"extra TCP connections a meshed connection makes"),
-		newFigure("lean_proxy_cpu_us", "us CPU/conn", "lower", "", proxyCPU).withNote("the two lean proxies' cgroups alone, per connection of conn_rate_seq"),
+		newFigure("lean_proxy_cpu_us", "us CPU/conn", "lower", "", proxyCPU).withNote("the lean proxy's cgroup alone (both relays), per connection of conn_rate_seq"),
 		newFigure("conntrack_entries_per_conn", "entries/conn", "lower", "0 for ebpf", ctPod).withNote(
 			"conntrack entries in the client and the server pod's netns per connection: both tables and the node's flushed (ctnetlink), "+
 				fmt.Sprint(ctConns)+" sequential connections, then nf_conntrack_count in each netns"),
@@ -234,10 +232,17 @@ func (e *env) lean(res *Results) {
 			"%.1f us (the agent's ring-buffer reader and gRPC stream plus ambient-ebpf trace -o json; not in redirect_cpu_us), %.1f events per connection, %.0f lost per run (median)",
 			sm.Median, summarize(events).Median, summarize(lost).Median)
 	}
-	if sm := summarize(softirqd[pathEBPF]); sm != nil {
-		res.Notes["lean: ksoftirqd CPU per connection (part of lean_conn_cpu_us)"] = fmt.Sprintf("direct %.1f us, iptables %.1f us, ebpf %.1f us (medians; machine-wide threads)",
-			summarize(softirqd[pathDirect]).Median, summarize(softirqd[pathIptables]).Median, sm.Median)
+	var parts []string
+	for _, v := range vs {
+		if sm := summarize(clientCPU[v.name]); sm != nil {
+			part := fmt.Sprintf("%s: client pod %.0f, server pod %.0f", v.name, sm.Median, summarize(serverCPU[v.name]).Median)
+			if px := summarize(proxyCPU[v.name]); px != nil {
+				part += fmt.Sprintf(", lean proxy %.0f", px.Median)
+			}
+			parts = append(parts, part+fmt.Sprintf(", ksoftirqd %.1f", summarize(softirqd[v.name]).Median))
+		}
 	}
+	res.Notes["lean: CPU per connection by where it ran (us, medians of the conn_rate_seq runs; ksoftirqd machine-wide)"] = strings.Join(parts, "; ")
 }
 
 // run turns a lean measurement into the shape rate() takes.
@@ -302,9 +307,10 @@ func (e *env) measureLean(v leanVariant, req loadRequest) leanRun {
 	e.t.Helper()
 	p := v.path
 	zt0 := e.ztCounts()
-	var lean0 []leanCountsReply
-	for _, lp := range v.proxies {
-		lean0 = append(lean0, e.leanCounts(lp))
+	var out0, in0 leanCountsReply
+	var proxyCG []string
+	if v.proxied {
+		out0, in0, proxyCG = e.leanCounts(p.client), e.leanCounts(p.server), []string{e.leanCG}
 	}
 	var dp0 dataplane.Stats
 	if p.ebpf() {
@@ -313,15 +319,17 @@ func (e *env) measureLean(v leanVariant, req loadRequest) leanRun {
 	if v.trace {
 		e.startTrace()
 	}
-	hot := append([]string{p.client.Cgroup, p.server.Cgroup}, v.proxyCgroups...)
+	hot := append([]string{p.client.Cgroup, p.server.Cgroup}, proxyCG...)
 	tracing := []string{e.agent.cgroup, e.tracerCG}
-	cpu0, sirq0, tr0, px0 := cgroupsCPU(hot), threadsCPU(e.softirqd), cgroupsCPU(tracing), cgroupsCPU(v.proxyCgroups)
+	cpu0, sirq0, tr0, px0 := cgroupsCPU(hot), threadsCPU(e.softirqd), cgroupsCPU(tracing), cgroupsCPU(proxyCG)
+	cl0, sv0 := cgroupsCPU([]string{p.client.Cgroup}), cgroupsCPU([]string{p.server.Cgroup})
 	var r leanRun
 	if err := call(p.gen, req, &r.loadResult); err != nil {
 		e.t.Fatalf("%s %s on %s: %v", req.Op, req.Addr, v.name, err)
 	}
 	sirq := threadsCPU(e.softirqd) - sirq0
-	r.cpu, r.softirqd, r.tracerCPU, r.proxyCPU = cgroupsCPU(hot)-cpu0+sirq, sirq, cgroupsCPU(tracing)-tr0, cgroupsCPU(v.proxyCgroups)-px0
+	r.cpu, r.softirqd, r.tracerCPU, r.proxyCPU = cgroupsCPU(hot)-cpu0+sirq, sirq, cgroupsCPU(tracing)-tr0, cgroupsCPU(proxyCG)-px0
+	r.clientCPU, r.serverCPU = cgroupsCPU([]string{p.client.Cgroup})-cl0, cgroupsCPU([]string{p.server.Cgroup})-sv0
 	if v.trace {
 		tr := e.stopTrace()
 		r.events, r.lost = tr.Events, tr.lost()
@@ -335,15 +343,15 @@ func (e *env) measureLean(v leanVariant, req loadRequest) leanRun {
 		e.t.Fatalf("%s on %s: connections went through the stand-in", req.Op, v.name)
 	}
 	switch {
-	case len(v.proxies) == 2:
-		out, in := e.leanCounts(v.proxies[0]), e.leanCounts(v.proxies[1])
-		if got := out.Outbound - lean0[0].Outbound; got < r.Conns {
-			e.t.Fatalf("%s on %s: %d connections, but the client pod's lean proxy accepted %d outbound", req.Op, v.name, r.Conns, got)
+	case v.proxied:
+		out, in := e.leanCounts(p.client), e.leanCounts(p.server)
+		if got := out.Outbound - out0.Outbound; got < r.Conns {
+			e.t.Fatalf("%s on %s: %d connections, but the lean proxy accepted %d outbound in the client pod", req.Op, v.name, r.Conns, got)
 		}
-		if got := in.Inbound - lean0[1].Inbound; got < r.Conns {
-			e.t.Fatalf("%s on %s: %d connections, but the server pod's lean proxy accepted %d inbound", req.Op, v.name, r.Conns, got)
+		if got := in.Inbound - in0.Inbound; got < r.Conns {
+			e.t.Fatalf("%s on %s: %d connections, but the lean proxy accepted %d inbound in the server pod", req.Op, v.name, r.Conns, got)
 		}
-		relayErrs = out.Errors - lean0[0].Errors + in.Errors - lean0[1].Errors
+		relayErrs = out.Errors - out0.Errors + in.Errors - in0.Errors
 		lastErr = strings.TrimSpace(out.LastError + " " + in.LastError)
 	case p.name != pathDirect:
 		e.t.Fatalf("%s: a meshed path without lean proxies", v.name)

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"os"
 	"runtime"
 	"sync/atomic"
 
@@ -20,40 +21,52 @@ import (
 
 // leanProxy is the proxy of the lean paths (issue 15): ztunnel's socket
 // contract and as little else as a relay can do, so that what a meshed
-// connection costs beyond the direct path is mostly the redirection. It
-// runs inside one pod's netns (a process per pod) and serves that pod's
-// listeners as ztunnel does: wildcard dual-stack listeners on 15001 and
-// 15006 with SO_MARK 0x539, SO_REUSEPORT and IP_TRANSPARENT; the original
-// destination of every accepted connection by getsockopt(SO_ORIGINAL_DST),
-// never a fallback; upstream sockets marked 0x539, plain TCP (never MPTCP);
-// inbound ones bound to the client's address (IP_TRANSPARENT, the port
-// left to connect by IP_BIND_ADDRESS_NO_PORT), as ztunnel keeps the
-// original source. One OS thread runs a level-triggered epoll loop over
-// non-blocking sockets and relays with read/write through one buffer: for
-// the benchmark's 64-byte messages that is one copy each way and the
-// fewest system calls (splice would need a pipe per direction and two
-// calls per message).
+// connection costs beyond the direct path is mostly the redirection. Like
+// ztunnel (and the stand-in) it is one process in the node netns serving
+// every pod it is given, with its sockets in each pod's netns: wildcard
+// dual-stack listeners on 15001 and 15006 with SO_MARK 0x539,
+// SO_REUSEPORT and IP_TRANSPARENT; the original destination of every
+// accepted connection by getsockopt(SO_ORIGINAL_DST), never a fallback;
+// upstream sockets marked 0x539, plain TCP (never MPTCP), made in the
+// netns of the listener that accepted (its one thread switches netns with
+// setns only when the next upstream's pod differs); inbound ones bound to
+// the client's address (IP_TRANSPARENT, the port left to connect by
+// IP_BIND_ADDRESS_NO_PORT), as ztunnel keeps the original source. The
+// thread runs a level-triggered epoll loop over non-blocking sockets and
+// relays with read/write through one buffer: for the benchmark's 64-byte
+// messages that is one copy each way and the fewest system calls (splice
+// would need a pipe per direction and two calls per message). One
+// process for both pods of a connection also spares a wake-up per hop: the
+// outbound relay's write reaches the server pod's listener within the
+// same system call, and the next epoll_wait returns it at once.
 type leanProxy struct {
 	epfd, wake int
-	listeners  map[int32]leanListener // by fd
-	conns      []*leanConn      // by fd
+	pods       map[string]*leanPod     // by name, fixed once serving
+	listeners  map[int32]*leanListener // by fd, fixed once serving
+	conns      []*leanConn             // by fd
 	pool       []*leanConn
 	gen        int32
 	buf        []byte
+	netns      int // the netns fd the loop thread is in (-1: the process's)
 	done       chan struct{}
-	counts     leanCounts
 }
 
-// leanCounts are what the proxy did, for the benchmark's path checks.
+// leanPod is one pod served: its netns, and what the proxy did for it.
+type leanPod struct {
+	netns  int // an open fd of the pod's netns
+	counts leanCounts
+}
+
+// leanCounts are what the proxy did for a pod, for the path checks.
 type leanCounts struct {
 	outbound, inbound, errors atomic.Int64
 	lastError                 atomic.Value // string
 }
 
-// leanCountsReply is a snapshot of leanCounts.
+// leanCountsReply is a snapshot of a pod's leanCounts.
 type leanCountsReply struct {
-	Outbound  int64  `json:"outbound"` // connections accepted on :15001
-	Inbound   int64  `json:"inbound"`  // on :15006
+	Outbound  int64  `json:"outbound"` // connections accepted on outbound listeners
+	Inbound   int64  `json:"inbound"`  // on inbound listeners
 	Errors    int64  `json:"errors"`   // connections it could not relay
 	LastError string `json:"lastError,omitempty"`
 }
@@ -63,6 +76,7 @@ type leanConn struct {
 	fd         int
 	gen        int32 // tells a reused fd's events from its predecessor's
 	peer       *leanConn
+	pod        *leanPod
 	connecting bool   // upstream: connect in progress
 	eof        bool   // its read side saw EOF (passed on to the peer)
 	pending    []byte // read from the peer, not yet written here
@@ -71,8 +85,10 @@ type leanConn struct {
 }
 
 type leanRequest struct {
-	Op string `json:"op"` // listen, counts
-	// Listeners are the listeners to open; none: ztunnel's (15001
+	Op    string `json:"op"` // add (before serve), serve, counts
+	Pod   string `json:"pod,omitempty"`
+	Netns string `json:"netns,omitempty"` // add: the pod's netns file
+	// Listeners are the pod's listeners (add); none: ztunnel's (15001
 	// outbound and 15006 inbound, original destination by
 	// SO_ORIGINAL_DST).
 	Listeners []leanListener `json:"listeners,omitempty"`
@@ -86,7 +102,8 @@ type leanListener struct {
 	// addressed to the proxy explicitly: no original destination, and
 	// the upstream socket gets the pod's own address (no transparent
 	// bind). The direct+proxy baseline: the same relays, no redirection.
-	To netip.AddrPort `json:"to,omitzero"`
+	To  netip.AddrPort `json:"to,omitzero"`
+	pod *leanPod
 }
 
 func (p *leanProxy) handle(line []byte) (any, error) {
@@ -95,59 +112,81 @@ func (p *leanProxy) handle(line []byte) (any, error) {
 		return nil, err
 	}
 	switch req.Op {
-	case "listen":
+	case "add":
 		if p.done != nil {
-			return nil, errors.New("already listening")
+			return nil, errors.New("add pods before serving")
 		}
 		ls := req.Listeners
 		if len(ls) == 0 {
 			ls = []leanListener{{Port: standin.OutboundPort}, {Port: standin.InboundPort, Inbound: true}}
 		}
-		return nil, p.listen(ls)
+		return nil, p.add(req.Pod, req.Netns, ls)
+	case "serve":
+		if p.done != nil {
+			return nil, errors.New("already serving")
+		}
+		p.buf, p.netns, p.done = make([]byte, 64<<10), -1, make(chan struct{})
+		go p.loop()
+		return nil, nil
 	case "counts":
-		c := leanCountsReply{Outbound: p.counts.outbound.Load(), Inbound: p.counts.inbound.Load(), Errors: p.counts.errors.Load()}
-		c.LastError, _ = p.counts.lastError.Load().(string)
+		pod := p.pods[req.Pod]
+		if pod == nil {
+			return nil, fmt.Errorf("no pod %q", req.Pod)
+		}
+		c := leanCountsReply{Outbound: pod.counts.outbound.Load(), Inbound: pod.counts.inbound.Load(), Errors: pod.counts.errors.Load()}
+		c.LastError, _ = pod.counts.lastError.Load().(string)
 		return c, nil
 	}
 	return nil, fmt.Errorf("unknown op %q", req.Op)
 }
 
-// listen opens the listeners in this process's netns and starts the loop.
-func (p *leanProxy) listen(ls []leanListener) error {
-	var err error
-	if p.epfd, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
-		return fmt.Errorf("epoll_create1: %w", err)
+// add opens a pod's listeners in its netns.
+func (p *leanProxy) add(name, netnsPath string, ls []leanListener) error {
+	if p.epfd == 0 {
+		var err error
+		if p.epfd, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
+			return fmt.Errorf("epoll_create1: %w", err)
+		}
+		if p.wake, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+			return fmt.Errorf("eventfd: %w", err)
+		}
+		if err := p.register(p.wake, 0, unix.EPOLLIN); err != nil {
+			return err
+		}
+		p.pods, p.listeners = map[string]*leanPod{}, map[int32]*leanListener{}
 	}
-	if p.wake, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
-		return fmt.Errorf("eventfd: %w", err)
+	nsfd, err := unix.Open(netnsPath, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open netns %s: %w", netnsPath, err)
 	}
-	if err := p.register(p.wake, 0, unix.EPOLLIN); err != nil {
-		return err
-	}
-	ns, err := sockutil.EnterNetns(nil)
+	pod := &leanPod{netns: nsfd}
+	p.pods[name] = pod
+	f, err := os.Open(netnsPath)
 	if err != nil {
 		return err
 	}
+	defer f.Close()
+	ns, err := sockutil.EnterNetns(f)
+	if err != nil {
+		return fmt.Errorf("pod %s: %w", name, err)
+	}
 	defer ns.Close()
-	p.listeners = map[int32]leanListener{}
 	for _, l := range ls {
 		fd, err := ns.Socket(unix.AF_INET6, unix.SOCK_STREAM, sockutil.Opts{Mark: standin.Mark, ReusePort: true, Transparent: true,
 			Bind: netip.AddrPortFrom(netip.IPv6Unspecified(), l.Port)})
 		if err != nil {
-			return fmt.Errorf("listener on %d: %w", l.Port, err)
+			return fmt.Errorf("pod %s: listener on %d: %w", name, l.Port, err)
 		}
 		if err := unix.Listen(fd, 4096); err != nil {
 			unix.Close(fd)
-			return fmt.Errorf("listen on %d: %w", l.Port, err)
+			return fmt.Errorf("pod %s: listen on %d: %w", name, l.Port, err)
 		}
-		p.listeners[int32(fd)] = l
+		l.pod = pod
+		p.listeners[int32(fd)] = &l
 		if err := p.register(fd, 0, unix.EPOLLIN); err != nil {
 			return err
 		}
 	}
-	p.buf = make([]byte, 64<<10)
-	p.done = make(chan struct{})
-	go p.loop()
 	return nil
 }
 
@@ -161,11 +200,10 @@ func (p *leanProxy) register(fd int, gen int32, events uint32) error {
 
 // close stops the loop and closes every socket.
 func (p *leanProxy) close() {
-	if p.done == nil {
-		return
+	if p.done != nil {
+		_, _ = unix.Write(p.wake, []byte{1, 0, 0, 0, 0, 0, 0, 0})
+		<-p.done
 	}
-	_, _ = unix.Write(p.wake, []byte{1, 0, 0, 0, 0, 0, 0, 0})
-	<-p.done
 	for fd := range p.listeners {
 		unix.Close(int(fd))
 	}
@@ -174,8 +212,13 @@ func (p *leanProxy) close() {
 			unix.Close(c.fd)
 		}
 	}
-	unix.Close(p.wake)
-	unix.Close(p.epfd)
+	for _, pod := range p.pods {
+		unix.Close(pod.netns)
+	}
+	if p.epfd != 0 {
+		unix.Close(p.wake)
+		unix.Close(p.epfd)
+	}
 }
 
 // loop is the proxy's one thread.
@@ -189,7 +232,9 @@ func (p *leanProxy) loop() {
 			continue
 		}
 		if err != nil {
-			p.fail(fmt.Errorf("epoll_wait: %w", err))
+			for _, pod := range p.pods {
+				p.fail(pod, fmt.Errorf("epoll_wait: %w", err))
+			}
 			return
 		}
 		for _, ev := range events[:n] {
@@ -211,31 +256,31 @@ func (p *leanProxy) loop() {
 
 // accept takes every pending connection of a listener and connects its
 // upstream.
-func (p *leanProxy) accept(lfd int, l leanListener) {
+func (p *leanProxy) accept(lfd int, l *leanListener) {
 	for {
 		fd, sa, err := unix.Accept4(lfd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
 		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
 			return
 		}
 		if err != nil {
-			p.fail(fmt.Errorf("accept on %d: %w", l.Port, err))
+			p.fail(l.pod, fmt.Errorf("accept on %d: %w", l.Port, err))
 			return
 		}
 		if l.Inbound {
-			p.counts.inbound.Add(1)
+			l.pod.counts.inbound.Add(1)
 		} else {
-			p.counts.outbound.Add(1)
+			l.pod.counts.outbound.Add(1)
 		}
 		if err := p.open(fd, sa, l); err != nil {
 			unix.Close(fd)
-			p.fail(err)
+			p.fail(l.pod, err)
 		}
 	}
 }
 
 // open starts the upstream connection of an accepted socket; the
 // downstream joins the loop once it is connected.
-func (p *leanProxy) open(fd int, peer unix.Sockaddr, l leanListener) error {
+func (p *leanProxy) open(fd int, peer unix.Sockaddr, l *leanListener) error {
 	dst := l.To
 	if !dst.IsValid() {
 		var err error
@@ -251,6 +296,12 @@ func (p *leanProxy) open(fd int, peer unix.Sockaddr, l leanListener) error {
 	if dst.Addr().Is4() {
 		family = unix.AF_INET
 	}
+	if p.netns != l.pod.netns {
+		if err := unix.Setns(l.pod.netns, unix.CLONE_NEWNET); err != nil {
+			return fmt.Errorf("setns: %w", err)
+		}
+		p.netns = l.pod.netns
+	}
 	up, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return fmt.Errorf("socket: %w", err)
@@ -259,7 +310,7 @@ func (p *leanProxy) open(fd int, peer unix.Sockaddr, l leanListener) error {
 		unix.Close(up)
 		return err
 	}
-	down, upc := p.newConn(fd), p.newConn(up)
+	down, upc := p.newConn(fd, l.pod), p.newConn(up, l.pod)
 	down.peer, upc.peer, upc.connecting = upc, down, true
 	if err := p.watch(upc, unix.EPOLLOUT); err != nil {
 		p.release(down)
@@ -439,7 +490,7 @@ func (p *leanProxy) watch(c *leanConn, events uint32) error {
 // a connection the proxy could not relay.
 func (p *leanProxy) closePair(c *leanConn, err error) {
 	if err != nil {
-		p.fail(err)
+		p.fail(c.pod, err)
 	}
 	for _, s := range []*leanConn{c, c.peer} {
 		unix.Close(s.fd)
@@ -447,12 +498,12 @@ func (p *leanProxy) closePair(c *leanConn, err error) {
 	}
 }
 
-func (p *leanProxy) fail(err error) {
-	p.counts.errors.Add(1)
-	p.counts.lastError.Store(err.Error())
+func (p *leanProxy) fail(pod *leanPod, err error) {
+	pod.counts.errors.Add(1)
+	pod.counts.lastError.Store(err.Error())
 }
 
-func (p *leanProxy) newConn(fd int) *leanConn {
+func (p *leanProxy) newConn(fd int, pod *leanPod) *leanConn {
 	var c *leanConn
 	if n := len(p.pool); n > 0 {
 		c, p.pool = p.pool[n-1], p.pool[:n-1]
@@ -460,7 +511,7 @@ func (p *leanProxy) newConn(fd int) *leanConn {
 		c = &leanConn{}
 	}
 	p.gen++
-	*c = leanConn{fd: fd, gen: p.gen, pending: c.pending[:0]}
+	*c = leanConn{fd: fd, gen: p.gen, pod: pod, pending: c.pending[:0]}
 	for fd >= len(p.conns) {
 		p.conns = append(p.conns, make([]*leanConn, len(p.conns)+64)...)
 	}
