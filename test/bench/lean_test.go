@@ -54,7 +54,7 @@ var agentVariants = []struct {
 	name  string
 	flags []string
 }{
-	{name: "ebpf+sockmap", flags: []string{"--sockmap-acceleration"}},
+	{name: "ebpf+sockmap", flags: []string{"--sockmap-accel"}},
 }
 
 // leanVariant is one column of the lean figures: a path, and how it runs.
