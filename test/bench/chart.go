@@ -250,6 +250,7 @@ func countPlot(r *Results) (*plot.Plot, error) {
 		{pathEBPF, colEBPF, func(f Figure) *Summary { return f.EBPF }},
 	}
 	w := vg.Points(14)
+	top := 1.0
 	for i, pt := range paths {
 		vals := make(plotter.Values, len(figs))
 		for j, f := range figs {
@@ -258,6 +259,7 @@ func countPlot(r *Results) (*plot.Plot, error) {
 				if f.Name == "churn_failed_conns" {
 					vals[j] /= 10
 				}
+				top = max(top, vals[j])
 			}
 		}
 		bars, err := plotter.NewBarChart(vals, w)
@@ -269,8 +271,8 @@ func countPlot(r *Results) (*plot.Plot, error) {
 		p.Legend.Add(pt.name, bars)
 	}
 	p.NominalX(labels...)
-	p.Legend.Top = true
-	p.Y.Min = 0
+	p.Legend.Top, p.Legend.Left = true, true
+	p.Y.Min, p.Y.Max = 0, top*1.3
 	return p, nil
 }
 
