@@ -159,7 +159,7 @@ func (e *env) lean(res *Results) {
 	seq, conc, p50, p99 := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	cpu, redirect, meshExtra, softirqd := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	proxyCPU, clientCPU, serverCPU := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
-	ctPod, ctNode := map[string][]float64{}, map[string][]float64{}
+	ctPod, ctNode, tput := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	var tracerCPU, events, lost []float64
 	for rep := range s.reps {
 		var directCPU, proxiedCPU float64
@@ -196,6 +196,10 @@ func (e *env) lean(res *Results) {
 			rr := e.measureLean(v, loadRequest{Op: "rr", Addr: v.addr, Count: s.rtts})
 			p50[v.name] = append(p50[v.name], us(percentile(rr.RTTs, 50)))
 			p99[v.name] = append(p99[v.name], us(percentile(rr.RTTs, 99)))
+			if v.name != variantProxy { // its explicit listeners lead to the echo server only
+				b := e.measureLean(v, loadRequest{Op: "bulk", Addr: v.path.sink, Duration: s.duration})
+				tput[v.name] = append(tput[v.name], float64(b.Bytes)*8/b.Elapsed.Seconds()/1e9)
+			}
 			if v.base() {
 				pod, node := e.conntrackPerConn(v)
 				ctPod[v.name], ctNode[v.name] = append(ctPod[v.name], pod), append(ctNode[v.name], node)
@@ -211,6 +215,7 @@ func (e *env) lean(res *Results) {
 		newFigure("lean_conn_rate_conc", "conn/s", "higher", ">= 1.3x iptables", conc),
 		newFigure("lean_rr_latency_p50", "us", "lower", "<= 0.8x iptables", p50),
 		newFigure("lean_rr_latency_p99", "us", "lower", "<= 0.8x iptables", p99),
+		newFigure("lean_throughput", "Gbit/s", "higher", "", tput).withNote("as throughput, through the lean proxy (128 KiB writes; the proxy relays up to 64 KiB a read)"),
 		newFigure("lean_conn_cpu_us", "us CPU/conn", "lower", "", cpu).withNote(cpuNote+"; direct: no proxy"),
 		newFigure("redirect_cpu_us", "us CPU/conn", "lower", "ebpf <= 0.5x iptables", redirect).withNote(
 			"lean_conn_cpu_us of the meshed path minus direct+proxy's of the same repetition: what the redirection costs (capture, "+
