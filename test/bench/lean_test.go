@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -45,9 +46,9 @@ const (
 )
 
 // agentVariants are variants of the ebpf-lean pair that need the node
-// agent started with flags: for a variant's block of each repetition the
+// agent started with flags: before each of a variant's measurements the
 // agent is restarted with them (it adopts the pods, as on an upgrade), and
-// afterwards without. A variant whose flags the agent binary does not list
+// before the next other column's without. A variant whose flags the agent binary does not list
 // in its --help is not measured, and the notes say so. Issue 15's sockmap
 // acceleration is measured by naming its flag here.
 var agentVariants = []struct {
@@ -161,53 +162,71 @@ func (e *env) lean(res *Results) {
 	proxyCPU, clientCPU, serverCPU := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	ctPod, ctNode, tput := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	var tracerCPU, events, lost []float64
+	// Each kind of measurement goes round every variant before the next
+	// kind starts, so that the columns a figure subtracts or divides are
+	// measured seconds apart; the agent is restarted only where a
+	// variant's flags differ from the previous one's.
 	for rep := range s.reps {
 		var directCPU, proxiedCPU float64
 		for _, v := range vs {
-			e.enterVariant(v)
+			e.agentFlags(v.agentFlags)
 			r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: s.duration})
 			seq[v.name] = append(seq[v.name], rate(r.run()))
-			if r.Conns > 0 {
-				c := us(r.cpu) / float64(r.Conns)
-				cpu[v.name] = append(cpu[v.name], c)
-				softirqd[v.name] = append(softirqd[v.name], us(r.softirqd)/float64(r.Conns))
-				clientCPU[v.name] = append(clientCPU[v.name], us(r.clientCPU)/float64(r.Conns))
-				serverCPU[v.name] = append(serverCPU[v.name], us(r.serverCPU)/float64(r.Conns))
-				if v.proxied {
-					proxyCPU[v.name] = append(proxyCPU[v.name], us(r.proxyCPU)/float64(r.Conns))
-				}
-				switch v.name {
-				case pathDirect:
-					directCPU = c
-				case variantProxy:
-					proxiedCPU = c
-					meshExtra[v.name] = append(meshExtra[v.name], c-directCPU)
-				default:
-					redirect[v.name] = append(redirect[v.name], c-proxiedCPU)
-					meshExtra[v.name] = append(meshExtra[v.name], c-directCPU)
-				}
-				if v.trace {
-					tracerCPU = append(tracerCPU, us(r.tracerCPU)/float64(r.Conns))
-					events = append(events, float64(r.events)/float64(r.Conns))
-					lost = append(lost, float64(r.lost))
-				}
+			if r.Conns == 0 {
+				continue
 			}
+			c := us(r.cpu) / float64(r.Conns)
+			cpu[v.name] = append(cpu[v.name], c)
+			softirqd[v.name] = append(softirqd[v.name], us(r.softirqd)/float64(r.Conns))
+			clientCPU[v.name] = append(clientCPU[v.name], us(r.clientCPU)/float64(r.Conns))
+			serverCPU[v.name] = append(serverCPU[v.name], us(r.serverCPU)/float64(r.Conns))
+			if v.proxied {
+				proxyCPU[v.name] = append(proxyCPU[v.name], us(r.proxyCPU)/float64(r.Conns))
+			}
+			switch v.name {
+			case pathDirect:
+				directCPU = c
+			case variantProxy:
+				proxiedCPU = c
+				meshExtra[v.name] = append(meshExtra[v.name], c-directCPU)
+			default:
+				redirect[v.name] = append(redirect[v.name], c-proxiedCPU)
+				meshExtra[v.name] = append(meshExtra[v.name], c-directCPU)
+			}
+			if v.trace {
+				tracerCPU = append(tracerCPU, us(r.tracerCPU)/float64(r.Conns))
+				events = append(events, float64(r.events)/float64(r.Conns))
+				lost = append(lost, float64(r.lost))
+			}
+		}
+		for _, v := range vs {
+			e.agentFlags(v.agentFlags)
 			conc[v.name] = append(conc[v.name], rate(e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: s.duration, Conc: s.conc}).run()))
+		}
+		for _, v := range vs {
+			e.agentFlags(v.agentFlags)
 			rr := e.measureLean(v, loadRequest{Op: "rr", Addr: v.addr, Count: s.rtts})
 			p50[v.name] = append(p50[v.name], us(percentile(rr.RTTs, 50)))
 			p99[v.name] = append(p99[v.name], us(percentile(rr.RTTs, 99)))
-			if v.name != variantProxy { // its explicit listeners lead to the echo server only
-				b := e.measureLean(v, loadRequest{Op: "bulk", Addr: v.path.sink, Duration: s.duration})
-				tput[v.name] = append(tput[v.name], float64(b.Bytes)*8/b.Elapsed.Seconds()/1e9)
+		}
+		for _, v := range vs {
+			if v.name == variantProxy { // its explicit listeners lead to the echo server only
+				continue
 			}
+			e.agentFlags(v.agentFlags)
+			b := e.measureLean(v, loadRequest{Op: "bulk", Addr: v.path.sink, Duration: s.duration})
+			tput[v.name] = append(tput[v.name], float64(b.Bytes)*8/b.Elapsed.Seconds()/1e9)
+		}
+		for _, v := range vs {
 			if v.base() {
+				e.agentFlags(nil)
 				pod, node := e.conntrackPerConn(v)
 				ctPod[v.name], ctNode[v.name] = append(ctPod[v.name], pod), append(ctNode[v.name], node)
 			}
-			e.leaveVariant(v)
 		}
 		slog.Info("lean repetition done", "rep", rep+1, "of", s.reps, "conn_seq", last(seq), "rr_p50_us", last(p50), "redirect_cpu_us", last(redirect))
 	}
+	e.agentFlags(nil)
 	cpuNote := "CPU time (cgroup v2 cpu.stat usage_usec, exact) of the client and server pods' cgroups and of the lean proxy's cgroup, " +
 		"plus the ksoftirqd threads' (/proc/<pid>/schedstat), during each conn_rate_seq run, per connection"
 	res.Figures = append(res.Figures,
@@ -280,18 +299,11 @@ func (e *env) conntrackPerConn(v leanVariant) (pod, node float64) {
 	return float64(count(p.client.NS)+count(p.server.NS)) / c, float64(count(e.node.NodeNS)) / c
 }
 
-// enterVariant sets the node up for a variant's block: the agent with
-// the variant's flags.
-func (e *env) enterVariant(v leanVariant) {
-	if len(v.agentFlags) > 0 {
-		e.restartAgent(v.agentFlags...)
-	}
-}
-
-// leaveVariant puts the node back as the base paths measure it.
-func (e *env) leaveVariant(v leanVariant) {
-	if len(v.agentFlags) > 0 {
-		e.restartAgent()
+// agentFlags has the node agent run with flags (a variant's, or none),
+// restarting it when it runs with others.
+func (e *env) agentFlags(flags []string) {
+	if !slices.Equal(e.agent.flags, flags) {
+		e.restartAgent(flags...)
 	}
 }
 
