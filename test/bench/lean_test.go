@@ -496,14 +496,15 @@ func threadsCPU(pids []int) time.Duration {
 }
 
 // unknownFlags returns the flags (names before any "=") the agent binary
-// does not list in its --help.
+// does not list in its --help (which the flag package prints as
+// "  -name type").
 func (a *nodeAgent) unknownFlags(flags []string) []string {
 	out, _ := exec.Command(a.bin, "--help").CombinedOutput()
 	var missing []string
 	for _, f := range flags {
-		name, _, _ := strings.Cut(f, "=")
-		if !bytes.Contains(out, []byte(name+" ")) && !bytes.Contains(out, []byte(name+"\n")) && !bytes.Contains(out, []byte(name+"=")) {
-			missing = append(missing, name)
+		name, _, _ := strings.Cut(strings.TrimLeft(f, "-"), "=")
+		if !bytes.Contains(out, []byte("-"+name+" ")) && !bytes.Contains(out, []byte("-"+name+"\n")) {
+			missing = append(missing, f)
 		}
 	}
 	return missing
