@@ -164,7 +164,7 @@ func TestBench(t *testing.T) {
 	res.Config["total bench time"] = time.Since(start).Round(time.Second).String()
 	for _, name := range slices.Concat(allPaths, leanPaths[1:]) {
 		if f, ok := e.failures[name]; ok {
-			res.Notes["failed connections, "+name] = fmt.Sprintf("%d at the client, %d the stand-in could not relay; first: %s", f.conns, f.relay, f.first)
+			res.Notes["failed connections, "+name] = fmt.Sprintf("%d at the client, %d the proxy (stand-in or lean) could not relay; first: %s", f.conns, f.relay, f.first)
 		}
 	}
 
