@@ -5,11 +5,10 @@ package kube_test
 
 import (
 	"context"
-	"errors"
-	"os"
-	"path/filepath"
+	"log/slog"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -17,10 +16,49 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube/kubetest"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
 )
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatalf("timed out waiting: %s", what)
+		}
+	}
+}
+
+// serve runs the controller as the agent does: Start, then between (the
+// agent's snapshot step), then Run in the background. stop ends Run and
+// checks its error.
+func serve(t *testing.T, c *kube.Controller, sink reconciler.Desired, between func()) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := c.Start(ctx); err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	if between != nil {
+		between()
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx, sink) }()
+	stopped := false
+	stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("run: %v", err)
+		}
+	}
+	t.Cleanup(stop)
+	return stop
+}
 
 // hostilePods are pods no API server would store. The fake clientset does
 // not validate, so they reach the informers as a broken or compromised API
@@ -63,17 +101,18 @@ func TestControllerSkipsPodsWithInvalidIdentity(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	mesh := kubetest.NewMesh()
-	c, err := kube.New(testConfig(), client, mesh)
+	mesh := reconcilertest.NewMesh()
+	mesh.Start(t, reconciler.Config{RepairInPlace: true, Logger: slog.New(slog.DiscardHandler)})
+	c, err := kube.New(kube.Config{NodeName: "node-1", Logger: slog.New(slog.DiscardHandler)}, client)
 	if err != nil {
 		t.Fatal(err)
 	}
-	stop := serve(t, c, func() {
+	stop := serve(t, c, mesh, func() {
 		if snap, err := c.Snapshot(); err != nil || len(snap) != 0 {
 			t.Errorf("snapshot = %d pods, %v; want none of the invalid ones", len(snap), err)
 		}
 	})
-	waitFor(t, "the valid pod enrolled", func() bool { return mesh.Redirection("uid-good") == kube.RedirectionEnabled })
+	waitFor(t, "the valid pod enrolled", func() bool { return mesh.Redirection("uid-good") == reconciler.Enabled })
 	stop()
 	for _, call := range mesh.Calls() {
 		if call.UID != "uid-good" {
@@ -84,34 +123,5 @@ func TestControllerSkipsPodsWithInvalidIdentity(t *testing.T) {
 		if _, _, err := c.Lookup(context.Background(), p.Namespace, p.Name); err == nil {
 			t.Errorf("Lookup(%q, %q) found a pod with an invalid identity", p.Namespace, p.Name)
 		}
-	}
-}
-
-// A pod file entry without a uid is enrolled under the derived standalone
-// uid, one path element; a file with the pod named shop/../../links, whose
-// pins once went into links/, is refused as a whole.
-func TestFileSourceGivesUIDlessPodsASafeStandaloneUID(t *testing.T) {
-	pod := "apiVersion: v1\nkind: Pod\nmetadata: {name: NAME, namespace: shop, labels: {istio.io/dataplane-mode: ambient}}\n" +
-		"spec: {nodeName: node-1, containers: [{name: app, image: app}]}\nstatus: {phase: Running, podIP: 198.18.0.5}\n"
-	_, mesh, _, stop := serveFile(t, strings.ReplaceAll(pod, "NAME", "web"))
-	uid := types.UID(identity.StandaloneUID("shop", "web"))
-	waitFor(t, "web enrolled under its standalone uid", func() bool { return mesh.Redirection(uid) == kube.RedirectionEnabled })
-	stop()
-	for _, call := range mesh.Calls() {
-		if err := identity.PodUID(string(call.UID)); err != nil || call.UID != uid {
-			t.Errorf("mesh call %+v: %v", call, err)
-		}
-	}
-
-	bad := filepath.Join(t.TempDir(), "pods.yaml")
-	if err := os.WriteFile(bad, []byte(strings.ReplaceAll(pod, "NAME", "../../links")), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	src, err := kube.NewFileSource(testConfig(), bad, kubetest.NewMesh())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := src.Start(context.Background()); !errors.Is(err, identity.ErrInvalid) || !strings.Contains(err.Error(), `"../../links"`) {
-		t.Errorf("Start with a traversal pod name = %v; want an invalid identity naming it", err)
 	}
 }

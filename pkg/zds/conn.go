@@ -251,6 +251,7 @@ func (s *Server) session(ctx context.Context, c *conn) error {
 				r.result <- connErr
 				return connErr
 			}
+			s.report(c, r.msg, false, reqErr)
 			r.result <- reqErr
 		case in := <-c.in:
 			if in.err != nil {
@@ -275,16 +276,39 @@ func (s *Server) sendSnapshotEntry(ctx context.Context, c *conn, w Workload) err
 	}
 	var nsErr *netnsError
 	if errors.As(reqErr, &nsErr) {
-		c.log.Warn("netns unavailable; sending keep", "uid", w.UID, "err", reqErr.Error())
-		reqErr, connErr = c.exchange(ctx, keepMessage(w.UID), "", s.cfg.AckTimeout)
+		c.log.Warn("netns unavailable; sending keep", "uid", w.UID, "error", reqErr.Error())
+		msg = keepMessage(w.UID)
+		reqErr, connErr = c.exchange(ctx, msg, "", s.cfg.AckTimeout)
 		if connErr != nil {
 			return connErr
 		}
 	}
 	if reqErr != nil {
-		c.log.Warn("snapshot entry rejected", "uid", w.UID, "err", reqErr.Error())
+		c.log.Warn("snapshot entry rejected", "uid", w.UID, "error", reqErr.Error())
 	}
+	s.report(c, msg, true, reqErr)
 	return nil
+}
+
+// report tells Config.OnAck ztunnel's answer to msg: an ack or a NACK. A
+// request that never reached ztunnel (its netns could not be opened) is
+// not an answer and is not reported.
+func (s *Server) report(c *conn, msg *zdsapi.WorkloadRequest, snapshot bool, reqErr error) {
+	if reqErr != nil && !errors.Is(reqErr, ErrNack) {
+		return
+	}
+	a := Ack{Conn: c.id, Snapshot: snapshot, Err: reqErr}
+	switch p := msg.GetPayload().(type) {
+	case *zdsapi.WorkloadRequest_Add:
+		a.Op, a.UID = OpAdd, p.Add.GetUid()
+	case *zdsapi.WorkloadRequest_Keep:
+		a.Op, a.UID = OpKeep, p.Keep.GetUid()
+	case *zdsapi.WorkloadRequest_Del:
+		a.Op, a.UID = OpDel, p.Del.GetUid()
+	default:
+		return
+	}
+	s.cfg.OnAck(a)
 }
 
 // netnsError: the netns of an AddWorkload could not be opened; nothing was

@@ -102,6 +102,33 @@ type Config struct {
 	HelloTimeout time.Duration
 	// AckTimeout bounds the write and ack of every request (Z4).
 	AckTimeout time.Duration
+	// OnAck, when set, is told every answer ztunnel gives to an
+	// AddWorkload, KeepWorkload or DelWorkload, live or in a snapshot:
+	// the event that turns a pending pod enabled, or a NACK to retry. It
+	// is called on the connection's goroutine before the call that sent
+	// the request returns, so it must not block or call the Server.
+	OnAck func(Ack)
+	// OnConnections, when set, is told the number of connections each
+	// time one registers or ends. It must not block or call the Server.
+	OnConnections func(n int)
+}
+
+// Op names the request an Ack answers.
+type Op string
+
+const (
+	OpAdd  Op = "add"
+	OpKeep Op = "keep"
+	OpDel  Op = "del"
+)
+
+// Ack is ztunnel's answer to one request about one pod (Config.OnAck).
+type Ack struct {
+	Conn     uint64 // the connection, numbered from 1 in accept order
+	UID      string // the pod
+	Op       Op
+	Snapshot bool  // sent as part of the connection's snapshot (Z2)
+	Err      error // nil: acked; wraps ErrNack: rejected (Z6)
 }
 
 // Server is the agent's ZDS endpoint. Create it with NewServer and start it
@@ -135,6 +162,12 @@ func NewServer(cfg Config) (*Server, error) {
 	}
 	if cfg.Snapshot == nil {
 		cfg.Snapshot = func() []Workload { return nil }
+	}
+	if cfg.OnAck == nil {
+		cfg.OnAck = func(Ack) {}
+	}
+	if cfg.OnConnections == nil {
+		cfg.OnConnections = func(int) {}
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -275,17 +308,25 @@ func (s *Server) DelWorkload(ctx context.Context, uid string) error {
 
 func (s *Server) register(c *conn) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.conns = append(s.conns, c)
+	n := len(s.conns)
+	s.mu.Unlock()
+	s.cfg.OnConnections(n)
 }
 
 func (s *Server) unregister(c *conn) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	found := false
 	for i := range s.conns {
 		if s.conns[i] == c {
 			s.conns = append(s.conns[:i], s.conns[i+1:]...)
-			return
+			found = true
+			break
 		}
+	}
+	n := len(s.conns)
+	s.mu.Unlock()
+	if found {
+		s.cfg.OnConnections(n)
 	}
 }

@@ -21,6 +21,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
 )
 
 func TestKubeSourceReadsPodAndNamespaceWithTheToken(t *testing.T) {
@@ -73,11 +75,11 @@ func TestFileSource(t *testing.T) {
 	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	p, ns, err := FileSource(path).Lookup(context.Background(), "mesh", "web")
+	p, ns, err := standalone.FileLookup(path).Lookup(context.Background(), "mesh", "web")
 	if err != nil || p.Name != "web" || ns == nil {
 		t.Fatalf("Lookup = %v, %v, %v", p, ns, err)
 	}
-	if _, _, err := FileSource(path).Lookup(context.Background(), "mesh", "ghost"); err == nil {
+	if _, _, err := standalone.FileLookup(path).Lookup(context.Background(), "mesh", "ghost"); err == nil {
 		t.Error("pod missing from the file was found")
 	}
 }
@@ -102,6 +104,8 @@ func TestRunAnswersEachRequest(t *testing.T) {
 		{fallback.Request{Namespace: "mesh", Name: "web", PodFile: path, ExcludeNamespaces: []string{"mesh"}}, fallback.Response{Reason: "namespace excluded"}},
 		{fallback.Request{Namespace: "mesh", Name: "ghost", PodFile: path}, fallback.Response{Error: "pod mesh/ghost not in pod file " + path}},
 		{fallback.Request{Namespace: "mesh", Name: "web"}, fallback.Response{Error: "no kubeconfig or pod file configured to read the pod"}},
+		{fallback.Request{Namespace: "mesh", Name: "web", UID: identity.StandaloneUID("mesh", "web"), PodFile: path}, fallback.Response{Ambient: true, Reason: "namespace labelled ambient"}},
+		{fallback.Request{Namespace: "mesh", Name: "web", UID: "0c0e5e6a-other-pod", PodFile: path}, fallback.Response{Error: "pod mesh/web: the runtime names uid 0c0e5e6a-other-pod, the read pod has uid " + identity.StandaloneUID("mesh", "web")}},
 	}
 	for _, tc := range cases {
 		in, _ := json.Marshal(tc.req)
