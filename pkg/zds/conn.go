@@ -223,7 +223,11 @@ func (s *Server) session(ctx context.Context, c *conn) error {
 	// Register before reading the snapshot: a live change made from here
 	// on queues on this connection, so none falls between the two (Z7).
 	s.register(c)
-	c.log.Info("ztunnel connected", "version", hello.GetVersion().String())
+	if v := hello.GetVersion(); v > zdsapi.Version_V1 {
+		c.log.Info("ztunnel connected", "version", int32(v), "speaking", zdsapi.Version_V1.String())
+	} else {
+		c.log.Info("ztunnel connected", "version", v.String())
+	}
 
 	// Z2: the snapshot, one acked message at a time.
 	for _, w := range s.cfg.Snapshot() {
@@ -247,6 +251,18 @@ func (s *Server) session(ctx context.Context, c *conn) error {
 			return ctx.Err()
 		case r := <-c.reqs:
 			reqErr, connErr := c.exchange(ctx, r.msg, r.netns, s.cfg.AckTimeout)
+			var bad *badAckError
+			if errors.As(connErr, &bad) {
+				// A malformed answer to a live request fails that request
+				// and the connection stays, as upstream keeps it (Z6):
+				// the datagram was read, so the next answer is the next
+				// request's. A missing answer still ends the connection
+				// (below): ZDS acks name no request, and a late one would
+				// be taken as the answer to the next.
+				c.log.Warn("malformed ack to a live request; connection kept", "error", connErr.Error())
+				r.result <- connErr
+				continue
+			}
 			if connErr != nil {
 				r.result <- connErr
 				return connErr
@@ -318,6 +334,13 @@ type netnsError struct{ err error }
 func (e *netnsError) Error() string { return e.err.Error() }
 func (e *netnsError) Unwrap() error { return e.err }
 
+// badAckError: ztunnel answered, but not with a well-formed Ack (the
+// datagram was read and its descriptors closed).
+type badAckError struct{ err error }
+
+func (e *badAckError) Error() string { return e.err.Error() }
+func (e *badAckError) Unwrap() error { return e.err }
+
 // exchange writes msg (with netns's descriptor when netns is set) and waits
 // for its Ack, both before timeout (Z4). reqErr fails only this request (a
 // NACK, an unopenable netns); connErr ends the connection.
@@ -344,11 +367,11 @@ func (c *conn) exchange(ctx context.Context, msg *zdsapi.WorkloadRequest, netns 
 		return nil, err
 	}
 	if in.nfds > 0 {
-		return nil, fmt.Errorf("ack for %s carried %d file descriptors", what, in.nfds)
+		return nil, &badAckError{fmt.Errorf("ack for %s carried %d file descriptors", what, in.nfds)}
 	}
 	ack, err := zdswire.DecodeResponse(in.data)
 	if err != nil {
-		return nil, fmt.Errorf("ack for %s: %w", what, err)
+		return nil, &badAckError{fmt.Errorf("ack for %s: %w", what, err)}
 	}
 	if e := ack.GetError(); e != "" {
 		return fmt.Errorf("%s: %w: %s", what, ErrNack, e), nil

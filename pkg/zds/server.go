@@ -18,14 +18,19 @@
 //	func (s *Server) DelWorkload(ctx context.Context, uid string) error
 //	func (s *Server) Connections() int
 //
-// Per connection: ztunnel must send ZdsHello{V1} within Config.HelloTimeout
-// (Z1). The connection then becomes the newest one and receives the
+// Per connection: ztunnel must send ZdsHello within Config.HelloTimeout
+// (Z1); any version from V1 on is accepted and logged, as istio-cni does,
+// so a newer ztunnel still connects. At most AcceptRate connections are
+// accepted a second (Z10). The connection then becomes the newest one and receives the
 // snapshot from Config.Snapshot: AddWorkload with the netns descriptor, or
 // KeepWorkload when the netns is unknown (Z2), then SnapshotSent (Z3). Live
 // AddWorkload and DelWorkload follow, strictly one in flight per connection,
 // each with a write + ack deadline of Config.AckTimeout (Z4). An Ack with a
 // non-empty error is a NACK: the call fails with ErrNack and the connection
-// stays (Z6). AddWorkload goes to the newest connection only, DelWorkload to
+// stays (Z6); so does a malformed answer to a live request, which fails
+// only that call. A missing answer ends the connection: ZDS acks carry no
+// request id, so a late one would be read as the next request's.
+// Every answer is reported to Config.OnAck. AddWorkload goes to the newest connection only, DelWorkload to
 // every connection (Z7). Requests issued while a connection is still sending
 // its snapshot queue behind it; the connection is registered before the
 // snapshot is read, so no live change can fall between the two.
@@ -56,11 +61,17 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/time/rate"
+
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 )
 
 // DefaultSocketPath is where ztunnel looks for the agent.
 const DefaultSocketPath = "/var/run/ztunnel/ztunnel.sock"
+
+// AcceptRate is how many new connections a second the server accepts at
+// most (Z10).
+const AcceptRate = 5
 
 // Default timeouts (Z1, Z4).
 const (
@@ -225,7 +236,13 @@ func (s *Server) Run(ctx context.Context) error {
 	stop := context.AfterFunc(ctx, func() { _ = l.Close() })
 	defer stop()
 	backoff := time.Duration(0)
+	// At most AcceptRate new connections a second (Z10), as istio-cni: a
+	// ztunnel reconnecting in a loop cannot make the agent spin.
+	accepts := rate.NewLimiter(AcceptRate, 1)
 	for id := uint64(1); ; id++ {
+		if err := accepts.Wait(ctx); err != nil {
+			return nil // ctx ended
+		}
 		uc, err := l.AcceptUnix()
 		if err != nil {
 			if ctx.Err() != nil {
