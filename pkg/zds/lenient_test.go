@@ -73,7 +73,9 @@ func TestEveryAnswerIsReported(t *testing.T) {
 	p.ack("")
 	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "peer registered")
 	for _, reply := range []string{"", "netns gone"} {
-		done := doAsync(func() error { return h.srv.AddWorkload(context.Background(), Workload{UID: "p", Netns: "/proc/self/ns/net"}) })
+		done := doAsync(func() error {
+			return h.srv.AddWorkload(context.Background(), Workload{UID: "p", Netns: "/proc/self/ns/net"})
+		})
 		p.recv()
 		p.ack(reply)
 		err := waitErr(t, done)
