@@ -239,7 +239,7 @@ func (s *Server) session(ctx context.Context, c *conn) error {
 	if reqErr, connErr := c.exchange(ctx, snapshotSentMessage(), "", s.cfg.AckTimeout); connErr != nil {
 		return fmt.Errorf("during snapshot: %w", connErr)
 	} else if reqErr != nil {
-		c.log.Warn("snapshot_sent rejected", "err", reqErr.Error())
+		c.log.Warn("snapshot_sent rejected", "error", reqErr.Error())
 	}
 	c.snapshotSent = true
 	c.log.Info("snapshot sent")

@@ -253,7 +253,7 @@ func (s *Server) Run(ctx context.Context) error {
 			}
 			// EMFILE and the like pass; retry like net/http does.
 			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-			s.log.Error("accept failed; retrying", "err", err.Error(), "backoff", backoff)
+			s.log.Error("accept failed; retrying", "error", err.Error(), "backoff", backoff)
 			select {
 			case <-ctx.Done():
 				return nil
