@@ -159,6 +159,12 @@ func (c *Controller) Run(ctx context.Context, sink reconciler.Desired) error {
 	}
 	defer c.pods.RemoveEventHandler(podReg) //nolint:errcheck // only fails for an unknown registration
 	nsReg, err := c.namespaces.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) {
+			if ns, ok := obj.(*corev1.Namespace); ok {
+				c.cfg.OnEvent("namespace", "add")
+				c.reportNamespace(sink, ns)
+			}
+		},
 		UpdateFunc: func(oldObj, obj any) {
 			o, ok1 := oldObj.(*corev1.Namespace)
 			n, ok2 := obj.(*corev1.Namespace)
