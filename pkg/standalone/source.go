@@ -205,7 +205,8 @@ func (s *Source) Lookup(_ context.Context, namespace, name string) (*corev1.Pod,
 }
 
 // FileLookup reads the pod file at its path on each Lookup: the CNI
-// plugin's fallback, which lives for one call.
+// plugin's fallback, which lives for one call. Unlike Source it gives a pod
+// without metadata.uid none.
 type FileLookup string
 
 // Lookup finds the pod and its namespace in the pod file. A pod missing
@@ -215,7 +216,13 @@ func (f FileLookup) Lookup(_ context.Context, namespace, name string) (*corev1.P
 	if err != nil {
 		return nil, nil, err
 	}
-	return file.lookup(string(f), namespace, name)
+	pod := file.Pod(namespace, name)
+	if pod == nil {
+		return nil, nil, fmt.Errorf("pod %s/%s not in pod file %s", namespace, name, string(f))
+	}
+	// The pod as the file has it: a UID the file does not name is the
+	// agent's stand-in, not one a runtime could have been given.
+	return pod.DeepCopy(), file.Namespaces[namespace], nil
 }
 
 // lookup returns a copy of the pod, with its UID as the agent knows it, and

@@ -31,7 +31,7 @@ func Decide(ctx context.Context, src PodSource, req fallback.Request) (fallback.
 	if err != nil {
 		return fallback.Response{}, err
 	}
-	if req.UID != "" && string(pod.UID) != req.UID {
+	if req.UID != "" && pod.UID != "" && string(pod.UID) != req.UID {
 		// Another pod of the same name (an older one, or one the reader
 		// does not see yet): nothing can be decided about this one.
 		return fallback.Response{}, fmt.Errorf("pod %s/%s: the runtime names uid %s, the read pod has uid %s", req.Namespace, req.Name, req.UID, pod.UID)
