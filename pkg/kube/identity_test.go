@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"strings"
 	"testing"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -21,44 +20,11 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
 )
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting: %s", what)
-		}
-	}
-}
 
-// serve runs the controller as the agent does: Start, then between (the
-// agent's snapshot step), then Run in the background. stop ends Run and
-// checks its error.
-func serve(t *testing.T, c *kube.Controller, sink reconciler.Desired, between func()) (stop func()) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	if err := c.Start(ctx); err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	if between != nil {
-		between()
-	}
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx, sink) }()
-	stopped := false
-	stop = func() {
-		if stopped {
-			return
-		}
-		stopped = true
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("run: %v", err)
-		}
-	}
-	t.Cleanup(stop)
-	return stop
-}
+var (
+	serve   = reconcilertest.Serve
+	waitFor = reconcilertest.WaitFor
+)
 
 // hostilePods are pods no API server would store. The fake clientset does
 // not validate, so they reach the informers as a broken or compromised API

@@ -50,44 +50,11 @@ func writeAtomically(t *testing.T, path, content string) {
 	}
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting: %s", what)
-		}
-	}
-}
 
-// serve runs src as the agent does: Start, then between (the agent's
-// snapshot step, when set), then Run in the background. stop ends Run and
-// checks its error.
-func serve(t *testing.T, src *standalone.Source, sink reconciler.Desired, between func()) (stop func()) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	if err := src.Start(ctx); err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	if between != nil {
-		between()
-	}
-	done := make(chan error, 1)
-	go func() { done <- src.Run(ctx, sink) }()
-	stopped := false
-	stop = func() {
-		if stopped {
-			return
-		}
-		stopped = true
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("run: %v", err)
-		}
-	}
-	t.Cleanup(stop)
-	return stop
-}
+var (
+	serve   = reconcilertest.Serve
+	waitFor = reconcilertest.WaitFor
+)
 
 var discard = slog.New(slog.DiscardHandler)
 
