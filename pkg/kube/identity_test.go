@@ -20,7 +20,6 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
 )
 
-
 var (
 	serve   = reconcilertest.Serve
 	waitFor = reconcilertest.WaitFor

@@ -50,7 +50,6 @@ func writeAtomically(t *testing.T, path, content string) {
 	}
 }
 
-
 var (
 	serve   = reconcilertest.Serve
 	waitFor = reconcilertest.WaitFor
