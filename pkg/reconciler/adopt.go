@@ -50,7 +50,7 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 		// The options as the pod asks for them; whether it still belongs
 		// in the mesh is decided once the sources synced.
 		mb := &member{uid: uid, namespace: pod.Namespace, name: pod.Name, serviceAccount: pod.Spec.ServiceAccountName,
-			ips: podIPs(pod), opts: enrollment.PodOptions(r.cfg.Enrollment, pod), state: Enabled}
+			ips: podIPs(pod), opts: enrollment.PodOptions(r.cfg.Enrollment, pod), state: Enabled, claimed: true}
 		ns, ok := netnsOf[pod.UID]
 		if !ok {
 			err := fmt.Errorf("pod uid %s: %w", pod.UID, podnetns.ErrNotFound)
@@ -85,7 +85,7 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 			continue
 		}
 		mb := &member{uid: uid, namespace: p.Namespace, name: p.Name, iface: p.Interface, ips: p.IPs,
-			opts: enrollmentOptions(p.Options), state: Enabled}
+			opts: enrollmentOptions(p.Options), state: Enabled, claimed: true}
 		if found, ok := netnsOf[types.UID(uid)]; ok {
 			mb.netns = found.Path
 		}

@@ -50,6 +50,11 @@ func (r *Reconciler) CNIAdd(ctx context.Context, req CNIAdd) (CNIResult, error) 
 	defer unlock()
 	mb := &member{uid: uid, namespace: pod.Namespace, name: pod.Name, serviceAccount: pod.Spec.ServiceAccountName,
 		netns: req.Netns, containerID: req.ContainerID, iface: req.Interface, ips: req.IPs, opts: dec.Options}
+	r.mu.Lock()
+	if d := r.desired[key]; d.pod != nil && string(d.pod.UID) == uid {
+		mb.claimed = true // the source reported it already
+	}
+	r.mu.Unlock()
 	if _, err := r.add(ctx, mb, true); err != nil {
 		return CNIResult{}, err
 	}

@@ -37,6 +37,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -188,6 +189,11 @@ type member struct {
 	state          State
 	// nacked: ztunnel refused the pod; the next reconcile sends it again.
 	nacked bool
+	// claimed: a source reported this pod, or it was adopted. Only a
+	// claimed member leaves when its name has no pod (or another one): a
+	// CNI ADD can come before the informers' first word of the pod, and
+	// the delete of an older pod of the same name must not remove it.
+	claimed bool
 }
 
 func (m *member) key() string { return m.namespace + "/" + m.name }
@@ -370,17 +376,20 @@ func (r *Reconciler) lockKey(key string) func() {
 	}
 }
 
-// memberByKey returns a copy of the member known under namespace/name.
-func (r *Reconciler) memberByKey(key string) *member {
+// membersByKey returns copies of the members known under namespace/name
+// (two when a pod and its replacement were both enrolled by CNI ADDs).
+func (r *Reconciler) membersByKey(key string) []*member {
+	namespace, name, _ := strings.Cut(key, "/")
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	var out []*member
 	for _, mb := range r.members {
-		if mb.key() == key {
+		if mb.namespace == namespace && mb.name == name {
 			c := *mb
-			return &c
+			out = append(out, &c)
 		}
 	}
-	return nil
+	return out
 }
 
 func (r *Reconciler) member(uid string) *member {
@@ -431,7 +440,13 @@ func (r *Reconciler) reconcile(ctx context.Context, key string) error {
 	}
 	// A pod that is gone, or replaced by a pod of the same name, leaves the
 	// mesh under the UID it had.
-	if prev := r.memberByKey(key); prev != nil && (pod == nil || string(pod.UID) != prev.uid) {
+	if pod != nil {
+		r.update(string(pod.UID), func(m *member) { m.claimed = true })
+	}
+	for _, prev := range r.membersByKey(key) {
+		if !prev.claimed || pod != nil && string(pod.UID) == prev.uid {
+			continue
+		}
 		if err := r.remove(ctx, prev); err != nil {
 			return fmt.Errorf("remove deleted pod %s (uid %s): %w", key, prev.uid, err)
 		}
@@ -492,7 +507,7 @@ func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment
 	ns, err := r.cfg.Netns.Find(pod.UID)
 	if err == nil {
 		mb := &member{uid: string(pod.UID), namespace: pod.Namespace, name: pod.Name,
-			serviceAccount: pod.Spec.ServiceAccountName, netns: ns.Path, ips: podIPs(pod), opts: dec.Options}
+			serviceAccount: pod.Spec.ServiceAccountName, netns: ns.Path, ips: podIPs(pod), opts: dec.Options, claimed: true}
 		retry, err = r.add(ctx, mb, false)
 	} else {
 		err = fmt.Errorf("find netns of pod %s: %w", key, err)

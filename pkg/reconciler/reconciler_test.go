@@ -535,3 +535,30 @@ func TestEnrollRefusesIdentitiesThatWouldMakeAPath(t *testing.T) {
 		t.Errorf("dataplane got %v", e.dp.enrolled)
 	}
 }
+
+// A pod enrolled by its CNI ADD before the informers reported it survives
+// the removal of an older pod of the same name; once reported, its own
+// deletion removes it.
+func TestCNIEnrolledPodSurvivesTheDeleteOfItsPredecessor(t *testing.T) {
+	e := newTestEnv(t, 1)
+	if _, err := e.r.CNIAdd(context.Background(), addReq(e.web, e.ns["shop"], "uid-web")); err != nil {
+		t.Fatal(err)
+	}
+	e.r.DeletePod("shop", "web") // the informers' delete of the previous shop/web
+	if err := e.r.reconcile(context.Background(), "shop/web"); err != nil {
+		t.Fatal(err)
+	}
+	if !e.dp.has("uid-web") || e.r.State("uid-web") != Enabled {
+		t.Fatalf("the delete of an older pod of the name removed the new one: %v", e.dp.enrolled)
+	}
+	if err := e.liveAdd(t, e.web); err != nil { // reported now
+		t.Fatal(err)
+	}
+	e.r.DeletePod("shop", "web")
+	if err := e.r.reconcile(context.Background(), "shop/web"); err != nil {
+		t.Fatal(err)
+	}
+	if e.dp.has("uid-web") || e.r.State("uid-web") != None {
+		t.Errorf("deleted pod still enrolled: %v", e.dp.enrolled)
+	}
+}
