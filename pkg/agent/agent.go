@@ -203,8 +203,9 @@ func (a *agent) run(parent context.Context) error {
 	if a.inst != nil {
 		srv.background(func() { a.watchInstall(ctx) })
 	}
-	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket,
-		&inspector{a: a, rec: rec, trace: newTraceHub(a.cfg.Dataplane.BPFFSDir, log.With("component", "trace"))}, log.With("component", "inspect"))
+	hub := newTraceHub(a.cfg.Dataplane.BPFFSDir, a.cfg.TraceHistory, log.With("component", "trace"))
+	srv.background(func() { hub.run(ctx) })
+	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, rec: rec, trace: hub}, log.With("component", "inspect"))
 	if err != nil {
 		return stop(err)
 	}
