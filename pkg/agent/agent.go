@@ -148,12 +148,15 @@ func (a *agent) run(parent context.Context) error {
 		return fmt.Errorf("build snapshot: %w", err)
 	}
 	// 3. Data path: adopt what is pinned, then reconcile it with the snapshot.
+	// The features are probed by dataplane.New, after it lifted
+	// RLIMIT_MEMLOCK (kernels before 5.11 charge the probes to it), and
+	// logged whether it loaded or not.
+	dp, err := dataplane.New(a.cfg.Dataplane)
 	features.Log(log)
 	a.features = map[string]bool{}
 	for _, f := range features.Report() {
 		a.features[f.Name] = f.Available
 	}
-	dp, err := dataplane.New(a.cfg.Dataplane)
 	if err != nil {
 		return fmt.Errorf("load data path: %w", err)
 	}

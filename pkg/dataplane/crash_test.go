@@ -178,6 +178,11 @@ func TestCrashDuringAnOptionsUpdateConverges(t *testing.T) {
 	from.Options = Options{DNSCapture: true}
 	to := from
 	to.Options = Options{BypassInbound: true, RerouteInterfaces: []string{"virt0"}}
+	// Before any child pins anything: on kernels that charge BPF memory
+	// to the user's RLIMIT_MEMLOCK, this process lifts its own first.
+	if err := newDataplane(t, n).Uninstall(); err != nil {
+		t.Fatal(err)
+	}
 	reroutePin := filepath.Join(podDir(cfg, p.UID), "reroute_virt0")
 	for _, step := range []string{StepEnrollReturnPath, StepEnrollAttached, StepEnrollEntries, StepEnrollDone} {
 		t.Run(step, func(t *testing.T) {
