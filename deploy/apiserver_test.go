@@ -32,7 +32,8 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube/kubetest"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 )
 
@@ -146,23 +147,34 @@ func TestChartRBACIsEnoughForEachRepairMode(t *testing.T) {
 			pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node, Annotations: stale}, netip.MustParseAddr("10.244.0.10"))
 
 			var logs syncBuffer
-			mesh := kubetest.NewMesh()
-			ctrl, err := kube.New(kube.Config{NodeName: node, Enrollment: cfg.Enrollment, Repair: cfg.Repair,
-				Logger: slog.New(slog.NewTextHandler(&logs, nil))}, sa, mesh)
+			log := slog.New(slog.NewTextHandler(&logs, nil))
+			mesh := reconcilertest.NewMesh()
+			rec := mesh.Start(t, reconciler.Config{Enrollment: cfg.Enrollment, Logger: log,
+				RepairInPlace: cfg.Repair.Mode == "" || cfg.Repair.Mode == kube.RepairInPlace})
+			kcfg := kube.Config{NodeName: node, Repair: cfg.Repair, Logger: log}
+			ctrl, err := kube.New(kcfg, sa)
 			if err != nil {
 				t.Fatal(err)
 			}
+			w, err := kube.NewStatusWriter(kcfg, sa)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rec.Subscribe(w.Observe)
 			ctx, cancel := context.WithCancel(context.Background())
 			if err := ctrl.Start(ctx); err != nil {
 				cancel()
 				t.Fatalf("informers with the chart's RBAC: %v", err)
 			}
-			done := make(chan error, 1)
-			go func() { done <- ctrl.Run(ctx) }()
+			done := make(chan error, 2)
+			go func() { done <- w.Run(ctx) }()
+			go func() { done <- ctrl.Run(ctx, mesh) }()
 			defer func() {
 				cancel()
-				if err := <-done; err != nil {
-					t.Errorf("controller: %v", err)
+				for range 2 {
+					if err := <-done; err != nil {
+						t.Errorf("controller: %v", err)
+					}
 				}
 				if strings.Contains(strings.ToLower(logs.String()), "forbidden") {
 					t.Errorf("the controller met Forbidden:\n%s", logs.String())

@@ -150,7 +150,10 @@ func DecodeHello(b []byte) (*zdsapi.ZdsHello, error) {
 	if err := proto.Unmarshal(b, &h); err != nil {
 		return nil, fmt.Errorf("hello: %w: %w", ErrDecode, err)
 	}
-	if h.GetVersion() != zdsapi.Version_V1 {
+	// Any version from V1 on is accepted (Z1): istio-cni only logs it, so
+	// a future ztunnel that says a higher version still connects, and
+	// speaks what V1 defines.
+	if h.GetVersion() < zdsapi.Version_V1 {
 		return nil, fmt.Errorf("hello: unsupported version %v: %w", h.GetVersion(), ErrUnknownMessage)
 	}
 	return &h, nil

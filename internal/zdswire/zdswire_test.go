@@ -69,7 +69,8 @@ func FuzzDecodeResponse(f *testing.F) {
 	})
 }
 
-// FuzzDecodeHello: only a decodable ZdsHello with version V1 is accepted.
+// FuzzDecodeHello: only a decodable ZdsHello with version V1 or later is
+// accepted (Z1: a newer ztunnel still connects).
 func FuzzDecodeHello(f *testing.F) {
 	for _, s := range [][]byte{{0x08, 0x01}, {0x08, 0x00}, {0x08, 0x02}, {}, {0x08}, {0xff, 0xff}, {0x0a, 0x00}} {
 		f.Add(s)
@@ -79,7 +80,7 @@ func FuzzDecodeHello(f *testing.F) {
 		if rejected(t, err) {
 			return
 		}
-		if h.GetVersion() != zdsapi.Version_V1 {
+		if h.GetVersion() < zdsapi.Version_V1 {
 			t.Fatalf("accepted version %v", h.GetVersion())
 		}
 	})

@@ -2,9 +2,12 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package agent wires the node agent together: a pod source (the
-// Kubernetes API or the standalone pod file) and the CNI plugin feed one
-// mesh, which drives the data path and hands pods to ztunnel over ZDS;
-// around it the CNI installer, health and metrics.
+// Kubernetes API or the standalone pod file) and the CNI plugin report to
+// one reconciler (pkg/reconciler), which drives the data path and hands
+// pods to ztunnel over ZDS, whose acks come back to it as events; the
+// status writer (pkg/kube, or the pod file's in-memory one) and the
+// metrics listen to its changes. Around it the CNI installer, health and
+// metrics.
 //
 // Start-up checks every socket path, the pod file and the listen addresses
 // first, so a bad one fails before anything touches the kernel. Then it
@@ -29,7 +32,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -37,17 +39,21 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
 
-// source is a pod source the agent can drive and ask.
+// source is a pod source the agent drives: it reports to the reconciler
+// and reads a pod for a CNI ADD.
 type source interface {
-	kube.Source
-	podSource
+	Start(ctx context.Context) error
+	Snapshot() ([]*corev1.Pod, error)
+	Run(ctx context.Context, sink reconciler.Desired) error
+	Lookup(ctx context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error)
 }
 
 // Run runs the agent until ctx ends.
@@ -71,6 +77,7 @@ type agent struct {
 
 	client   kubernetes.Interface
 	inst     *install.Installer
+	zt       *zds.Server
 	serving  atomic.Bool
 	features map[string]bool // kernel features of the data path, for the CLI
 }
@@ -111,16 +118,22 @@ func (a *agent) run(parent context.Context) error {
 		srv.background(func() { a.runInstaller(ctx) })
 	}
 
-	kcfg := kube.Config{NodeName: a.cfg.NodeName, Enrollment: a.cfg.Enrollment, Repair: a.cfg.Repair, Logger: log.With("component", "kube"),
+	kcfg := kube.Config{NodeName: a.cfg.NodeName, Repair: a.cfg.Repair, Logger: log.With("component", "kube"),
 		OnEvent:  func(_, typ string) { a.metrics.reconcile.WithLabelValues(typ).Inc() },
 		OnRepair: func(mode, result string) { a.metrics.repaired.WithLabelValues(mode, result).Inc() }}
-	m := newMesh(nil, nil, podnetns.New(a.cfg.ProcRoot), a.cfg.Enrollment, log.With("component", "mesh"), a.metrics)
-	zsrv, err := zds.NewServer(zds.Config{SocketPath: a.cfg.ZDSSocket, Snapshot: m.snapshot, Logger: log.With("component", "zds")})
+	// ZDS and the reconciler need each other: the reconciler hands pods
+	// to ztunnel, ztunnel's acks and snapshots come back to it. The
+	// server runs (step 5) only once the reconciler exists.
+	var rec *reconciler.Reconciler
+	zsrv, err := zds.NewServer(zds.Config{SocketPath: a.cfg.ZDSSocket, Logger: log.With("component", "zds"),
+		Snapshot:      func() []zds.Workload { return rec.Snapshot() },
+		OnAck:         func(ack zds.Ack) { rec.OnAck(ack) },
+		OnConnections: func(n int) { a.metrics.ztunnel.Set(float64(n)) }})
 	if err != nil {
 		return err
 	}
-	m.zt = zsrv
-	src, err := a.newSource(kcfg, m)
+	a.zt = zsrv
+	src, listen, err := a.newSource(kcfg)
 	if err != nil {
 		return err
 	}
@@ -135,12 +148,15 @@ func (a *agent) run(parent context.Context) error {
 		return fmt.Errorf("build snapshot: %w", err)
 	}
 	// 3. Data path: adopt what is pinned, then reconcile it with the snapshot.
+	// The features are probed by dataplane.New, after it lifted
+	// RLIMIT_MEMLOCK (kernels before 5.11 charge the probes to it), and
+	// logged whether it loaded or not.
+	dp, err := dataplane.New(a.cfg.Dataplane)
 	features.Log(log)
 	a.features = map[string]bool{}
 	for _, f := range features.Report() {
 		a.features[f.Name] = f.Available
 	}
-	dp, err := dataplane.New(a.cfg.Dataplane)
 	if err != nil {
 		return fmt.Errorf("load data path: %w", err)
 	}
@@ -150,14 +166,26 @@ func (a *agent) run(parent context.Context) error {
 		srv.stop()
 		return a.shutdown(dp, err)
 	}
-	m.dp = dp
 	a.metrics.bpf.setSource(dp)
 	a.metrics.decisions.setSource(dp)
-	m.setSource(src)
-	a.reconcileAtStart(ctx, m, src, snap)
+	rec, err = reconciler.New(reconciler.Config{
+		Enrollment: a.cfg.Enrollment, Dataplane: dp, Ztunnel: zsrv, Netns: podnetns.New(a.cfg.ProcRoot),
+		RepairInPlace: cmp.Or(a.cfg.Repair.Mode, kube.RepairInPlace) == kube.RepairInPlace,
+		Logger:        log.With("component", "reconciler"), Observer: a.metrics.observer(),
+	})
+	if err != nil {
+		return stop(err)
+	}
+	rec.Subscribe(listen.observe)
+	rec.Adopt(ctx, snap)
 
-	// 4. Handlers.
-	srv.run("pod source", func() error { return src.Run(ctx) })
+	// 4. Handlers: the status writer and the reconciler first, so that
+	// the source's first reports find them.
+	if listen.run != nil {
+		srv.run("status writer", func() error { return listen.run(ctx) })
+	}
+	srv.run("reconciler", func() error { return rec.Run(ctx) })
+	srv.run("pod source", func() error { return src.Run(ctx, rec) })
 	// 5. ZDS, the CNI plugin's channel and the inspection API, each
 	// listening before the agent says it is ready.
 	srv.run("zds server", func() error { return zsrv.Run(ctx) })
@@ -173,19 +201,21 @@ func (a *agent) run(parent context.Context) error {
 		return stop(fmt.Errorf("cni socket: %w", err))
 	}
 	srv.run("cni event server", func() error {
-		return events.ServeListener(ctx, cniLn, m, events.WithObserver(a.metrics.observeCNI))
+		return events.ServeListener(ctx, cniLn, &cniHandler{lookup: src, rec: rec}, events.WithObserver(a.metrics.observeCNI))
 	})
-	srv.background(func() { a.watchZtunnel(ctx, m) })
+	if a.inst != nil {
+		srv.background(func() { a.watchInstall(ctx) })
+	}
 	hub := newTraceHub(a.cfg.Dataplane.BPFFSDir, a.cfg.TraceHistory, log.With("component", "trace"))
 	srv.background(func() { hub.run(ctx) })
-	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m, trace: hub}, log.With("component", "inspect"))
+	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, rec: rec, trace: hub}, log.With("component", "inspect"))
 	if err != nil {
 		return stop(err)
 	}
 	srv.watch("inspection server", inspectDone)
 	// 6. Ready: every listener is up.
 	a.serving.Store(true)
-	log.Info("agent ready", "node", a.cfg.NodeName, "enrolled", m.count(), "zds", a.cfg.ZDSSocket, "cni", a.cfg.CNISocket)
+	log.Info("agent ready", "node", a.cfg.NodeName, "enrolled", len(rec.Pods()), "zds", a.cfg.ZDSSocket, "cni", a.cfg.CNISocket)
 
 	var runErr error
 	select {
@@ -196,19 +226,41 @@ func (a *agent) run(parent context.Context) error {
 	return stop(runErr)
 }
 
-func (a *agent) newSource(kcfg kube.Config, m *mesh) (source, error) {
+// listener is what listens to the reconciler's changes besides the
+// metrics: the status writer of the source.
+type listener struct {
+	observe func(reconciler.Change)
+	run     func(ctx context.Context) error // nil: nothing to run
+}
+
+func (a *agent) newSource(kcfg kube.Config) (source, listener, error) {
 	if a.cfg.StandalonePods != "" {
-		return kube.NewFileSource(kcfg, a.cfg.StandalonePods, m)
+		if m := cmp.Or(kcfg.Repair.Mode, kube.RepairInPlace); m != kube.RepairInPlace {
+			return nil, listener{}, fmt.Errorf("standalone pod file %s: repair mode %q needs the kubernetes api, only %q works", a.cfg.StandalonePods, m, kube.RepairInPlace)
+		}
+		s, err := standalone.NewSource(a.cfg.NodeName, a.cfg.StandalonePods, kcfg.Logger)
+		if err != nil {
+			return nil, listener{}, err
+		}
+		return s, listener{observe: s.Observe}, nil
 	}
 	rc, err := clientcmd.BuildConfigFromFlags("", a.cfg.Kubeconfig)
 	if err != nil {
-		return nil, fmt.Errorf("kubernetes client config: %w", err)
+		return nil, listener{}, fmt.Errorf("kubernetes client config: %w", err)
 	}
 	a.client, err = kubernetes.NewForConfig(rc)
 	if err != nil {
-		return nil, fmt.Errorf("kubernetes client: %w", err)
+		return nil, listener{}, fmt.Errorf("kubernetes client: %w", err)
 	}
-	return kube.New(kcfg, a.client, m)
+	c, err := kube.New(kcfg, a.client)
+	if err != nil {
+		return nil, listener{}, err
+	}
+	w, err := kube.NewStatusWriter(kcfg, a.client)
+	if err != nil {
+		return nil, listener{}, err
+	}
+	return c, listener{observe: w.Observe, run: w.Run}, nil
 }
 
 func (a *agent) runInstaller(ctx context.Context) {
@@ -226,98 +278,19 @@ func (a *agent) runInstaller(ctx context.Context) {
 	}
 }
 
-// watchZtunnel keeps the gauges current and promotes pending pods once
-// ztunnel is there.
-func (a *agent) watchZtunnel(ctx context.Context, m *mesh) {
+// watchInstall keeps the install gauge current: the installer reports
+// results, not its readiness.
+func (a *agent) watchInstall(ctx context.Context) {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
-		a.metrics.ztunnel.Set(float64(m.zt.Connections()))
-		if a.inst != nil {
-			a.metrics.installReady.Set(boolFloat(a.inst.Ready()))
-		}
-		m.retryPending(ctx)
+		a.metrics.installReady.Set(boolFloat(a.inst.Ready()))
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
 	}
-}
-
-// reconcileAtStart makes the adopted data path match the pods: snapshot
-// pods are (re-)enrolled where their netns can be found, adopted pods that
-// are gone or no longer ambient are removed, and the rest are kept.
-func (a *agent) reconcileAtStart(ctx context.Context, m *mesh, src podSource, snap []*corev1.Pod) {
-	adopted := map[string]dataplane.EnrolledPod{}
-	for _, p := range m.dp.List() {
-		adopted[p.UID] = p
-	}
-	// One scan of /proc for every pod: a scan per pod made a restart with
-	// a thousand pods quadratic.
-	uids := make([]types.UID, 0, len(snap)+len(adopted))
-	for _, pod := range snap {
-		uids = append(uids, pod.UID)
-	}
-	for uid := range adopted {
-		uids = append(uids, types.UID(uid))
-	}
-	netnsOf, err := m.netns.FindAll(uids)
-	if err != nil {
-		a.log.Warn("scan for pods' netns failed", "error", err)
-		netnsOf = map[types.UID]podnetns.NetNS{}
-	}
-	seen := map[string]bool{}
-	for _, pod := range snap {
-		uid := string(pod.UID)
-		seen[uid] = true
-		mb := &member{uid: uid, namespace: pod.Namespace, name: pod.Name, serviceAccount: pod.Spec.ServiceAccountName, state: kube.RedirectionEnabled}
-		ns, ok := netnsOf[pod.UID]
-		if !ok {
-			err := fmt.Errorf("pod uid %s: %w", pod.UID, podnetns.ErrNotFound)
-			if _, ok := adopted[uid]; !ok {
-				a.log.Warn("snapshot pod has no netns and no pinned state; left to repair", "pod", pod.Namespace+"/"+pod.Name, "error", err)
-				continue
-			}
-			m.keep(mb) // keep the pins; ztunnel gets a Keep
-			continue
-		}
-		mb.netns = ns.Path
-		// Re-applied in place; its state stays enabled: ztunnel had it
-		// and gets it again in the snapshot of its next connection, so
-		// the annotation does not flap through pending on a restart.
-		d := enrollment.Decide(a.cfg.Enrollment, pod, nil)
-		if err := enroll(ctx, m.dp, dataplane.Pod{UID: uid, Namespace: pod.Namespace, Name: pod.Name, Netns: mb.netns,
-			IPs: podIPs(pod), Options: dpOptions(d.Options)}); err != nil {
-			a.log.Error("re-enrolling snapshot pod failed", "pod", pod.Namespace+"/"+pod.Name, "error", err)
-			if _, ok := adopted[uid]; !ok {
-				continue
-			}
-		}
-		m.keep(mb)
-	}
-	for uid, p := range adopted {
-		if seen[uid] {
-			continue
-		}
-		key := p.Namespace + "/" + p.Name
-		pod, ns, err := src.Lookup(ctx, p.Namespace, p.Name)
-		if err == nil && string(pod.UID) == uid && enrollment.Decide(a.cfg.Enrollment, pod, ns).Ambient {
-			mb := &member{uid: uid, namespace: p.Namespace, name: p.Name, serviceAccount: pod.Spec.ServiceAccountName, state: kube.RedirectionEnabled}
-			if found, ok := netnsOf[types.UID(uid)]; ok {
-				mb.netns = found.Path
-			}
-			m.keep(mb)
-			src.Requeue(p.Namespace, p.Name)
-			continue
-		}
-		a.log.Info("removing adopted pod that left", "pod", key, "uid", uid)
-		a.metrics.bpf.retire(uid)
-		if err := m.dp.Remove(ctx, uid); err != nil {
-			a.log.Error("removing adopted pod failed", "pod", key, "error", err)
-		}
-	}
-	a.metrics.enrolled.Set(float64(m.count()))
 }
 
 // shutdown keeps or removes the node state, then reports runErr.

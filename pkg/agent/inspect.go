@@ -13,7 +13,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 )
 
 // DefaultInspectSocket is where the agent answers the CLI.
@@ -22,28 +22,26 @@ const DefaultInspectSocket = "/var/run/ambient-ebpf/inspect.sock"
 type inspector struct {
 	inspectv1.UnimplementedInspectServer
 	a     *agent
-	m     *mesh
+	rec   *reconciler.Reconciler
 	trace *traceHub
 }
 
 func (i *inspector) Status(context.Context, *inspectv1.StatusRequest) (*inspectv1.StatusResponse, error) {
 	ready, why := i.a.ready()
 	resp := &inspectv1.StatusResponse{
-		Ready: ready, NotReadyReason: why, ZtunnelConnections: int32(i.m.zt.Connections()),
+		Ready: ready, NotReadyReason: why, ZtunnelConnections: int32(i.a.zt.Connections()),
 		Node: i.a.cfg.NodeName, Source: "kubernetes", BpffsDir: i.a.cfg.Dataplane.BPFFSDir,
 		Features: i.a.features,
 	}
 	if i.a.cfg.StandalonePods != "" {
 		resp.Source = "pod file " + i.a.cfg.StandalonePods
 	}
-	i.m.mu.Lock()
-	for _, mb := range i.m.members {
+	for _, p := range i.rec.Pods() {
 		resp.EnrolledPods++
-		if mb.state == kube.RedirectionPending {
+		if p.State == reconciler.Pending {
 			resp.PendingPods++
 		}
 	}
-	i.m.mu.Unlock()
 	return resp, nil
 }
 

@@ -6,6 +6,7 @@ package agent
 import (
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
@@ -13,6 +14,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 )
 
 // metrics uses istio-cni's names, labels and label values where Istio has
@@ -107,6 +109,17 @@ func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 	m.reg.MustRegister(m.installs, m.installReady, m.pluginRequests, m.repaired, m.reconcile, m.ztunnel,
 		m.delRequests, m.enrolled, m.enrollSeconds, m.removeSeconds, m.dataplaneErrors, m.bpf, m.decisions)
 	return m
+}
+
+// observer is what the reconciler reports to the metrics.
+func (m *metrics) observer() reconciler.Observer {
+	return reconciler.Observer{
+		Enrolled:       func(d time.Duration) { m.enrollSeconds.Observe(d.Seconds()) },
+		Removing:       m.bpf.retire,
+		Removed:        func(d time.Duration) { m.removeSeconds.Observe(d.Seconds()) },
+		DataplaneError: func(op string) { m.dataplaneErrors.WithLabelValues(op).Inc() },
+		Members:        func(n int) { m.enrolled.Set(float64(n)) },
+	}
 }
 
 // observeCNI counts one answer to the CNI plugin (events.WithObserver).

@@ -247,7 +247,7 @@ func (i *inspector) Trace(req *inspectv1.TraceRequest, stream inspectv1.Inspect_
 }
 
 func (i *inspector) enrolled(pod string) bool {
-	for _, p := range i.m.dp.List() {
+	for _, p := range i.rec.Pods() {
 		if p.Namespace+"/"+p.Name == pod {
 			return true
 		}

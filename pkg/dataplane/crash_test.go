@@ -39,9 +39,10 @@ func TestMain(m *testing.M) {
 type crashJob struct {
 	BPFFSDir, CgroupRoot, NodeNetns string
 	Pod                             Pod
-	Remove                          bool   // enroll completely, then crash while removing
-	Step                            string // die here ...
-	Nth                             int    // ... the nth time it is reached
+	Remove                          bool     // enroll completely, then crash while removing
+	Update                          *Options // enroll completely, then crash while changing to these options
+	Step                            string   // die here ...
+	Nth                             int      // ... the nth time it is reached
 }
 
 // exitStepNotReached is the child's exit code when it never met its step.
@@ -64,7 +65,7 @@ func runCrashChild(arg string) int {
 	}
 	cfg := Config{BPFFSDir: job.BPFFSDir, CgroupRoot: job.CgroupRoot, NodeNetns: job.NodeNetns,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
-	if !job.Remove {
+	if !job.Remove && job.Update == nil {
 		cfg.Failpoint = die
 	}
 	d, err := New(cfg)
@@ -76,6 +77,15 @@ func runCrashChild(arg string) int {
 	if err := d.Enroll(ctx, job.Pod); err != nil {
 		fmt.Fprintln(os.Stderr, "crash child: Enroll:", err)
 		return 1
+	}
+	if job.Update != nil {
+		d.cfg.Failpoint = die
+		update := job.Pod
+		update.Options = *job.Update
+		if err := d.Enroll(ctx, update); err != nil {
+			fmt.Fprintln(os.Stderr, "crash child: Enroll with new options:", err)
+			return 1
+		}
 	}
 	if job.Remove {
 		d.cfg.Failpoint = die
@@ -145,6 +155,62 @@ func TestCrashAtEveryStepConverges(t *testing.T) {
 				t.Fatalf("enroll after the crash: %v", err)
 			}
 			checkEnrolled(t, d, p)
+			if err := d.Remove(context.Background(), p.UID); err != nil {
+				t.Fatalf("Remove: %v", err)
+			}
+			checkUntouched(t, d, p)
+		})
+	}
+}
+
+// An agent killed at any step of an options update (R12-R14 changed on an
+// enrolled pod, which Enroll applies in place) leaves the pod enrolled, with
+// the old options or the new ones; the next agent adopts it, the same
+// update done again converges, and going back leaves no program of the
+// update behind.
+func TestCrashDuringAnOptionsUpdateConverges(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	n.AddVirtualInterface(p, "virt0")
+	n.Sysctl(p.NS, "net/ipv4/tcp_fwmark_accept", "0")
+	cfg := Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
+	from := podOf(p)
+	from.Options = Options{DNSCapture: true}
+	to := from
+	to.Options = Options{BypassInbound: true, RerouteInterfaces: []string{"virt0"}}
+	// Before any child pins anything: on kernels that charge BPF memory
+	// to the user's RLIMIT_MEMLOCK, this process lifts its own first.
+	if err := newDataplane(t, n).Uninstall(); err != nil {
+		t.Fatal(err)
+	}
+	reroutePin := filepath.Join(podDir(cfg, p.UID), "reroute_virt0")
+	for _, step := range []string{StepEnrollReturnPath, StepEnrollAttached, StepEnrollEntries, StepEnrollDone} {
+		t.Run(step, func(t *testing.T) {
+			runCrash(t, crashJob{BPFFSDir: cfg.BPFFSDir, CgroupRoot: cfg.CgroupRoot, NodeNetns: cfg.NodeNetns,
+				Pod: from, Update: &to.Options, Step: step, Nth: 1})
+			d, err := New(cfg)
+			if err != nil {
+				t.Fatalf("restart after the crash: %v", err)
+			}
+			defer func() {
+				if err := d.Uninstall(); err != nil {
+					t.Errorf("Uninstall: %v", err)
+				}
+			}()
+			checkEnrolled(t, d, p)
+			for _, want := range []Pod{to, from} {
+				if err := d.Enroll(context.Background(), want); err != nil {
+					t.Fatalf("enroll with %+v after the crash: %v", want.Options, err)
+				}
+				checkEnrolled(t, d, p)
+				if got := d.List()[0].Options; got.BypassInbound != want.Options.BypassInbound || got.DNSCapture != want.Options.DNSCapture {
+					t.Errorf("options %+v; want %+v", got, want.Options)
+				}
+				_, err := os.Stat(reroutePin)
+				if pinned := err == nil; pinned != (len(want.Options.RerouteInterfaces) > 0) {
+					t.Errorf("with options %+v: virt0's program pinned %v", want.Options, pinned)
+				}
+			}
 			if err := d.Remove(context.Background(), p.UID); err != nil {
 				t.Fatalf("Remove: %v", err)
 			}

@@ -79,12 +79,14 @@ func New(cfg Config) (*Dataplane, error) {
 	if _, err := os.Stat(cfg.NodeNetns); err != nil {
 		return nil, fmt.Errorf("node netns: %w", err)
 	}
-	if err := features.CheckRequired(); err != nil {
-		return nil, err
-	}
-	// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK.
+	// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK, per user:
+	// pins another process left count too, so the feature probes (which
+	// load programs and maps) come after it.
 	if err := rlimit.RemoveMemlock(); err != nil {
 		return nil, fmt.Errorf("remove memlock limit: %w", err)
+	}
+	if err := features.CheckRequired(); err != nil {
+		return nil, err
 	}
 	_, statErr := os.Stat(cfg.BPFFSDir)
 	fresh := errors.Is(statErr, os.ErrNotExist)

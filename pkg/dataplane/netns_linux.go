@@ -12,6 +12,7 @@ import (
 	"sync"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 
 	"golang.org/x/sys/unix"
 )
@@ -115,28 +116,20 @@ func ownCgroup() (string, error) {
 }
 
 // netnsFinder returns a lookup from netns cookie to a path of that netns,
-// for adopting pods whose netns path an earlier agent knew: the named
-// netns under /run/netns (where container runtimes put pod netns) are
-// tried first, then every process's. The scan runs once, on first use.
+// for adopting pods whose netns path an earlier agent knew. The node's
+// netns come from pkg/podnetns (named netns first, then every process's
+// under Config.ProcRoot); the scan runs once, on first use.
 func (d *Dataplane) netnsFinder(pods int) func(cookie uint64) string {
 	if pods == 0 {
 		return func(uint64) string { return "" }
 	}
 	byCookie := sync.OnceValue(func() map[uint64]string {
 		found := map[uint64]string{}
-		seen := map[[2]uint64]bool{}
-		named, _ := filepath.Glob("/run/netns/*")
-		procs, _ := filepath.Glob("/proc/[0-9]*/ns/net")
-		for _, path := range append(named, procs...) {
-			var st unix.Stat_t
-			if unix.Stat(path, &st) != nil || seen[[2]uint64{st.Dev, st.Ino}] {
-				continue
-			}
-			seen[[2]uint64{st.Dev, st.Ino}] = true
+		for _, ns := range podnetns.New(d.cfg.ProcRoot).All() {
 			var cookie uint64
-			if inNetns(path, func() (err error) { cookie, err = d.netnsCookie(); return err }) == nil {
+			if inNetns(ns.Path, func() (err error) { cookie, err = d.netnsCookie(); return err }) == nil {
 				if _, dup := found[cookie]; !dup {
-					found[cookie] = path
+					found[cookie] = ns.Path
 				}
 			}
 		}

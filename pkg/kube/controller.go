@@ -5,35 +5,80 @@ package kube
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
+	"slices"
 	"sync/atomic"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/record"
-	"k8s.io/client-go/util/workqueue"
 )
 
-// EventSource is the component name on the Events the controller records.
+// EventSource is the component name on the Events the status writer records.
 const EventSource = "ambient-ebpf"
 
-// Controller watches this node's pods and all namespaces and keeps each pod's
-// mesh membership and redirection annotation in line with the enrollment
-// selectors. See the package comment for the start-up order.
+// Config configures the controller and the status writer; only NodeName is
+// required.
+type Config struct {
+	// NodeName is this node: only pods with spec.nodeName equal to it are
+	// watched.
+	NodeName string
+	// Repair says what to do with an ambient pod that runs unredirected.
+	Repair RepairConfig
+	// Workers is the number of status writer workers (default 2).
+	Workers int
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// OnEvent, when set, is called by the informer handlers for each event
+	// they report: object is "pod" or "namespace", eventType "add",
+	// "update" or "delete" (istio-cni's nodeagent_reconcile_events_total
+	// {type} values; namespace updates count only when labels change). It
+	// must not block.
+	OnEvent func(object, eventType string)
+	// OnRepair, when set, is told the outcome of each repair of an
+	// unredirected pod: the mode ("repair" in place, "delete" or "label",
+	// istio-cni's istio_cni_repair_pods_repaired_total{type}) and the
+	// result: "success", "skip" (already labelled) or "fail". It must not
+	// block.
+	OnRepair func(mode, result string)
+}
+
+func (cfg Config) withDefaults() (Config, error) {
+	if cfg.NodeName == "" {
+		return cfg, errors.New("kube controller config: node name is empty")
+	}
+	if cfg.Workers <= 0 {
+		cfg.Workers = 2
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.OnEvent == nil {
+		cfg.OnEvent = func(string, string) {}
+	}
+	if cfg.OnRepair == nil {
+		cfg.OnRepair = func(string, string) {}
+	}
+	var err error
+	cfg.Repair, err = cfg.Repair.withDefaults()
+	return cfg, err
+}
+
+// Controller watches this node's pods and all namespaces and reports each
+// pod, with its namespace, to the reconciler. See the package comment for
+// the start-up order.
 type Controller struct {
 	cfg    Config
 	client kubernetes.Interface
@@ -43,20 +88,16 @@ type Controller struct {
 	namespaces            cache.SharedIndexInformer
 	podLister             listerscorev1.PodLister
 	nsLister              listerscorev1.NamespaceLister
-
-	queue   workqueue.TypedRateLimitingInterface[string]
-	writer  *apiWriter
-	rec     *reconciler
-	started atomic.Bool
+	started               atomic.Bool
 }
 
 // New builds a controller; it does no I/O.
-func New(cfg Config, client kubernetes.Interface, mesh Mesh) (*Controller, error) {
+func New(cfg Config, client kubernetes.Interface) (*Controller, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
 	}
-	c := &Controller{cfg: cfg, client: client, queue: newQueue("ambient-ebpf-pods")}
+	c := &Controller{cfg: cfg, client: client}
 	c.podFactory = informers.NewSharedInformerFactoryWithOptions(client, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
@@ -66,8 +107,6 @@ func New(cfg Config, client kubernetes.Interface, mesh Mesh) (*Controller, error
 	c.podLister = c.podFactory.Core().V1().Pods().Lister()
 	c.namespaces = c.nsFactory.Core().V1().Namespaces().Informer()
 	c.nsLister = c.nsFactory.Core().V1().Namespaces().Lister()
-	c.writer = &apiWriter{client: client}
-	c.rec = newReconciler(cfg, mesh, listerStore{c.podLister, c.nsLister}, c.writer)
 	return c, nil
 }
 
@@ -103,36 +142,35 @@ func (c *Controller) Snapshot() ([]*corev1.Pod, error) {
 	return validPods(out, c.cfg.Logger), nil
 }
 
-// Run adds the informer handlers (every cached pod is then reconciled once)
-// and reconciles until ctx ends. It returns after the workers have stopped.
-func (c *Controller) Run(ctx context.Context) error {
+// Run adds the informer handlers, which report to sink every cached pod
+// once and then each change, tells sink Synced once the cached pods are
+// reported, and returns when ctx ends.
+func (c *Controller) Run(ctx context.Context, sink reconciler.Desired) error {
 	if !c.started.Load() {
 		return errors.New("run before the caches are synced (call Start)")
 	}
-	// The event pipeline starts here, not in New: it runs goroutines.
-	// Events are only recorded by the workers, which start below.
-	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
-	defer broadcaster.Shutdown()
-	sink := broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.client.CoreV1().Events("")})
-	defer sink.Stop()
-	c.writer.recorder = broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: EventSource, Host: c.cfg.NodeName})
 	podReg, err := c.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { c.cfg.OnEvent("pod", "add"); c.enqueueObject(obj) },
-		UpdateFunc: func(_, obj any) { c.cfg.OnEvent("pod", "update"); c.enqueueObject(obj) },
-		DeleteFunc: func(obj any) { c.cfg.OnEvent("pod", "delete"); c.enqueueObject(obj) },
+		AddFunc:    func(obj any) { c.cfg.OnEvent("pod", "add"); c.reportObject(sink, obj) },
+		UpdateFunc: func(_, obj any) { c.cfg.OnEvent("pod", "update"); c.reportObject(sink, obj) },
+		DeleteFunc: func(obj any) { c.cfg.OnEvent("pod", "delete"); c.reportObject(sink, obj) },
 	})
 	if err != nil {
 		return fmt.Errorf("add pod handler: %w", err)
 	}
 	defer c.pods.RemoveEventHandler(podReg) //nolint:errcheck // only fails for an unknown registration
 	nsReg, err := c.namespaces.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) { c.cfg.OnEvent("namespace", "add"); c.enqueueNamespace(obj) },
+		AddFunc: func(obj any) {
+			if ns, ok := obj.(*corev1.Namespace); ok {
+				c.cfg.OnEvent("namespace", "add")
+				c.reportNamespace(sink, ns)
+			}
+		},
 		UpdateFunc: func(oldObj, obj any) {
 			o, ok1 := oldObj.(*corev1.Namespace)
 			n, ok2 := obj.(*corev1.Namespace)
 			if ok1 && ok2 && !maps.Equal(o.Labels, n.Labels) {
 				c.cfg.OnEvent("namespace", "update")
-				c.enqueueNamespace(n)
+				c.reportNamespace(sink, n)
 			}
 		},
 	})
@@ -140,51 +178,59 @@ func (c *Controller) Run(ctx context.Context) error {
 		return fmt.Errorf("add namespace handler: %w", err)
 	}
 	defer c.namespaces.RemoveEventHandler(nsReg) //nolint:errcheck // only fails for an unknown registration
+	if !cache.WaitForCacheSync(ctx.Done(), podReg.HasSynced) {
+		return nil // ctx ended
+	}
+	sink.Synced()
 	c.cfg.Logger.Info("kube controller running", "node", c.cfg.NodeName, "repair", c.cfg.Repair.Mode)
-	runWorkers(ctx, c.queue, c.cfg.Workers, c.cfg.Logger, c.rec.reconcile)
+	<-ctx.Done()
 	return nil
 }
 
-// Decide tells whether pod belongs in the mesh, with its namespace read
-// from the cache; the agent's CNI path uses it so that new pods are decided
-// exactly as running ones. Call it after Start.
-func (c *Controller) Decide(pod *corev1.Pod) (enrollment.Decision, error) {
-	ns, err := listerStore{c.podLister, c.nsLister}.namespace(pod.Namespace)
-	if err != nil {
-		return enrollment.Decision{}, fmt.Errorf("namespace of pod %s/%s: %w", pod.Namespace, pod.Name, err)
-	}
-	return enrollment.Decide(c.cfg.Enrollment, pod, ns), nil
-}
-
-// Requeue asks for the pod to be reconciled again, for example when ztunnel
-// acknowledged it and its annotation should go from pending to enabled.
-func (c *Controller) Requeue(namespace, name string) {
-	c.queue.Add(namespace + "/" + name)
-}
-
-func (c *Controller) enqueueObject(obj any) {
+// reportObject reports the pod of an informer event, with its namespace
+// from the cache; a deleted pod is reported gone.
+func (c *Controller) reportObject(sink reconciler.Desired, obj any) {
 	key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
 	if err != nil {
-		c.cfg.Logger.Warn("pod event without a key", "err", err)
+		c.cfg.Logger.Warn("pod event without a key", "error", err)
 		return
 	}
-	c.queue.Add(key)
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		c.cfg.Logger.Warn("pod event with a bad key", "pod", key, "error", err)
+		return
+	}
+	// The cache, not the event, is the truth: a delete event of a pod
+	// recreated meanwhile reports the new one.
+	store := listerStore{c.podLister, c.nsLister}
+	pod, err := store.pod(ns, name)
+	if err != nil {
+		c.cfg.Logger.Warn("read cached pod", "pod", key, "error", err)
+		return
+	}
+	if pod == nil {
+		sink.DeletePod(ns, name)
+		return
+	}
+	nsObj, err := store.namespace(ns)
+	if err != nil {
+		c.cfg.Logger.Warn("read cached namespace", "namespace", ns, "error", err)
+	}
+	sink.SetPod(pod, nsObj)
 }
 
-// enqueueNamespace queues this node's pods of the namespace: its labels
-// decide their enrollment.
-func (c *Controller) enqueueNamespace(obj any) {
-	ns, ok := obj.(*corev1.Namespace)
-	if !ok {
-		return
-	}
+// reportNamespace reports this node's pods of the namespace again: its
+// labels decide their enrollment.
+func (c *Controller) reportNamespace(sink reconciler.Desired, ns *corev1.Namespace) {
 	pods, err := c.pods.GetIndexer().ByIndex(cache.NamespaceIndex, ns.Name)
 	if err != nil {
-		c.cfg.Logger.Warn("list pods of namespace", "namespace", ns.Name, "err", err)
+		c.cfg.Logger.Warn("list pods of namespace", "namespace", ns.Name, "error", err)
 		return
 	}
 	for _, p := range pods {
-		c.enqueueObject(p)
+		if pod, ok := p.(*corev1.Pod); ok {
+			sink.SetPod(pod, ns)
+		}
 	}
 }
 
@@ -210,56 +256,19 @@ func (s listerStore) namespace(name string) (*corev1.Namespace, error) {
 	return ns, err
 }
 
-// apiWriter writes to the API server.
-type apiWriter struct {
-	client   kubernetes.Interface
-	recorder record.EventRecorder
+// checkPod checks the identity of a pod from the API server before
+// anything uses it (pkg/identity): its UID names its pins.
+func checkPod(pod *corev1.Pod) error {
+	return identity.Pod(pod.Namespace, pod.Name, string(pod.UID))
 }
 
-// setRedirection merge-patches the annotation through pods/status. The patch
-// carries the pod's UID, which the API server refuses to change: a pod
-// recreated under the same name is never annotated for its predecessor.
-func (w *apiWriter) setRedirection(ctx context.Context, pod *corev1.Pod, r Redirection) error {
-	var value any // nil removes the annotation
-	if r != RedirectionNone {
-		value = string(r)
-	}
-	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
-		"uid":         pod.UID,
-		"annotations": map[string]any{enrollment.RedirectionAnnotation: value},
-	}})
-	if err != nil {
-		return err
-	}
-	_, err = w.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
-	if apierrors.IsNotFound(err) {
-		return nil
-	}
-	return err
-}
-
-func (w *apiWriter) deletePod(ctx context.Context, pod *corev1.Pod) error {
-	return w.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
-		Preconditions: &metav1.Preconditions{UID: &pod.UID, ResourceVersion: &pod.ResourceVersion},
+// validPods returns the pods that pass checkPod, logging the others.
+func validPods(pods []*corev1.Pod, log *slog.Logger) []*corev1.Pod {
+	return slices.DeleteFunc(pods, func(p *corev1.Pod) bool {
+		err := checkPod(p)
+		if err != nil {
+			log.Warn("pod skipped: invalid identity", "pod", p.Namespace+"/"+p.Name, "error", err)
+		}
+		return err != nil
 	})
-}
-
-// labelPod merge-patches the label through pods/status, as Istio's repair
-// controller does: the status subresource takes metadata changes too, and
-// patch on pods/status (which the annotation needs anyway) grants less
-// than patch on pods, which could change the pod's spec.
-func (w *apiWriter) labelPod(ctx context.Context, pod *corev1.Pod, key, value string) error {
-	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
-		"uid":    pod.UID,
-		"labels": map[string]string{key: value},
-	}})
-	if err != nil {
-		return err
-	}
-	_, err = w.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
-	return err
-}
-
-func (w *apiWriter) event(pod *corev1.Pod, eventType, reason, message string) {
-	w.recorder.Event(pod, eventType, reason, message)
 }

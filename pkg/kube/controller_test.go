@@ -7,7 +7,9 @@ import (
 	"context"
 	"encoding/json"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	corev1 "k8s.io/api/core/v1"
@@ -17,11 +19,23 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 )
 
-type nopMesh struct{}
+// recordingSink records what the controller reports.
+type recordingSink struct {
+	mu     sync.Mutex
+	set    map[string]*corev1.Namespace // namespace/name: the namespace reported with the pod
+	synced bool
+}
 
-func (nopMesh) AddPodToMesh(context.Context, *corev1.Pod, enrollment.Options) error { return nil }
-func (nopMesh) RemovePodFromMesh(context.Context, *corev1.Pod) error                { return nil }
-func (nopMesh) Redirection(types.UID) Redirection                                   { return RedirectionNone }
+func (s *recordingSink) SetPod(pod *corev1.Pod, ns *corev1.Namespace) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.set == nil {
+		s.set = map[string]*corev1.Namespace{}
+	}
+	s.set[pod.Namespace+"/"+pod.Name] = ns
+}
+func (s *recordingSink) DeletePod(string, string) {}
+func (s *recordingSink) Synced()                  { s.mu.Lock(); s.synced = true; s.mu.Unlock() }
 
 func testPod() *corev1.Pod {
 	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{
@@ -31,7 +45,7 @@ func testPod() *corev1.Pod {
 
 func TestNewDoesNoIO(t *testing.T) {
 	client := fake.NewClientset()
-	if _, err := New(Config{NodeName: "n1"}, client, nopMesh{}); err != nil {
+	if _, err := New(Config{NodeName: "n1"}, client); err != nil {
 		t.Fatal(err)
 	}
 	if a := client.Actions(); len(a) != 0 {
@@ -50,7 +64,7 @@ func TestNewRefusesBadConfig(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			if _, err := New(tc.cfg, fake.NewClientset(), nopMesh{}); err == nil || !strings.Contains(err.Error(), tc.want) {
+			if _, err := New(tc.cfg, fake.NewClientset()); err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("New = %v; want an error about %s", err, tc.want)
 			}
 		})
@@ -119,43 +133,16 @@ func onlyAction[T any](t *testing.T, client *fake.Clientset) T {
 	return a
 }
 
-func TestRunsUnredirected(t *testing.T) {
-	running := corev1.ContainerState{Running: &corev1.ContainerStateRunning{}}
-	term := func(reason string, code int32) corev1.ContainerState {
-		return corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{Reason: reason, ExitCode: code}}
-	}
-	cases := []struct {
-		name   string
-		states []corev1.ContainerState
-		want   bool
-	}{
-		{"running container", []corev1.ContainerState{running}, true},
-		{"no container status yet", nil, true},
-		{"completed", []corev1.ContainerState{term("Completed", 0)}, false},
-		{"exit code 0 whatever the reason", []corev1.ContainerState{term("OOMKilled", 0)}, false},
-		{"reason Completed whatever the code", []corev1.ContainerState{term("Completed", 2)}, false},
-		{"failed", []corev1.ContainerState{term("Error", 1)}, true},
-		{"completed and running", []corev1.ContainerState{term("Completed", 0), running}, true},
-		{"waiting", []corev1.ContainerState{{Waiting: &corev1.ContainerStateWaiting{Reason: "CrashLoopBackOff"}}}, true},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			p := testPod()
-			for _, s := range tc.states {
-				p.Status.ContainerStatuses = append(p.Status.ContainerStatuses, corev1.ContainerStatus{State: s})
-			}
-			if got := runsUnredirected(p); got != tc.want {
-				t.Errorf("runsUnredirected = %v; want %v", got, tc.want)
-			}
-		})
-	}
-}
-
-func TestDecideReadsTheNamespaceFromTheCache(t *testing.T) {
+// The controller reports each pod with its namespace read from the cache,
+// so the reconciler decides new and running pods alike.
+func TestPodsAreReportedWithTheirNamespaceFromTheCache(t *testing.T) {
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "ns", Labels: map[string]string{
 		enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient,
 	}}}
-	c, err := New(Config{NodeName: "n1", Enrollment: enrollment.DefaultConfig()}, fake.NewClientset(ns), nopMesh{})
+	pod := testPod()
+	pod.Spec.NodeName = "n1"
+	sink := &recordingSink{}
+	c, err := New(Config{NodeName: "n1"}, fake.NewClientset(ns, pod))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -164,8 +151,23 @@ func TestDecideReadsTheNamespaceFromTheCache(t *testing.T) {
 	if err := c.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	d, err := c.Decide(testPod())
-	if err != nil || !d.Ambient || d.Reason != enrollment.ReasonNamespaceLabel {
-		t.Errorf("Decide = %+v, %v; want ambient through the namespace label", d, err)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx, sink) }()
+	for {
+		sink.mu.Lock()
+		synced, got := sink.synced, sink.set["ns/app"]
+		sink.mu.Unlock()
+		if synced {
+			d := enrollment.Decide(enrollment.DefaultConfig(), testPod(), got)
+			if !d.Ambient || d.Reason != enrollment.ReasonNamespaceLabel {
+				t.Errorf("Decide with the reported namespace = %+v; want ambient through the namespace label", d)
+			}
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Error(err)
 	}
 }

@@ -5,9 +5,7 @@ package kube_test
 
 import (
 	"context"
-	"errors"
-	"os"
-	"path/filepath"
+	"log/slog"
 	"strings"
 	"testing"
 
@@ -17,9 +15,14 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube/kubetest"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
+)
+
+var (
+	serve   = reconcilertest.Serve
+	waitFor = reconcilertest.WaitFor
 )
 
 // hostilePods are pods no API server would store. The fake clientset does
@@ -63,17 +66,18 @@ func TestControllerSkipsPodsWithInvalidIdentity(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	mesh := kubetest.NewMesh()
-	c, err := kube.New(testConfig(), client, mesh)
+	mesh := reconcilertest.NewMesh()
+	mesh.Start(t, reconciler.Config{RepairInPlace: true, Logger: slog.New(slog.DiscardHandler)})
+	c, err := kube.New(kube.Config{NodeName: "node-1", Logger: slog.New(slog.DiscardHandler)}, client)
 	if err != nil {
 		t.Fatal(err)
 	}
-	stop := serve(t, c, func() {
+	stop := serve(t, c, mesh, func() {
 		if snap, err := c.Snapshot(); err != nil || len(snap) != 0 {
 			t.Errorf("snapshot = %d pods, %v; want none of the invalid ones", len(snap), err)
 		}
 	})
-	waitFor(t, "the valid pod enrolled", func() bool { return mesh.Redirection("uid-good") == kube.RedirectionEnabled })
+	waitFor(t, "the valid pod enrolled", func() bool { return mesh.Redirection("uid-good") == reconciler.Enabled })
 	stop()
 	for _, call := range mesh.Calls() {
 		if call.UID != "uid-good" {
@@ -84,34 +88,5 @@ func TestControllerSkipsPodsWithInvalidIdentity(t *testing.T) {
 		if _, _, err := c.Lookup(context.Background(), p.Namespace, p.Name); err == nil {
 			t.Errorf("Lookup(%q, %q) found a pod with an invalid identity", p.Namespace, p.Name)
 		}
-	}
-}
-
-// A pod file entry without a uid is enrolled under the derived standalone
-// uid, one path element; a file with the pod named shop/../../links, whose
-// pins once went into links/, is refused as a whole.
-func TestFileSourceGivesUIDlessPodsASafeStandaloneUID(t *testing.T) {
-	pod := "apiVersion: v1\nkind: Pod\nmetadata: {name: NAME, namespace: shop, labels: {istio.io/dataplane-mode: ambient}}\n" +
-		"spec: {nodeName: node-1, containers: [{name: app, image: app}]}\nstatus: {phase: Running, podIP: 198.18.0.5}\n"
-	_, mesh, _, stop := serveFile(t, strings.ReplaceAll(pod, "NAME", "web"))
-	uid := types.UID(identity.StandaloneUID("shop", "web"))
-	waitFor(t, "web enrolled under its standalone uid", func() bool { return mesh.Redirection(uid) == kube.RedirectionEnabled })
-	stop()
-	for _, call := range mesh.Calls() {
-		if err := identity.PodUID(string(call.UID)); err != nil || call.UID != uid {
-			t.Errorf("mesh call %+v: %v", call, err)
-		}
-	}
-
-	bad := filepath.Join(t.TempDir(), "pods.yaml")
-	if err := os.WriteFile(bad, []byte(strings.ReplaceAll(pod, "NAME", "../../links")), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	src, err := kube.NewFileSource(testConfig(), bad, kubetest.NewMesh())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := src.Start(context.Background()); !errors.Is(err, identity.ErrInvalid) || !strings.Contains(err.Error(), `"../../links"`) {
-		t.Errorf("Start with a traversal pod name = %v; want an invalid identity naming it", err)
 	}
 }

@@ -41,22 +41,3 @@ func (c *Controller) Lookup(ctx context.Context, namespace, name string) (*corev
 	}
 	return pod, ns, nil
 }
-
-// Lookup returns a pod and its namespace from the pod file.
-func (s *FileSource) Lookup(_ context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
-	pod, err := s.pod(namespace, name)
-	if err != nil {
-		return nil, nil, err
-	}
-	if pod == nil {
-		return nil, nil, fmt.Errorf("pod %s/%s is not in the pod file %s", namespace, name, s.path)
-	}
-	if err := checkPod(pod); err != nil {
-		return nil, nil, fmt.Errorf("pod %s/%s: %w", namespace, name, err)
-	}
-	ns, err := s.namespace(namespace)
-	if err != nil {
-		return nil, nil, err
-	}
-	return pod, ns, nil
-}

@@ -9,30 +9,27 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 )
 
-type countingMesh struct{ adds int }
-
-func (m *countingMesh) AddPodToMesh(context.Context, *corev1.Pod, enrollment.Options) error {
-	m.adds++
-	return nil
-}
-func (m *countingMesh) RemovePodFromMesh(context.Context, *corev1.Pod) error { return nil }
-func (m *countingMesh) Redirection(types.UID) Redirection                    { return RedirectionNone }
-
+// With repair off an unredirected pod is neither deleted nor labelled (and
+// the reconciler, without RepairInPlace, does not enroll it).
 func TestRepairOffLeavesUnredirectedPodsAlone(t *testing.T) {
-	cfg, err := Config{NodeName: "n", Repair: RepairConfig{Mode: RepairOff}}.withDefaults()
+	cfg, err := Config{NodeName: "n", Repair: RepairConfig{Mode: RepairOff}, Logger: slog.New(slog.DiscardHandler)}.withDefaults()
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := &countingMesh{}
-	r := &reconciler{cfg: cfg, mesh: m, log: slog.Default(), known: map[string]*corev1.Pod{}}
 	pod := testPod()
 	pod.Status.Phase = corev1.PodRunning
-	if err := r.repair(context.Background(), pod, enrollment.Decision{Ambient: true}); err != nil || m.adds != 0 {
-		t.Errorf("repair with mode off: err %v, %d adds", err, m.adds)
+	client := fake.NewClientset(pod.DeepCopy())
+	s := newStatusWriter(cfg, client, &apiWriter{client: client})
+	s.Observe(reconciler.Change{Pod: pod, UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Repair: reconciler.Unredirected})
+	if err := s.write(context.Background(), pod.Namespace+"/"+pod.Name); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(client.Actions()); n != 0 {
+		t.Errorf("repair with mode off made %d API calls: %v", n, client.Actions())
 	}
 }

@@ -46,11 +46,16 @@ type NetNS struct {
 	Dev, Inode uint64
 }
 
-// Finder scans a proc file system.
+// DefaultNetnsDir is where container runtimes name pod network namespaces.
+const DefaultNetnsDir = "/run/netns"
+
+// Finder scans a proc file system (and, for All, the named netns).
 type Finder struct {
 	// ProcRoot is the proc mount, "/proc" on a node; the agent's DaemonSet
 	// usually mounts the host's at another path.
 	ProcRoot string
+	// NetnsDir holds named network namespaces; "" means DefaultNetnsDir.
+	NetnsDir string
 }
 
 // New returns a Finder over procRoot ("" means /proc).
@@ -59,6 +64,39 @@ func New(procRoot string) *Finder {
 		procRoot = "/proc"
 	}
 	return &Finder{ProcRoot: procRoot}
+}
+
+// All returns every network namespace of the node once, by (device,
+// inode): the named ones under NetnsDir first (where container runtimes
+// put pod netns, so a pod's netns is found by the path its CNI ADD named),
+// then each process's under the proc root, lowest PID first.
+func (f *Finder) All() []NetNS {
+	dir := f.NetnsDir
+	if dir == "" {
+		dir = DefaultNetnsDir
+	}
+	named, _ := filepath.Glob(filepath.Join(dir, "*"))
+	procs, _ := filepath.Glob(filepath.Join(f.ProcRoot, "[0-9]*", "ns", "net"))
+	pid := func(path string) int {
+		n, _ := strconv.Atoi(filepath.Base(filepath.Dir(filepath.Dir(path))))
+		return n
+	}
+	slices.SortFunc(procs, func(a, b string) int { return pid(a) - pid(b) })
+	var out []NetNS
+	seen := map[[2]uint64]bool{}
+	for i, path := range append(named, procs...) {
+		dev, ino, err := statNetNS(path)
+		if err != nil || seen[[2]uint64{dev, ino}] {
+			continue // gone since, not a netns, or seen under another path
+		}
+		seen[[2]uint64{dev, ino}] = true
+		ns := NetNS{Path: path, Dev: dev, Inode: ino}
+		if i >= len(named) {
+			ns.PID = pid(path)
+		}
+		out = append(out, ns)
+	}
+	return out
 }
 
 // Find returns the network namespace of the pod with this UID.

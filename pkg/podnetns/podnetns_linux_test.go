@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -101,6 +102,30 @@ func TestSameTellsNetnsPathsApartByInode(t *testing.T) {
 	for _, tc := range cases {
 		if same, known := f.Same(tc.a, tc.b); same != tc.same || known != tc.known {
 			t.Errorf("Same(%s, %s) = %v, %v; want %v, %v", tc.a, tc.b, same, known, tc.same, tc.known)
+		}
+	}
+}
+
+// All lists each netns once, a named one under its name first, then the
+// processes' under the proc root.
+func TestAllListsEachNetnsOnceNamedFirst(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.Symlink("/proc/self/ns/net", filepath.Join(dir, "mine")); err != nil {
+		t.Fatal(err)
+	}
+	all := (&Finder{ProcRoot: "/proc", NetnsDir: dir}).All()
+	if len(all) == 0 || all[0].Path != filepath.Join(dir, "mine") || all[0].PID != 0 {
+		t.Fatalf("All()[0] = %+v; want the named netns", all)
+	}
+	seen := map[[2]uint64]string{}
+	for _, ns := range all {
+		k := [2]uint64{ns.Dev, ns.Inode}
+		if other, dup := seen[k]; dup {
+			t.Errorf("netns %v listed as %s and %s", k, other, ns.Path)
+		}
+		seen[k] = ns.Path
+		if ns.Path != all[0].Path && (ns.PID <= 0 || !strings.HasPrefix(ns.Path, "/proc/")) {
+			t.Errorf("entry %+v: want a process's netns under /proc", ns)
 		}
 	}
 }

@@ -76,7 +76,7 @@ func TestBadInputEndsOnlyThatConnection(t *testing.T) {
 		{name: "truncated ack", phase: atSnapshot, data: nack[:len(nack)-3], reason: "undecodable message"},
 		{name: "truncated hello", phase: atHello, data: []byte{0x08}, reason: "undecodable message"},
 		{name: "unknown response message", phase: atSnapshot, data: unknownResponse, reason: "response without ack: unknown message"},
-		{name: "hello with unsupported version", phase: atHello, data: []byte{0x08, 0x07}, reason: "unsupported version"},
+		{name: "hello with version NOT_USED", phase: atHello, data: []byte{0x08, 0x00}, reason: "unsupported version"},
 		{name: "empty datagram instead of hello", phase: atHello, data: []byte{}, reason: "waiting for hello: peer closed"},
 		{name: "ack carrying a file descriptor", phase: atSnapshot, data: ack, fds: []int{nullFD}, reason: "ack for keep s1 carried 1 file descriptors"},
 		{name: "ack carrying two file descriptors", phase: atSnapshot, data: ack, fds: []int{nullFD, nullFD}, reason: "carried 2 file descriptors"},

@@ -223,7 +223,11 @@ func (s *Server) session(ctx context.Context, c *conn) error {
 	// Register before reading the snapshot: a live change made from here
 	// on queues on this connection, so none falls between the two (Z7).
 	s.register(c)
-	c.log.Info("ztunnel connected", "version", hello.GetVersion().String())
+	if v := hello.GetVersion(); v > zdsapi.Version_V1 {
+		c.log.Info("ztunnel connected", "version", int32(v), "speaking", zdsapi.Version_V1.String())
+	} else {
+		c.log.Info("ztunnel connected", "version", v.String())
+	}
 
 	// Z2: the snapshot, one acked message at a time.
 	for _, w := range s.cfg.Snapshot() {
@@ -235,7 +239,7 @@ func (s *Server) session(ctx context.Context, c *conn) error {
 	if reqErr, connErr := c.exchange(ctx, snapshotSentMessage(), "", s.cfg.AckTimeout); connErr != nil {
 		return fmt.Errorf("during snapshot: %w", connErr)
 	} else if reqErr != nil {
-		c.log.Warn("snapshot_sent rejected", "err", reqErr.Error())
+		c.log.Warn("snapshot_sent rejected", "error", reqErr.Error())
 	}
 	c.snapshotSent = true
 	c.log.Info("snapshot sent")
@@ -247,10 +251,23 @@ func (s *Server) session(ctx context.Context, c *conn) error {
 			return ctx.Err()
 		case r := <-c.reqs:
 			reqErr, connErr := c.exchange(ctx, r.msg, r.netns, s.cfg.AckTimeout)
+			var bad *badAckError
+			if errors.As(connErr, &bad) {
+				// A malformed answer to a live request fails that request
+				// and the connection stays, as upstream keeps it (Z6):
+				// the datagram was read, so the next answer is the next
+				// request's. A missing answer still ends the connection
+				// (below): ZDS acks name no request, and a late one would
+				// be taken as the answer to the next.
+				c.log.Warn("malformed ack to a live request; connection kept", "error", connErr.Error())
+				r.result <- connErr
+				continue
+			}
 			if connErr != nil {
 				r.result <- connErr
 				return connErr
 			}
+			s.report(c, r.msg, false, reqErr)
 			r.result <- reqErr
 		case in := <-c.in:
 			if in.err != nil {
@@ -275,16 +292,39 @@ func (s *Server) sendSnapshotEntry(ctx context.Context, c *conn, w Workload) err
 	}
 	var nsErr *netnsError
 	if errors.As(reqErr, &nsErr) {
-		c.log.Warn("netns unavailable; sending keep", "uid", w.UID, "err", reqErr.Error())
-		reqErr, connErr = c.exchange(ctx, keepMessage(w.UID), "", s.cfg.AckTimeout)
+		c.log.Warn("netns unavailable; sending keep", "uid", w.UID, "error", reqErr.Error())
+		msg = keepMessage(w.UID)
+		reqErr, connErr = c.exchange(ctx, msg, "", s.cfg.AckTimeout)
 		if connErr != nil {
 			return connErr
 		}
 	}
 	if reqErr != nil {
-		c.log.Warn("snapshot entry rejected", "uid", w.UID, "err", reqErr.Error())
+		c.log.Warn("snapshot entry rejected", "uid", w.UID, "error", reqErr.Error())
 	}
+	s.report(c, msg, true, reqErr)
 	return nil
+}
+
+// report tells Config.OnAck ztunnel's answer to msg: an ack or a NACK. A
+// request that never reached ztunnel (its netns could not be opened) is
+// not an answer and is not reported.
+func (s *Server) report(c *conn, msg *zdsapi.WorkloadRequest, snapshot bool, reqErr error) {
+	if reqErr != nil && !errors.Is(reqErr, ErrNack) {
+		return
+	}
+	a := Ack{Conn: c.id, Snapshot: snapshot, Err: reqErr}
+	switch p := msg.GetPayload().(type) {
+	case *zdsapi.WorkloadRequest_Add:
+		a.Op, a.UID = OpAdd, p.Add.GetUid()
+	case *zdsapi.WorkloadRequest_Keep:
+		a.Op, a.UID = OpKeep, p.Keep.GetUid()
+	case *zdsapi.WorkloadRequest_Del:
+		a.Op, a.UID = OpDel, p.Del.GetUid()
+	default:
+		return
+	}
+	s.cfg.OnAck(a)
 }
 
 // netnsError: the netns of an AddWorkload could not be opened; nothing was
@@ -293,6 +333,13 @@ type netnsError struct{ err error }
 
 func (e *netnsError) Error() string { return e.err.Error() }
 func (e *netnsError) Unwrap() error { return e.err }
+
+// badAckError: ztunnel answered, but not with a well-formed Ack (the
+// datagram was read and its descriptors closed).
+type badAckError struct{ err error }
+
+func (e *badAckError) Error() string { return e.err.Error() }
+func (e *badAckError) Unwrap() error { return e.err }
 
 // exchange writes msg (with netns's descriptor when netns is set) and waits
 // for its Ack, both before timeout (Z4). reqErr fails only this request (a
@@ -320,11 +367,11 @@ func (c *conn) exchange(ctx context.Context, msg *zdsapi.WorkloadRequest, netns 
 		return nil, err
 	}
 	if in.nfds > 0 {
-		return nil, fmt.Errorf("ack for %s carried %d file descriptors", what, in.nfds)
+		return nil, &badAckError{fmt.Errorf("ack for %s carried %d file descriptors", what, in.nfds)}
 	}
 	ack, err := zdswire.DecodeResponse(in.data)
 	if err != nil {
-		return nil, fmt.Errorf("ack for %s: %w", what, err)
+		return nil, &badAckError{fmt.Errorf("ack for %s: %w", what, err)}
 	}
 	if e := ack.GetError(); e != "" {
 		return fmt.Errorf("%s: %w: %s", what, ErrNack, e), nil

@@ -18,14 +18,19 @@
 //	func (s *Server) DelWorkload(ctx context.Context, uid string) error
 //	func (s *Server) Connections() int
 //
-// Per connection: ztunnel must send ZdsHello{V1} within Config.HelloTimeout
-// (Z1). The connection then becomes the newest one and receives the
+// Per connection: ztunnel must send ZdsHello within Config.HelloTimeout
+// (Z1); any version from V1 on is accepted and logged, as istio-cni does,
+// so a newer ztunnel still connects. At most AcceptRate connections are
+// accepted a second (Z10). The connection then becomes the newest one and receives the
 // snapshot from Config.Snapshot: AddWorkload with the netns descriptor, or
 // KeepWorkload when the netns is unknown (Z2), then SnapshotSent (Z3). Live
 // AddWorkload and DelWorkload follow, strictly one in flight per connection,
 // each with a write + ack deadline of Config.AckTimeout (Z4). An Ack with a
 // non-empty error is a NACK: the call fails with ErrNack and the connection
-// stays (Z6). AddWorkload goes to the newest connection only, DelWorkload to
+// stays (Z6); so does a malformed answer to a live request, which fails
+// only that call. A missing answer ends the connection: ZDS acks carry no
+// request id, so a late one would be read as the next request's.
+// Every answer is reported to Config.OnAck. AddWorkload goes to the newest connection only, DelWorkload to
 // every connection (Z7). Requests issued while a connection is still sending
 // its snapshot queue behind it; the connection is registered before the
 // snapshot is read, so no live change can fall between the two.
@@ -56,11 +61,17 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/time/rate"
+
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 )
 
 // DefaultSocketPath is where ztunnel looks for the agent.
 const DefaultSocketPath = "/var/run/ztunnel/ztunnel.sock"
+
+// AcceptRate is how many new connections a second the server accepts at
+// most (Z10).
+const AcceptRate = 5
 
 // Default timeouts (Z1, Z4).
 const (
@@ -102,6 +113,33 @@ type Config struct {
 	HelloTimeout time.Duration
 	// AckTimeout bounds the write and ack of every request (Z4).
 	AckTimeout time.Duration
+	// OnAck, when set, is told every answer ztunnel gives to an
+	// AddWorkload, KeepWorkload or DelWorkload, live or in a snapshot:
+	// the event that turns a pending pod enabled, or a NACK to retry. It
+	// is called on the connection's goroutine before the call that sent
+	// the request returns, so it must not block or call the Server.
+	OnAck func(Ack)
+	// OnConnections, when set, is told the number of connections each
+	// time one registers or ends. It must not block or call the Server.
+	OnConnections func(n int)
+}
+
+// Op names the request an Ack answers.
+type Op string
+
+const (
+	OpAdd  Op = "add"
+	OpKeep Op = "keep"
+	OpDel  Op = "del"
+)
+
+// Ack is ztunnel's answer to one request about one pod (Config.OnAck).
+type Ack struct {
+	Conn     uint64 // the connection, numbered from 1 in accept order
+	UID      string // the pod
+	Op       Op
+	Snapshot bool  // sent as part of the connection's snapshot (Z2)
+	Err      error // nil: acked; wraps ErrNack: rejected (Z6)
 }
 
 // Server is the agent's ZDS endpoint. Create it with NewServer and start it
@@ -135,6 +173,12 @@ func NewServer(cfg Config) (*Server, error) {
 	}
 	if cfg.Snapshot == nil {
 		cfg.Snapshot = func() []Workload { return nil }
+	}
+	if cfg.OnAck == nil {
+		cfg.OnAck = func(Ack) {}
+	}
+	if cfg.OnConnections == nil {
+		cfg.OnConnections = func(int) {}
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -192,7 +236,13 @@ func (s *Server) Run(ctx context.Context) error {
 	stop := context.AfterFunc(ctx, func() { _ = l.Close() })
 	defer stop()
 	backoff := time.Duration(0)
+	// At most AcceptRate new connections a second (Z10), as istio-cni: a
+	// ztunnel reconnecting in a loop cannot make the agent spin.
+	accepts := rate.NewLimiter(AcceptRate, 1)
 	for id := uint64(1); ; id++ {
+		if err := accepts.Wait(ctx); err != nil {
+			return nil // ctx ended
+		}
 		uc, err := l.AcceptUnix()
 		if err != nil {
 			if ctx.Err() != nil {
@@ -203,7 +253,7 @@ func (s *Server) Run(ctx context.Context) error {
 			}
 			// EMFILE and the like pass; retry like net/http does.
 			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-			s.log.Error("accept failed; retrying", "err", err.Error(), "backoff", backoff)
+			s.log.Error("accept failed; retrying", "error", err.Error(), "backoff", backoff)
 			select {
 			case <-ctx.Done():
 				return nil
@@ -275,17 +325,25 @@ func (s *Server) DelWorkload(ctx context.Context, uid string) error {
 
 func (s *Server) register(c *conn) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.conns = append(s.conns, c)
+	n := len(s.conns)
+	s.mu.Unlock()
+	s.cfg.OnConnections(n)
 }
 
 func (s *Server) unregister(c *conn) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	found := false
 	for i := range s.conns {
 		if s.conns[i] == c {
 			s.conns = append(s.conns[:i], s.conns[i+1:]...)
-			return
+			found = true
+			break
 		}
+	}
+	n := len(s.conns)
+	s.mu.Unlock()
+	if found {
+		s.cfg.OnConnections(n)
 	}
 }

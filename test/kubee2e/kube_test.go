@@ -14,7 +14,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube/kubetest"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -45,7 +45,7 @@ func TestSnapshotHoldsThisNodesPodsAnnotatedEnabled(t *testing.T) {
 	s.running(t, kubeapi.PodSpec{Name: "elsewhere", Node: newNode(), Annotations: annotated("enabled")})
 
 	var snap []*corev1.Pod
-	a := s.agent(t, func(m *kubetest.Mesh, pods []*corev1.Pod) {
+	a := s.agent(t, func(m *reconcilertest.Mesh, pods []*corev1.Pod) {
 		snap = pods
 		for _, p := range pods {
 			m.Adopt(p.UID) // the pinned dataplane state survived
@@ -73,7 +73,7 @@ func TestNamespaceLabelEnrollsAndRemovesRunningPods(t *testing.T) {
 	s := newScene(t, "nslabel", nil)
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
 	var nsEvents atomic.Int32
-	a := s.agent(t, nil, func(c *kube.Config, _ *kubetest.Mesh) {
+	a := s.agent(t, nil, func(c *kube.Config, _ *reconcilertest.Mesh) {
 		c.OnEvent = func(object, typ string) {
 			if object == "namespace" && typ == "update" {
 				nsEvents.Add(1)
@@ -93,7 +93,7 @@ func TestNamespaceLabelEnrollsAndRemovesRunningPods(t *testing.T) {
 		t.Errorf("namespace label events = %d; want 2", n)
 	}
 	calls := a.mesh.CallsFor(pod.UID)
-	if len(calls) != 2 || calls[0].Op != kubetest.OpAdd || calls[1].Op != kubetest.OpRemove {
+	if len(calls) != 2 || calls[0].Op != reconcilertest.OpAdd || calls[1].Op != reconcilertest.OpRemove {
 		t.Errorf("mesh calls = %+v; want add then remove", calls)
 	}
 }
@@ -147,12 +147,11 @@ func TestPodsOfOtherNodesAreIgnored(t *testing.T) {
 
 func TestAnnotationPendingUntilZtunnelAcks(t *testing.T) {
 	s := newScene(t, "pending", ambientLabels)
-	a := s.agent(t, nil, func(_ *kube.Config, m *kubetest.Mesh) { m.SetPending(true) })
+	a := s.agent(t, nil, func(_ *kube.Config, m *reconcilertest.Mesh) { m.SetPending(true) })
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
 
 	eventually(t, "annotation pending while ztunnel has not acked", func() bool { return annotation(t, pod) == "pending" })
 	a.mesh.Ack(pod.UID)
-	a.ctrl.Requeue(pod.Namespace, pod.Name)
 	eventually(t, "annotation enabled after the ack", func() bool { return annotation(t, pod) == "enabled" })
 }
 
@@ -164,9 +163,9 @@ func TestPodNotYetRunningIsLeftToTheCNIPlugin(t *testing.T) {
 
 	eventually(t, "barrier pod enrolled", func() bool { return enrolled(a, barrier.UID) })
 	never(t, "pending pod enrolled by the controller", func() bool { return len(a.mesh.CallsFor(pod.UID)) > 0 })
-	// The CNI plugin enrolled it (the agent calls the Mesh directly); the
-	// controller only publishes the result.
-	a.mesh.Adopt(pod.UID)
+	// The CNI plugin enrolled it (through the reconciler's CNI path); the
+	// controller only reports the pod, the status writer publishes.
+	a.cniAdd(t, pod)
 	s.SetStatus(t, pod, kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{s.ip()}})
 	eventually(t, "annotation enabled for the CNI-enrolled pod", func() bool { return annotation(t, pod) == "enabled" })
 	if calls := a.mesh.CallsFor(pod.UID); len(calls) != 0 {
@@ -200,11 +199,11 @@ func TestRecreatedPodWithSameNameAndIPIsANewPod(t *testing.T) {
 	eventually(t, "recreated pod enrolled under its own UID", func() bool { return enrolled(a, second.UID) })
 	eventually(t, "recreated pod annotated", func() bool { return annotation(t, second) == "enabled" })
 
-	var ops []kubetest.Op
+	var ops []reconcilertest.Op
 	for _, call := range a.mesh.CallsFor(first.UID) {
 		ops = append(ops, call.Op)
 	}
-	if !slices.Equal(ops, []kubetest.Op{kubetest.OpAdd, kubetest.OpRemove}) {
+	if !slices.Equal(ops, []reconcilertest.Op{reconcilertest.OpAdd, reconcilertest.OpRemove}) {
 		t.Errorf("calls for the first pod = %v; want add, remove", ops)
 	}
 }
@@ -274,7 +273,7 @@ func TestRepairNeverTouchesPodsWhoseContainersCompleted(t *testing.T) {
 func TestFailedInPlaceRedirectIsRecordedAndRetried(t *testing.T) {
 	s := newScene(t, "retry", ambientLabels)
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
-	a := s.agent(t, nil, func(_ *kube.Config, m *kubetest.Mesh) { m.FailAdd(errors.New("netns not found")) })
+	a := s.agent(t, nil, func(_ *kube.Config, m *reconcilertest.Mesh) { m.FailAdd(errors.New("netns not found")) })
 
 	eventually(t, "failure event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairFailed) })
 	eventually(t, "add retried", func() bool { return len(a.mesh.CallsFor(pod.UID)) >= 2 })
@@ -296,7 +295,7 @@ func TestStaleEnabledAnnotationIsCleared(t *testing.T) {
 	notRunning := s.pod(t, kubeapi.PodSpec{Name: "not-running", Annotations: enabled})
 	failing := s.running(t, kubeapi.PodSpec{Name: "failing", Annotations: enabled})
 	barrier := s.running(t, kubeapi.PodSpec{Name: "barrier"})
-	a := s.agent(t, nil, func(_ *kube.Config, m *kubetest.Mesh) { m.FailAdd(errors.New("netns not found")) })
+	a := s.agent(t, nil, func(_ *kube.Config, m *reconcilertest.Mesh) { m.FailAdd(errors.New("netns not found")) })
 
 	eventually(t, "not-running pod's stale annotation cleared", func() bool { return !hasAnnotation(t, notRunning) })
 	eventually(t, "failing pod's stale annotation cleared", func() bool { return !hasAnnotation(t, failing) })

@@ -1,8 +1,9 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-// Package kubee2e runs pkg/kube's controller against a real kube-apiserver
-// and etcd (test/kubeapi), with a fake Mesh in place of the dataplane. Each
+// Package kubee2e runs pkg/kube's controller and status writer against a
+// real kube-apiserver and etcd (test/kubeapi), with the reconciler over
+// fakes of the data path and ztunnel (pkg/reconciler/reconcilertest). Each
 // test has its own node name and namespaces, so the tests run in parallel
 // against one API server.
 package kubee2e
@@ -19,7 +20,8 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube/kubetest"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	corev1 "k8s.io/api/core/v1"
@@ -97,38 +99,60 @@ func (s *scene) running(t *testing.T, spec kubeapi.PodSpec) *corev1.Pod {
 	return s.SetStatus(t, s.pod(t, spec), kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{s.ip()}})
 }
 
-// agent is one controller for one node, as the node agent runs it.
+// agent is one controller, reconciler and status writer for one node, as
+// the node agent runs them.
 type agent struct {
-	mesh *kubetest.Mesh
+	mesh *reconcilertest.Mesh
+	rec  *reconciler.Reconciler
 	ctrl *kube.Controller
 }
 
-type agentOption func(*kube.Config, *kubetest.Mesh)
+type agentOption func(*kube.Config, *reconcilertest.Mesh)
 
 func withRepair(mode kube.RepairMode) agentOption {
-	return func(c *kube.Config, _ *kubetest.Mesh) { c.Repair.Mode = mode }
+	return func(c *kube.Config, _ *reconcilertest.Mesh) { c.Repair.Mode = mode }
+}
+
+// cniAdd enrolls pod as the CNI plugin's ADD does, through the reconciler.
+func (a *agent) cniAdd(t *testing.T, pod *corev1.Pod) {
+	t.Helper()
+	p, ns, err := a.ctrl.Lookup(context.Background(), pod.Namespace, pod.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.rec.CNIAdd(context.Background(), reconciler.CNIAdd{Pod: p, Namespace: ns, UID: string(pod.UID),
+		Netns: "/proc/1/ns/net", Interface: "eth0"}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func newNode() string { return "node-" + testenv.RunID() }
 
 // agent runs a controller for the scene's node in the contract's order:
-// caches synced, snapshot (adopt is called with it), then handlers and
-// workers. It stops when the test ends.
-func (s *scene) agent(t *testing.T, adopt func(*kubetest.Mesh, []*corev1.Pod), opts ...agentOption) *agent {
+// caches synced, snapshot (adopt is called with it, then the reconciler
+// adopts it), then the status writer, the reconciler and the handlers. It
+// stops when the test ends.
+func (s *scene) agent(t *testing.T, adopt func(*reconcilertest.Mesh, []*corev1.Pod), opts ...agentOption) *agent {
 	t.Helper()
-	a := &agent{mesh: kubetest.NewMesh()}
+	a := &agent{mesh: reconcilertest.NewMesh()}
 	cfg := kube.Config{
-		NodeName:   s.node,
-		Enrollment: enrollment.DefaultConfig(),
-		Logger:     slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		NodeName: s.node,
+		Logger:   slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	}
 	for _, o := range opts {
 		o(&cfg, a.mesh)
 	}
+	a.rec = a.mesh.Start(t, reconciler.Config{Enrollment: enrollment.DefaultConfig(), Logger: cfg.Logger,
+		RepairInPlace: cfg.Repair.Mode == "" || cfg.Repair.Mode == kube.RepairInPlace})
 	var err error
-	if a.ctrl, err = kube.New(cfg, s.Client, a.mesh); err != nil {
+	if a.ctrl, err = kube.New(cfg, s.Client); err != nil {
 		t.Fatal(err)
 	}
+	w, err := kube.NewStatusWriter(cfg, s.Client)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.rec.Subscribe(w.Observe)
 	ctx, cancel := context.WithCancel(context.Background())
 	if err := a.ctrl.Start(ctx); err != nil {
 		cancel()
@@ -142,12 +166,16 @@ func (s *scene) agent(t *testing.T, adopt func(*kubetest.Mesh, []*corev1.Pod), o
 	if adopt != nil {
 		adopt(a.mesh, snap)
 	}
-	done := make(chan error, 1)
-	go func() { done <- a.ctrl.Run(ctx) }()
+	a.rec.Adopt(ctx, snap)
+	done := make(chan error, 2)
+	go func() { done <- w.Run(ctx) }()
+	go func() { done <- a.ctrl.Run(ctx, a.mesh) }()
 	t.Cleanup(func() {
 		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("controller run: %v", err)
+		for range 2 {
+			if err := <-done; err != nil {
+				t.Errorf("controller run: %v", err)
+			}
 		}
 	})
 	return a

@@ -22,6 +22,9 @@ const BinaryName = "ambient-ebpf-cni-fallback"
 type Request struct {
 	Namespace string `json:"namespace"`
 	Name      string `json:"name"`
+	// UID is K8S_POD_UID when the runtime passes it: the pod read must
+	// be this one, not an older pod of the same name.
+	UID string `json:"uid,omitempty"`
 	// PodFile or Kubeconfig: where to read the pod (the plugin's config).
 	PodFile    string `json:"podFile,omitempty"`
 	Kubeconfig string `json:"kubeconfig,omitempty"`

@@ -38,7 +38,7 @@ const (
 // FallbackRequest is what the fallback is asked about pod.
 func FallbackRequest(conf *Config, pod *cniv1.Pod) fallback.Request {
 	return fallback.Request{
-		Namespace: pod.GetNamespace(), Name: pod.GetName(), PodFile: conf.PodFile, Kubeconfig: conf.Kubeconfig,
+		Namespace: pod.GetNamespace(), Name: pod.GetName(), UID: pod.GetUid(), PodFile: conf.PodFile, Kubeconfig: conf.Kubeconfig,
 		ExcludeNamespaces: conf.ExcludeNamespaces, SelfLabels: conf.SelfLabels, ZtunnelLabels: conf.ZtunnelLabels,
 		EnablementSelectors: conf.EnablementSelectors, Timeout: DefaultFallbackTimeout,
 	}

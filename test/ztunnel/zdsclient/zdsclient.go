@@ -204,7 +204,7 @@ func serve(ctx context.Context, uc *net.UnixConn, h Handler, log *slog.Logger) (
 			snapshot = nil
 		}
 		if herr != nil {
-			log.Warn("nack", "request", req.String(), "err", herr.Error())
+			log.Warn("nack", "request", req.String(), "error", herr.Error())
 		}
 		if err := sendAck(uc, herr); err != nil {
 			return synced, err

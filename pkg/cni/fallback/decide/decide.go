@@ -31,6 +31,11 @@ func Decide(ctx context.Context, src PodSource, req fallback.Request) (fallback.
 	if err != nil {
 		return fallback.Response{}, err
 	}
+	if req.UID != "" && pod.UID != "" && string(pod.UID) != req.UID {
+		// Another pod of the same name (an older one, or one the reader
+		// does not see yet): nothing can be decided about this one.
+		return fallback.Response{}, fmt.Errorf("pod %s/%s: the runtime names uid %s, the read pod has uid %s", req.Namespace, req.Name, req.UID, pod.UID)
+	}
 	sel, err := selection(req)
 	if err != nil {
 		return fallback.Response{}, err

@@ -21,6 +21,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
 )
 
 func TestKubeSourceReadsPodAndNamespaceWithTheToken(t *testing.T) {
@@ -73,11 +74,11 @@ func TestFileSource(t *testing.T) {
 	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	p, ns, err := FileSource(path).Lookup(context.Background(), "mesh", "web")
+	p, ns, err := standalone.FileLookup(path).Lookup(context.Background(), "mesh", "web")
 	if err != nil || p.Name != "web" || ns == nil {
 		t.Fatalf("Lookup = %v, %v, %v", p, ns, err)
 	}
-	if _, _, err := FileSource(path).Lookup(context.Background(), "mesh", "ghost"); err == nil {
+	if _, _, err := standalone.FileLookup(path).Lookup(context.Background(), "mesh", "ghost"); err == nil {
 		t.Error("pod missing from the file was found")
 	}
 }
@@ -89,7 +90,8 @@ func TestRunAnswersEachRequest(t *testing.T) {
 	doc := "apiVersion: v1\nkind: Namespace\nmetadata: {name: mesh, labels: {istio.io/dataplane-mode: ambient}}\n---\n" +
 		"apiVersion: v1\nkind: Namespace\nmetadata: {name: plain}\n---\n" +
 		"apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: mesh}\n---\n" +
-		"apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: plain}\n"
+		"apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: plain}\n---\n" +
+		"apiVersion: v1\nkind: Pod\nmetadata: {name: named, namespace: mesh, uid: u-named}\n"
 	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -102,6 +104,10 @@ func TestRunAnswersEachRequest(t *testing.T) {
 		{fallback.Request{Namespace: "mesh", Name: "web", PodFile: path, ExcludeNamespaces: []string{"mesh"}}, fallback.Response{Reason: "namespace excluded"}},
 		{fallback.Request{Namespace: "mesh", Name: "ghost", PodFile: path}, fallback.Response{Error: "pod mesh/ghost not in pod file " + path}},
 		{fallback.Request{Namespace: "mesh", Name: "web"}, fallback.Response{Error: "no kubeconfig or pod file configured to read the pod"}},
+		// K8S_POD_UID must be the read pod's, when the source names one.
+		{fallback.Request{Namespace: "mesh", Name: "named", UID: "u-named", PodFile: path}, fallback.Response{Ambient: true, Reason: "namespace labelled ambient"}},
+		{fallback.Request{Namespace: "mesh", Name: "named", UID: "u-newer", PodFile: path}, fallback.Response{Error: "pod mesh/named: the runtime names uid u-newer, the read pod has uid u-named"}},
+		{fallback.Request{Namespace: "mesh", Name: "web", UID: "u-any", PodFile: path}, fallback.Response{Ambient: true, Reason: "namespace labelled ambient"}},
 	}
 	for _, tc := range cases {
 		in, _ := json.Marshal(tc.req)

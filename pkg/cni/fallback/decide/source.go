@@ -27,28 +27,11 @@ type PodSource interface {
 func NewPodSource(podFile, kubeconfig string) (PodSource, error) {
 	switch {
 	case podFile != "":
-		return FileSource(podFile), nil
+		return standalone.FileLookup(podFile), nil
 	case kubeconfig != "":
 		return NewKubeSource(kubeconfig)
 	}
 	return nil, nil
-}
-
-// FileSource reads the standalone pod file at the given path on each lookup.
-type FileSource string
-
-// Lookup finds the pod and its namespace in the pod file. A pod missing from
-// the file is an error: the plugin never guesses.
-func (f FileSource) Lookup(_ context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
-	file, err := standalone.Load(string(f))
-	if err != nil {
-		return nil, nil, err
-	}
-	pod := file.Pod(namespace, name)
-	if pod == nil {
-		return nil, nil, fmt.Errorf("pod %s/%s not in pod file %s", namespace, name, string(f))
-	}
-	return pod, file.Namespaces[namespace], nil
 }
 
 // KubeSource reads pods and namespaces from the API server with client-go's

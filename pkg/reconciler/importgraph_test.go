@@ -1,0 +1,93 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package reconciler_test
+
+import (
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+)
+
+const module = "github.com/ambient-ebpf/ambient-ebpf/"
+
+// deps returns the module's packages pkg depends on, directly or not, as
+// go list -deps reports them.
+func deps(t *testing.T, pkg string) []string {
+	t.Helper()
+	out, err := exec.Command("go", "list", "-deps", "-f", "{{.ImportPath}}", module+pkg).Output()
+	if err != nil {
+		t.Fatalf("go list -deps %s: %v", pkg, err)
+	}
+	var ours []string
+	for _, p := range strings.Fields(string(out)) {
+		if rest, ok := strings.CutPrefix(p, module); ok && rest != pkg {
+			ours = append(ours, rest)
+		}
+	}
+	return ours
+}
+
+// The control plane's rooms and arrows: sources -> reconciler ->
+// {dataplane, zds}; the status writer (pkg/kube) listens to the
+// reconciler; nothing points back from the reconciler, or from what it
+// drives, into a source or a listener.
+func TestImportGraph(t *testing.T) {
+	sources := []string{"pkg/kube", "pkg/standalone", "pkg/cni/events", "pkg/agent"}
+	cases := []struct {
+		pkg      string
+		needs    []string
+		mustNot  []string
+		whyNeeds string
+	}{
+		{"pkg/reconciler", []string{"pkg/dataplane", "pkg/zds", "pkg/enrollment"}, sources,
+			"the reconciler drives the data path and ZDS with pkg/enrollment's rules"},
+		{"pkg/kube", []string{"pkg/reconciler"}, []string{"pkg/standalone", "pkg/cni/events", "pkg/agent"},
+			"the informers report to the reconciler and the status writer listens to it"},
+		{"pkg/standalone", []string{"pkg/reconciler"}, []string{"pkg/kube", "pkg/cni/events", "pkg/agent"},
+			"the pod file reports to the reconciler"},
+		{"pkg/dataplane", nil, append([]string{"pkg/reconciler", "pkg/zds"}, sources...), ""},
+		{"pkg/zds", nil, append([]string{"pkg/reconciler", "pkg/dataplane"}, sources...), ""},
+		{"pkg/enrollment", nil, append([]string{"pkg/reconciler", "pkg/dataplane", "pkg/zds"}, sources...), ""},
+	}
+	for _, tc := range cases {
+		t.Run(tc.pkg, func(t *testing.T) {
+			got := deps(t, tc.pkg)
+			for _, n := range tc.needs {
+				if !slices.Contains(got, n) {
+					t.Errorf("%s does not import %s (%s)", tc.pkg, n, tc.whyNeeds)
+				}
+			}
+			for _, n := range tc.mustNot {
+				if slices.Contains(got, n) {
+					t.Errorf("%s depends on %s: an arrow back against the control plane's flow", tc.pkg, n)
+				}
+			}
+		})
+	}
+	// The sources report and listen; they never drive the data path or
+	// ZDS themselves.
+	for _, src := range []string{"pkg/kube", "pkg/standalone"} {
+		for _, driven := range []string{"pkg/dataplane", "pkg/zds"} {
+			if direct := directImports(t, src); slices.Contains(direct, driven) {
+				t.Errorf("source %s imports %s directly; it must go through the reconciler", src, driven)
+			}
+		}
+	}
+}
+
+func directImports(t *testing.T, pkg string) []string {
+	t.Helper()
+	out, err := exec.Command("go", "list", "-f", `{{join .Imports "\n"}}`, module+pkg).Output()
+	if err != nil {
+		t.Fatalf("go list %s: %v", pkg, err)
+	}
+	var ours []string
+	for _, p := range strings.Fields(string(out)) {
+		if rest, ok := strings.CutPrefix(p, module); ok {
+			ours = append(ours, rest)
+		}
+	}
+	return ours
+}
