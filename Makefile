@@ -13,7 +13,7 @@ export BPF2GO_CC BPF2GO_STRIP BPF2GO_CFLAGS
 
 # Packages whose go:generate lines run bpf2go.
 GEN_PKGS  := ./pkg/dataplane/...
-APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler \
+APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler containerd runc \
 	qemu-system-x86 busybox-static cpio kmod xz-utils
 # Kernels `make test-kernels` runs the kernel suites on: the host's, then
 # Debian's cloud kernels under qemu (see hack/vmtest/vmtest.sh).

@@ -346,6 +346,9 @@ func ImageFiles(archive string) (files, entrypoint []string, user string, err er
 // Archives are the suite's images as OCI archives.
 type Archives struct {
 	Project, Pause, Echo, Client string
+	// Ztunnel is the ztunnel stand-in's binary (test/ztunnel), run on the
+	// node as a process.
+	Ztunnel string
 	// Dockerfile is the build the project's image followed.
 	Dockerfile *DockerBuild
 }
@@ -385,6 +388,12 @@ func BuildImages(repo, dir string) (*Archives, error) {
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("build the test app: %w: %s", err, out)
+	}
+	a.Ztunnel = filepath.Join(dir, "ztunnel")
+	cmd = exec.Command("go", "build", "-trimpath", "-o", a.Ztunnel, "./test/ztunnel")
+	cmd.Dir = repo
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("build the ztunnel stand-in: %w: %s", err, out)
 	}
 	appFiles := []file{{path: AppBinary, src: app}}
 	for _, img := range []struct {

@@ -179,12 +179,20 @@ func New(t testing.TB, cfg Config) *Node {
 		t.Fatal(err)
 	}
 
+	// containerd 1.6's shim puts its sockets in /run/containerd/s whatever
+	// the config says; the directory is removed after the runtime stops
+	// if this node made it.
+	if _, err := os.Stat(shimSocketDir); errors.Is(err, os.ErrNotExist) {
+		t.Cleanup(func() { _ = os.Remove(shimSocketDir); _ = os.Remove(filepath.Dir(shimSocketDir)) })
+	}
 	n.startContainerd()
 	for _, img := range cfg.Images {
 		n.ImportImage(img)
 	}
 	return n
 }
+
+const shimSocketDir = "/run/containerd/s"
 
 // primaryCNI is the node's network: ptp with host-local IPAM, as the
 // simulated node's pods are wired (a /32 route per pod on the node).

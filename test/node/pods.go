@@ -46,9 +46,13 @@ func (n *Node) SandboxConfig(spec PodSpec) *cri.PodSandboxConfig {
 	if spec.HostNetwork {
 		netMode = cri.NamespaceMode_NODE
 	}
+	hostname := spec.Name
+	if spec.HostNetwork {
+		hostname = "" // the node's, as kubelet leaves it
+	}
 	return &cri.PodSandboxConfig{
 		Metadata:     &cri.PodSandboxMetadata{Name: spec.Name, Namespace: spec.Namespace, Uid: spec.UID},
-		Hostname:     spec.Name,
+		Hostname:     hostname,
 		LogDirectory: filepath.Join(n.Dir, "logs", spec.UID),
 		Labels: map[string]string{
 			"io.kubernetes.pod.name": spec.Name, "io.kubernetes.pod.namespace": spec.Namespace, "io.kubernetes.pod.uid": spec.UID,
@@ -65,7 +69,11 @@ func (n *Node) SandboxConfig(spec PodSpec) *cri.PodSandboxConfig {
 // RunPod creates the pod's sandbox: the runtime makes its netns and runs
 // the CNI chain. The error is the runtime's, as kubelet would report it.
 func (n *Node) RunPod(spec PodSpec) (*Pod, error) {
-	cfg := n.SandboxConfig(spec)
+	return n.RunSandbox(spec, n.SandboxConfig(spec))
+}
+
+// RunSandbox is RunPod with the sandbox configuration given.
+func (n *Node) RunSandbox(spec PodSpec, cfg *cri.PodSandboxConfig) (*Pod, error) {
 	if err := os.MkdirAll(cfg.LogDirectory, 0o755); err != nil {
 		return nil, err
 	}
@@ -211,8 +219,8 @@ func (n *Node) Exec(p *Pod, container string, v any, argv ...string) {
 	}
 }
 
-// Log returns the lines a container wrote to stdout, from the log file the
-// runtime writes (CRI format: time stream tag message).
+// Log returns the lines a container wrote to stdout and stderr, from the
+// log file the runtime writes (CRI format: time stream tag message).
 func (n *Node) Log(p *Pod, container string) []string {
 	n.t.Helper()
 	f, err := os.Open(filepath.Join(p.cfg.LogDirectory, container+".log"))
@@ -224,7 +232,7 @@ func (n *Node) Log(p *Pod, container string) []string {
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		parts := strings.SplitN(sc.Text(), " ", 4)
-		if len(parts) == 4 && parts[1] == "stdout" {
+		if len(parts) == 4 {
 			lines = append(lines, parts[3])
 		}
 	}
