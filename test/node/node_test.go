@@ -25,6 +25,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
@@ -361,6 +362,19 @@ func (s *scene) pod(ns, name string) (*app, error) {
 	return &app{obj: obj, Pod: p}, nil
 }
 
+// remove deletes the pod object (grace period 0, as kubelet finishes a
+// deletion) and then its sandbox: the runtime runs the CNI DEL.
+func (s *scene) remove(a *app) error {
+	err := cluster.Client.CoreV1().Pods(a.obj.Namespace).Delete(context.Background(), a.obj.Name, metav1.DeleteOptions{GracePeriodSeconds: ptr(int64(0))})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("delete pod %s/%s: %w", a.obj.Namespace, a.obj.Name, err)
+	}
+	if a.Pod == nil {
+		return nil
+	}
+	return s.n.RemovePod(a.Pod)
+}
+
 func (s *scene) mustPod(ns, name string) *app {
 	s.t.Helper()
 	a, err := s.pod(ns, name)
@@ -537,7 +551,7 @@ func TestNode(t *testing.T) {
 		if !s.zt.has(uid) {
 			t.Fatal("not enrolled")
 		}
-		if err := s.n.RemovePod(gone.Pod); err != nil {
+		if err := s.remove(gone); err != nil {
 			t.Fatal(err)
 		}
 		if s.zt.has(uid) {
@@ -575,6 +589,45 @@ func TestNode(t *testing.T) {
 		t.Logf("held connection: %d round trips, none lost", res.Sent)
 	})
 
+	s.run("running pod redirected in place", func(t *testing.T) {
+		if err := s.repairs("repaired"); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	s.run("capabilities", func(t *testing.T) {
+		ch, err := RenderChart(filepath.Join(repoRoot, "deploy", "ambient-ebpf"), s.n.ChartValues(""))
+		if err != nil {
+			t.Fatal(err)
+		}
+		granted := ch.DaemonSet.Spec.Template.Spec.Containers[0].SecurityContext.Capabilities.Add
+		if len(granted) == 0 {
+			t.Fatal("the chart grants no capability")
+		}
+		for i, c := range granted {
+			var rest []string
+			for j, o := range granted {
+				if j != i {
+					rest = append(rest, fmt.Sprintf("%q", o))
+				}
+			}
+			values := fmt.Sprintf("securityContext: {capabilities: [%s]}\n", strings.Join(rest, ", "))
+			err := s.worksWith(values, fmt.Sprintf("no-%s", strings.ToLower(strings.ReplaceAll(string(c), "_", ""))))
+			if err == nil {
+				t.Errorf("the chart grants %s, and the agent did all it does without it", c)
+				continue
+			}
+			t.Logf("without %s: %s", c, firstLines(err.Error()))
+		}
+		// The chart's own set does it all again.
+		if _, err := s.deploy("", true); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.repairs("caps-back"); err != nil {
+			t.Fatal(err)
+		}
+	})
+
 	s.run("fail closed", func(t *testing.T) {
 		s.n.KillContainer(s.agent, "agent", 0)
 		_, err := s.pod(s.ambientNS, "closed")
@@ -588,6 +641,65 @@ func TestNode(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
+}
+
+// worksWith deploys the agent with extra chart values and returns the
+// first thing it could not do: start and get ready, enrol a new ambient
+// pod (the runtime's CNI ADD), redirect a running pod in place.
+func (s *scene) worksWith(values, name string) error {
+	s.t.Helper()
+	id, err := s.deploy(values, false)
+	if err != nil {
+		return fmt.Errorf("container: %w", err)
+	}
+	if err := s.waitReady(id); err != nil {
+		return fmt.Errorf("start: %w", err)
+	}
+	a, err := s.pod(s.ambientNS, name)
+	if err != nil {
+		return fmt.Errorf("new ambient pod: %w", err)
+	}
+	if err := s.remove(a); err != nil {
+		s.t.Fatal(err)
+	}
+	return s.repairs(name + "-running")
+}
+
+// repairs starts a pod outside the mesh (its app as uid 1000, its pause
+// process as the image's uid), labels it ambient and waits for the agent to
+// redirect it in place: the agent finds its netns through /proc.
+func (s *scene) repairs(name string) error {
+	s.t.Helper()
+	a := s.mustPod(s.plainNS, name)
+	s.echo(a)
+	body := []byte(`{"metadata":{"labels":{"` + enrollment.DataplaneModeLabel + `":"` + enrollment.DataplaneModeAmbient + `"}}}`)
+	if _, err := cluster.Client.CoreV1().Pods(a.obj.Namespace).Patch(context.Background(), a.obj.Name, types.MergePatchType, body, metav1.PatchOptions{}); err != nil {
+		s.t.Fatal(err)
+	}
+	defer func() {
+		if err := s.remove(a); err != nil {
+			s.t.Error(err)
+		}
+	}()
+	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		if s.zt.has(string(a.obj.UID)) && redirection(s.t, a) == "enabled" {
+			return nil
+		}
+	}
+	return fmt.Errorf("running pod labelled ambient not redirected in place (annotation %q); agent log ends:\n%s", redirection(s.t, a), s.agentLogTail())
+}
+
+// firstLines keeps an error's first line and the agent's last error or
+// warning.
+func firstLines(s string) string {
+	lines := strings.Split(s, "\n")
+	out := lines[0]
+	for i := len(lines) - 1; i > 0; i-- {
+		if strings.Contains(lines[i], "level=ERROR") || strings.Contains(lines[i], "level=WARN") {
+			return out + "\n" + strings.TrimSpace(lines[i])
+		}
+	}
+	return out
 }
 
 // cli runs the ambient-ebpf CLI of the project's image in the agent's
