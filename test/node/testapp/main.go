@@ -162,11 +162,6 @@ func dns(name, server string) Result {
 // back until ctx ends; the result says how many round trips passed and the
 // first failure.
 func hold(ctx context.Context, addr string) Result {
-	res := dialHold(ctx, addr)
-	return res
-}
-
-func dialHold(ctx context.Context, addr string) Result {
 	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
 	if err != nil {
 		return Result{Err: err.Error()}
