@@ -236,6 +236,18 @@ func (n *Node) FromDaemonSet(ds *appsv1.DaemonSet, pc PodContext) (*cri.PodSandb
 	return sb, cc, nil
 }
 
+// profile translates a seccomp or AppArmor profile type (the two share
+// their names) into CRI's field and the deprecated string form.
+func profile(typ string) (*cri.SecurityProfile, string, error) {
+	switch typ {
+	case "RuntimeDefault":
+		return &cri.SecurityProfile{ProfileType: cri.SecurityProfile_RuntimeDefault}, "runtime/default", nil
+	case "Unconfined":
+		return &cri.SecurityProfile{ProfileType: cri.SecurityProfile_Unconfined}, "unconfined", nil
+	}
+	return nil, "", fmt.Errorf("profile type %s not translated", typ)
+}
+
 func isZero(psc *corev1.PodSecurityContext) bool {
 	b, _ := yaml.Marshal(psc)
 	return strings.TrimSpace(string(b)) == "{}"
@@ -343,6 +355,7 @@ func (n *Node) mounted(dir string) bool {
 // (pkg/kubelet/kuberuntime/security_context.go) for the fields the chart
 // may set; any other set field is an error.
 func securityContext(sc *corev1.SecurityContext) (*cri.LinuxContainerSecurityContext, error) {
+	var err error
 	out := &cri.LinuxContainerSecurityContext{}
 	if sc == nil {
 		out.MaskedPaths, out.ReadonlyPaths = defaultMaskedPaths, defaultReadonlyPaths
@@ -381,28 +394,16 @@ func securityContext(sc *corev1.SecurityContext) (*cri.LinuxContainerSecurityCon
 		rest.AllowPrivilegeEscalation = nil
 	}
 	if p := sc.SeccompProfile; p != nil {
-		switch p.Type {
-		case corev1.SeccompProfileTypeRuntimeDefault:
-			out.Seccomp = &cri.SecurityProfile{ProfileType: cri.SecurityProfile_RuntimeDefault}
-			out.SeccompProfilePath = "runtime/default"
-		case corev1.SeccompProfileTypeUnconfined:
-			out.Seccomp = &cri.SecurityProfile{ProfileType: cri.SecurityProfile_Unconfined}
-			out.SeccompProfilePath = "unconfined"
-		default:
-			return nil, fmt.Errorf("seccompProfile %s not translated", p.Type)
+		if out.Seccomp, out.SeccompProfilePath, err = profile(string(p.Type)); err != nil {
+			return nil, fmt.Errorf("seccompProfile: %w", err)
 		}
 		rest.SeccompProfile = nil
 	}
 	if p := sc.AppArmorProfile; p != nil {
-		switch p.Type {
-		case corev1.AppArmorProfileTypeRuntimeDefault:
-			out.Apparmor = &cri.SecurityProfile{ProfileType: cri.SecurityProfile_RuntimeDefault}
-			out.ApparmorProfile = "runtime/default"
-		case corev1.AppArmorProfileTypeUnconfined:
-			out.Apparmor = &cri.SecurityProfile{ProfileType: cri.SecurityProfile_Unconfined}
-			out.ApparmorProfile = "unconfined"
-		default:
-			return nil, fmt.Errorf("appArmorProfile %s not translated", p.Type)
+		// Kubelet sets the deprecated field too, for runtimes like this
+		// containerd 1.6.
+		if out.Apparmor, out.ApparmorProfile, err = profile(string(p.Type)); err != nil {
+			return nil, fmt.Errorf("appArmorProfile: %w", err)
 		}
 		rest.AppArmorProfile = nil
 	}

@@ -38,17 +38,22 @@ func (p *Proc) Exited() bool {
 }
 
 // StartInNode runs argv in the node netns, in the cgroup v2 directory
-// cgroup (made if missing), logging to <name>.log in the node's directory.
+// cgroup (made if missing; "" for the test's own), logging to <name>.log in
+// the node's directory. It ends at cleanup: SIGTERM, SIGKILL after 20 s.
 func (n *Node) StartInNode(name, cgroup string, argv ...string) *Proc {
 	n.t.Helper()
-	if err := os.MkdirAll(cgroup, 0o755); err != nil {
-		n.t.Fatal(err)
+	attr := &syscall.SysProcAttr{Setpgid: true}
+	if cgroup != "" {
+		if err := os.MkdirAll(cgroup, 0o755); err != nil {
+			n.t.Fatal(err)
+		}
+		fd, err := syscall.Open(cgroup, syscall.O_DIRECTORY|syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
+		if err != nil {
+			n.t.Fatalf("open cgroup %s: %v", cgroup, err)
+		}
+		defer syscall.Close(fd)
+		attr.UseCgroupFD, attr.CgroupFD = true, fd
 	}
-	fd, err := syscall.Open(cgroup, syscall.O_DIRECTORY|syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
-	if err != nil {
-		n.t.Fatalf("open cgroup %s: %v", cgroup, err)
-	}
-	defer syscall.Close(fd)
 	p := &Proc{done: make(chan struct{}), Log: filepath.Join(n.Dir, name+".log")}
 	logf, err := os.Create(p.Log)
 	if err != nil {
@@ -56,7 +61,7 @@ func (n *Node) StartInNode(name, cgroup string, argv ...string) *Proc {
 	}
 	p.cmd = exec.Command("nsenter", append([]string{"--net=" + n.Netns, "--"}, argv...)...)
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf
-	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, UseCgroupFD: true, CgroupFD: fd}
+	p.cmd.SysProcAttr = attr
 	if err := p.cmd.Start(); err != nil {
 		logf.Close()
 		n.t.Fatalf("start %s: %v", name, err)

@@ -71,8 +71,7 @@ type Node struct {
 
 	nsf        *sockutil.Netns // socket factory in the node netns
 	conn       *grpc.ClientConn
-	containerd *exec.Cmd
-	done       chan struct{}
+	containerd *Proc
 	mu         sync.Mutex
 	mounts     []string // made by the test, unmounted in reverse
 }
@@ -345,22 +344,12 @@ func (n *Node) startContainerd() {
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	logf, err := os.Create(filepath.Join(n.Dir, "containerd.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	// Shims outlive containerd: ended after it (cleanups run in reverse).
+	t.Cleanup(n.killShims)
 	// In the node netns (pods' veth peers land there), in the test's
 	// mount namespace (the runtime's mounts must be visible to the test).
-	cmd := exec.Command("nsenter", "--net="+n.Netns, "--", "containerd", "--config", cfgPath)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		t.Fatalf("start containerd: %v", err)
-	}
-	n.containerd, n.done = cmd, make(chan struct{})
-	go func() { _ = cmd.Wait(); logf.Close(); close(n.done) }()
-	t.Cleanup(n.stopContainerd)
+	n.containerd = n.StartInNode("containerd", "", "containerd", "--config", cfgPath)
+	t.Cleanup(n.removeSandboxes)
 
 	conn, err := grpc.NewClient("unix://"+n.Socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
@@ -376,10 +365,8 @@ func (n *Node) startContainerd() {
 		if err == nil {
 			break
 		}
-		select {
-		case <-n.done:
+		if n.containerd.Exited() {
 			t.Fatalf("containerd exited: %s", n.LogTail("containerd.log"))
-		default:
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("containerd not serving CRI: %v\n%s", err, n.LogTail("containerd.log"))
@@ -410,9 +397,9 @@ func (n *Node) ImportImage(archive string) {
 	}
 }
 
-// stopContainerd removes every sandbox through CRI (their CNI DEL runs),
-// stops containerd, and ends any shim of this runtime left behind.
-func (n *Node) stopContainerd() {
+// removeSandboxes removes every sandbox through CRI (their CNI DEL runs)
+// before containerd stops.
+func (n *Node) removeSandboxes() {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	if n.Runtime != nil {
@@ -430,13 +417,10 @@ func (n *Node) stopContainerd() {
 	if n.conn != nil {
 		n.conn.Close()
 	}
-	_ = n.containerd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-n.done:
-	case <-time.After(15 * time.Second):
-		_ = n.containerd.Process.Kill()
-		<-n.done
-	}
+}
+
+// killShims ends any shim of this runtime left behind once it stopped.
+func (n *Node) killShims() {
 	for _, pid := range n.shims() {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
