@@ -13,7 +13,7 @@ export BPF2GO_CC BPF2GO_STRIP BPF2GO_CFLAGS
 
 # Packages whose go:generate lines run bpf2go.
 GEN_PKGS  := ./pkg/dataplane/...
-APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset protobuf-compiler containerd runc \
+APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset nftables protobuf-compiler containerd runc \
 	qemu-system-x86 busybox-static cpio kmod xz-utils
 # Kernels `make test-kernels` runs the kernel suites on: the host's, then
 # Debian's cloud kernels under qemu (see hack/vmtest/vmtest.sh).
@@ -153,9 +153,9 @@ demo: deps build cni-plugins ## run a self-contained demo node (root): CNI chain
 # BENCH_SCALE_PODS (see test/bench/bench_test.go). bench/results.json is
 # committed with the docs/BENCHMARKS.md that quotes it; it names its commit.
 .PHONY: bench
-bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json and docs/BENCHMARKS.md
+bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json, bench/chart.svg and docs/BENCHMARKS.md
 	@mkdir -p bench
-	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md \
+	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md BENCH_CHART=$(CURDIR)/bench/chart.svg \
 		$(GO) test -tags bench -count=1 -timeout 40m -run '^TestBench$$' -v ./test/bench
 
 .PHONY: test-kernels

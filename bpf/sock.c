@@ -213,7 +213,7 @@ static __always_inline void trace_sock(struct bpf_sock_addr *ctx, __u8 hook, __u
 		e->to_port = to_port;
 	}
 	e->proto = ctx->protocol;
-	bpf_ringbuf_submit(e, 0);
+	trace_submit(e);
 }
 
 /* R1/R9 for an IPv4 destination (connect4 and sendmsg4). */
@@ -561,7 +561,7 @@ static __always_inline void trace_sockops(struct bpf_sock_ops *skops, __u8 reaso
 	e->daddr = *dst;
 	e->dport = dport;
 	e->proto = IPPROTO_TCP_;
-	bpf_ringbuf_submit(e, 0);
+	trace_submit(e);
 }
 
 /*

@@ -143,7 +143,7 @@ static __always_inline void trace_flow(__u8 hook, __u8 reason, __u32 slot, __u64
 		e->to_port = to_port;
 	}
 	e->proto = IPPROTO_TCP_;
-	bpf_ringbuf_submit(e, 0);
+	trace_submit(e);
 }
 
 /* A decision on a new flow (its SYN): counted, and traced while tracing.
@@ -567,7 +567,7 @@ static __always_inline void note_lookup(struct bpf_sk_lookup *ctx, __u8 reason, 
 		e->to_port = bpf_htons(to_port);
 	}
 	e->proto = IPPROTO_TCP_;
-	bpf_ringbuf_submit(e, 0);
+	trace_submit(e);
 }
 
 /* What the pod's sk_lookup does with a new flow to it (enum ae_reason):

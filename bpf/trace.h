@@ -47,4 +47,23 @@ static __always_inline struct ae_event *trace_reserve(__u8 hook, __u8 reason)
 	return e;
 }
 
+/* Bytes in the ring past which a submit wakes the reader: 64 events. */
+#define AE_TRACE_WAKE_BYTES (64 * sizeof(struct ae_event))
+
+/*
+ * Submit without waking the reader unless a batch is waiting. The
+ * default (adaptive) wake-up wakes a reader that keeps up for nearly
+ * every event, and that wake-up costs several times what building the
+ * event does; the reader polls the ring on a short timer instead
+ * (pkg/dataplane's Tracer), so a lone event still shows within it.
+ */
+static __always_inline void trace_submit(struct ae_event *e)
+{
+	__u64 wake = bpf_ringbuf_query(&ae_trace, BPF_RB_AVAIL_DATA) >= AE_TRACE_WAKE_BYTES ?
+			     BPF_RB_FORCE_WAKEUP :
+			     BPF_RB_NO_WAKEUP;
+
+	bpf_ringbuf_submit(e, wake);
+}
+
 #endif /* AMBIENT_TRACE_H */

@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
@@ -613,6 +614,20 @@ hostPaths: {ztunnelSocketDir: /run/ztunnel}
 			},
 		},
 		{
+			name:   "trace history on request",
+			values: "agent: {traceHistory: 10m}",
+			check: func(t *testing.T, r *rendered) {
+				if got := agentConfig(t, r).TraceHistory; got != 10*time.Minute {
+					t.Errorf("agent.traceHistory 10m reaches the agent as %v", got)
+				}
+			},
+		},
+		{
+			name:    "trace history that is not a duration fails the schema",
+			values:  "agent: {traceHistory: ten minutes}",
+			wantErr: "traceHistory",
+		},
+		{
 			name:    "metrics address with a port fails the schema",
 			values:  "agent: {metricsAddress: \"127.0.0.1:15014\"}",
 			wantErr: "/agent/metricsAddress",
@@ -831,7 +846,7 @@ func checkDefaults(t *testing.T, r *rendered) {
 			t.Errorf("--%s=%v, want %s", k, fl[k], v)
 		}
 	}
-	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig", "per-pod-metrics", "enablement-selectors"} {
+	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig", "per-pod-metrics", "enablement-selectors", "trace-history"} {
 		if _, ok := fl[k]; ok {
 			t.Errorf("--%s set by default", k)
 		}

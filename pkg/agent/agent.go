@@ -176,8 +176,9 @@ func (a *agent) run(parent context.Context) error {
 		return events.ServeListener(ctx, cniLn, m, events.WithObserver(a.metrics.observeCNI))
 	})
 	srv.background(func() { a.watchZtunnel(ctx, m) })
-	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket,
-		&inspector{a: a, m: m, trace: newTraceHub(a.cfg.Dataplane.BPFFSDir, log.With("component", "trace"))}, log.With("component", "inspect"))
+	hub := newTraceHub(a.cfg.Dataplane.BPFFSDir, a.cfg.TraceHistory, log.With("component", "trace"))
+	srv.background(func() { hub.run(ctx) })
+	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, m: m, trace: hub}, log.With("component", "inspect"))
 	if err != nil {
 		return stop(err)
 	}

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
@@ -50,6 +51,9 @@ type Config struct {
 	// PerPodMetrics adds each pod's BPF counters, under its namespace and
 	// name, to the node totals /metrics always has.
 	PerPodMetrics bool
+	// TraceHistory, when positive, keeps tracing on and the decisions of
+	// this window in memory, for `ambient-ebpf trace --since`.
+	TraceHistory time.Duration
 
 	// Install, when set, installs and watches the CNI plugin on the host.
 	Install *install.Config

@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
@@ -43,6 +44,7 @@ type Flags struct {
 	logLevel, logFormat                         string
 	version                                     bool
 	perPodMetrics                               bool
+	traceHistory                                time.Duration
 }
 
 type listFlag []string
@@ -71,6 +73,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.healthAddr, "health-addr", DefaultHealthAddr, "address of /healthz and /readyz")
 	fs.StringVar(&f.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address of /metrics (127.0.0.1:15014 keeps them on the node)")
 	fs.BoolVar(&f.perPodMetrics, "per-pod-metrics", false, "add each pod's BPF counters, labelled with its namespace and name, to the node totals (several series per pod: mind the cardinality, and who reads /metrics)")
+	fs.DurationVar(&f.traceHistory, "trace-history", 0, "keep tracing on and the decisions of this window in memory for `ambient-ebpf trace --since` (0: trace only while someone traces, the hot path then builds no events)")
 	fs.BoolVar(&f.installCNI, "install-cni", true, "install the CNI plugin on the host and keep it installed")
 	fs.Var(&f.cniBinDirs, "cni-bin-dir", "host CNI bin directory (repeatable; default /host/opt/cni/bin)")
 	fs.StringVar(&f.cniConfDir, "cni-conf-dir", "/host/etc/cni/net.d", "host CNI configuration directory")
@@ -124,7 +127,11 @@ func (f *Flags) Config() (Config, error) {
 		NodeName: f.nodeName, Kubeconfig: f.kubeconfig, StandalonePods: f.standalone,
 		ZDSSocket: f.zdsSocket, CNISocket: f.cniSocket, InspectSocket: f.inspectSocket, ProcRoot: f.procRoot,
 		HealthAddr: f.healthAddr, MetricsAddr: f.metricsAddr, PerPodMetrics: f.perPodMetrics,
+		TraceHistory:       f.traceHistory,
 		DaemonSetNamespace: f.dsNamespace, DaemonSetName: f.dsName, UninstallOnExit: f.uninstallOnExit,
+	}
+	if f.traceHistory < 0 {
+		return c, fmt.Errorf("--trace-history %s: want a duration of 0 or more", f.traceHistory)
 	}
 	c.Dataplane = dataplane.Config{BPFFSDir: f.bpffs, CgroupRoot: f.cgroupRoot, NodeNetns: f.nodeNetns, ProcRoot: f.procRoot}
 	if c.Dataplane.Failpoint, err = failpointFromEnv(); err != nil {

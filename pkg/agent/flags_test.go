@@ -43,11 +43,12 @@ func TestFlagsBuildTheConfig(t *testing.T) {
 
 func TestFlagsRefuseBadValues(t *testing.T) {
 	for name, args := range map[string][]string{
-		"repair mode": {"--repair-mode", "sometimes"},
-		"probe v4":    {"--probe-snat-v4", "not-an-ip"},
-		"log level":   {"--log-level", "loud"},
-		"log format":  {"--log-format", "xml"},
-		"selectors":   {"--enablement-selectors", `[{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}]`},
+		"repair mode":   {"--repair-mode", "sometimes"},
+		"probe v4":      {"--probe-snat-v4", "not-an-ip"},
+		"log level":     {"--log-level", "loud"},
+		"log format":    {"--log-format", "xml"},
+		"trace history": {"--trace-history", "-1m"},
+		"selectors":     {"--enablement-selectors", `[{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}]`},
 	} {
 		t.Run(name, func(t *testing.T) {
 			if _, err := parse(t, append([]string{"--node-name", "n1"}, args...)...); err == nil {

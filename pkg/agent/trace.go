@@ -4,11 +4,13 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"log/slog"
 	"net/netip"
 	"os"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -21,13 +23,20 @@ import (
 // traceHub shares the data path's one event reader among the inspection
 // API's trace clients: the first client opens it (switching the events
 // on), the last one to leave closes it (switching them off).
+//
+// With a history window (--trace-history) the hub traces from the start
+// and keeps the events of that window, so a client can ask what happened
+// before it came (trace --since); the programs then build events all the
+// time, a cost the benchmark's "tracing on" figures show.
 type traceHub struct {
-	bpffs string
-	log   *slog.Logger
+	bpffs   string
+	history time.Duration
+	log     *slog.Logger
 
 	mu     sync.Mutex
 	tracer *dataplane.Tracer
 	subs   map[*traceSub]struct{}
+	past   []dataplane.Event // oldest first, within history, at most maxHistory
 }
 
 // traceSub is one client's share.
@@ -41,38 +50,122 @@ type traceSub struct {
 // hub drops events for it (and tells it how many).
 const traceBuffer = 1024
 
-func newTraceHub(bpffs string, log *slog.Logger) *traceHub {
-	return &traceHub{bpffs: bpffs, log: log, subs: map[*traceSub]struct{}{}}
+// maxHistory bounds the history by count as well as by time (about 200
+// bytes an event: 64 MiB at most).
+const maxHistory = 1 << 18
+
+// errNoHistory refuses a replay from an agent that keeps no history.
+var errNoHistory = errors.New("the agent keeps no trace history: start it with --trace-history (chart: agent.traceHistory)")
+
+func newTraceHub(bpffs string, history time.Duration, log *slog.Logger) *traceHub {
+	return &traceHub{bpffs: bpffs, history: history, log: log, subs: map[*traceSub]struct{}{}}
 }
 
-func (h *traceHub) subscribe(pod string) (*traceSub, error) {
+// run keeps the history until ctx ends; without a history window it
+// returns at once (clients switch tracing on and off).
+func (h *traceHub) run(ctx context.Context) {
+	if h.history <= 0 {
+		return
+	}
+	for {
+		h.mu.Lock()
+		err := h.openLocked()
+		h.mu.Unlock()
+		if err == nil {
+			h.log.Info("tracing on for the history", "window", h.history)
+			break
+		}
+		// A `trace --pins` holds the ring: try again when it may have gone.
+		h.log.Warn("cannot keep a trace history yet; retrying", "error", err)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(5 * time.Second):
+		}
+	}
+	<-ctx.Done()
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.closeLocked()
+}
+
+func (h *traceHub) openLocked() error {
+	if h.tracer != nil {
+		return nil
+	}
+	t, err := dataplane.OpenTracer(h.bpffs)
+	if err != nil {
+		return err
+	}
+	h.tracer = t
+	go h.pump(t)
+	return nil
+}
+
+func (h *traceHub) closeLocked() {
 	if h.tracer == nil {
-		t, err := dataplane.OpenTracer(h.bpffs)
-		if err != nil {
-			return nil, err
+		return
+	}
+	if err := h.tracer.Close(); err != nil {
+		h.log.Warn("switch tracing off", "error", err)
+	}
+	h.tracer = nil
+	h.past = nil
+	h.log.Info("tracing off")
+}
+
+// subscribe adds a client. With since set it also returns the history's
+// events from then on (for the client's pod): taken under the same lock
+// that adds the client, so the replay and the live events neither miss
+// nor repeat one.
+func (h *traceHub) subscribe(pod string, since time.Time) (*traceSub, []dataplane.Event, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !since.IsZero() && h.history <= 0 {
+		return nil, nil, errNoHistory
+	}
+	if h.tracer == nil {
+		if err := h.openLocked(); err != nil {
+			return nil, nil, err
 		}
-		h.tracer = t
-		go h.pump(t)
 		h.log.Info("tracing on", "clients", 1)
+	}
+	var replay []dataplane.Event
+	if !since.IsZero() {
+		for _, e := range h.past {
+			if !e.Time.Before(since) && (pod == "" || e.Pod == pod) {
+				replay = append(replay, e)
+			}
+		}
 	}
 	s := &traceSub{pod: pod, ch: make(chan dataplane.Event, traceBuffer)}
 	h.subs[s] = struct{}{}
-	return s, nil
+	return s, replay, nil
 }
 
 func (h *traceHub) unsubscribe(s *traceSub) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	delete(h.subs, s)
-	if len(h.subs) == 0 && h.tracer != nil {
-		if err := h.tracer.Close(); err != nil {
-			h.log.Warn("switch tracing off", "error", err)
-		}
-		h.tracer = nil
-		h.log.Info("tracing off")
+	if len(h.subs) == 0 && h.history <= 0 {
+		h.closeLocked()
 	}
+}
+
+// remember adds e to the history and drops what fell out of the window.
+// Reslicing drops the front without copying; append copies only the live
+// events when it grows the array. Under h.mu.
+func (h *traceHub) remember(e dataplane.Event) {
+	if h.history <= 0 {
+		return
+	}
+	h.past = append(h.past, e)
+	oldest := time.Now().Add(-h.history)
+	cut := max(len(h.past)-maxHistory, 0)
+	for cut < len(h.past) && h.past[cut].Time.Before(oldest) {
+		cut++
+	}
+	h.past = h.past[cut:]
 }
 
 // takeDropped returns and resets what s missed.
@@ -95,6 +188,7 @@ func (h *traceHub) pump(t *dataplane.Tracer) {
 			return
 		}
 		h.mu.Lock()
+		h.remember(e)
 		for s := range h.subs {
 			if s.pod != "" && s.pod != e.Pod {
 				continue
@@ -114,7 +208,14 @@ func (i *inspector) Trace(req *inspectv1.TraceRequest, stream inspectv1.Inspect_
 	if req.Pod != "" && !i.enrolled(req.Pod) {
 		return status.Errorf(codes.NotFound, "pod %s: %v", req.Pod, dataplane.ErrUnknownPod)
 	}
-	s, err := i.trace.subscribe(req.Pod)
+	var since time.Time
+	if req.SinceUnixNano != 0 {
+		since = time.Unix(0, req.SinceUnixNano)
+	}
+	s, replay, err := i.trace.subscribe(req.Pod, since)
+	if errors.Is(err, errNoHistory) {
+		return status.Error(codes.FailedPrecondition, err.Error())
+	}
 	if errors.Is(err, dataplane.ErrTraceBusy) {
 		return status.Errorf(codes.FailedPrecondition, "%v: an `ambient-ebpf trace --pins` reads the events directly", err)
 	}
@@ -125,6 +226,11 @@ func (i *inspector) Trace(req *inspectv1.TraceRequest, stream inspectv1.Inspect_
 	// Headers tell the client it is tracing before any event comes.
 	if err := stream.SendHeader(metadata.Pairs("tracing", "on")); err != nil {
 		return err
+	}
+	for _, e := range replay {
+		if err := stream.Send(traceEventProto(e)); err != nil {
+			return err
+		}
 	}
 	for {
 		select {

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"sync"
@@ -28,6 +29,7 @@ var errAgentDown = errors.New("the agent does not answer")
 type agentStream struct {
 	conn   *grpc.ClientConn
 	stream inspectv1.Inspect_TraceClient
+	ctx    context.Context
 	cancel context.CancelFunc
 
 	mu      sync.Mutex
@@ -38,7 +40,7 @@ type agentStream struct {
 // agentEvents opens the agent's trace stream. It waits for the first
 // event (or a second, for a stream that is merely quiet) to tell an agent
 // that is down (errAgentDown) from one that refuses (its error).
-func agentEvents(ctx context.Context, socket, pod string) (*agentStream, error) {
+func agentEvents(ctx context.Context, socket, pod string, since time.Time) (*agentStream, error) {
 	if _, err := os.Stat(socket); err != nil {
 		return nil, fmt.Errorf("%w: %w", errAgentDown, err)
 	}
@@ -47,8 +49,8 @@ func agentEvents(ctx context.Context, socket, pod string) (*agentStream, error) 
 		return nil, fmt.Errorf("%w: %w", errAgentDown, err)
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	s := &agentStream{conn: conn, cancel: cancel}
-	s.stream, err = inspectv1.NewInspectClient(conn).Trace(ctx, &inspectv1.TraceRequest{Pod: pod})
+	s := &agentStream{conn: conn, ctx: ctx, cancel: cancel}
+	s.stream, err = inspectv1.NewInspectClient(conn).Trace(ctx, traceRequest(pod, since))
 	if err == nil {
 		// The agent sends headers once it traces; a refusal (an unknown
 		// pod, a busy tracer) ends the call without them, its status
@@ -83,13 +85,23 @@ func agentEvents(ctx context.Context, socket, pod string) (*agentStream, error) 
 	return s, nil
 }
 
+func traceRequest(pod string, since time.Time) *inspectv1.TraceRequest {
+	r := &inspectv1.TraceRequest{Pod: pod}
+	if !since.IsZero() {
+		r.SinceUnixNano = since.UnixNano()
+	}
+	return r
+}
+
 func (s *agentStream) Read() (dataplane.Event, error) {
 	pe, err := s.stream.Recv()
 	if err != nil {
 		s.mu.Lock()
 		closed := s.closed
 		s.mu.Unlock()
-		if closed || status.Code(err) == codes.Canceled {
+		// The client's own end (--duration, interrupt) may reach the agent
+		// first, which then ends or resets the stream: over, not failed.
+		if closed || s.ctx.Err() != nil || status.Code(err) == codes.Canceled || errors.Is(err, io.EOF) {
 			return dataplane.Event{}, fmt.Errorf("trace through the agent: %w", os.ErrClosed)
 		}
 		if st, ok := status.FromError(err); ok && st.Code() != codes.Unknown {

@@ -24,7 +24,8 @@ type traceOptions struct {
 	pod      string
 	count    int
 	duration time.Duration
-	pins     bool // read the pins even when the agent answers
+	since    time.Duration // replay the agent's history from this long ago
+	pins     bool          // read the pins even when the agent answers
 }
 
 func traceCommand(o *options) *cobra.Command {
@@ -38,10 +39,16 @@ captured connection went. The programs emit events only while someone traces.
 
 While the agent runs, the events come through its inspection API, which any
 number of clients share; without it (or with --pins) trace reads the pins
-itself, one tracer at a time.`,
+itself, one tracer at a time.
+
+--since first replays what the agent saw in that window, then streams live.
+The programs emit events only while someone traces, so a past exists only
+where the agent keeps one: started with --trace-history (chart:
+agent.traceHistory), it traces all the time and remembers that long.`,
 		Example: `  ambient-ebpf trace
   ambient-ebpf trace --pod shop/web -o json
-  ambient-ebpf trace --count 10 --duration 30s`,
+  ambient-ebpf trace --count 10 --duration 30s
+  ambient-ebpf trace --since 5m --pod shop/web`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runTrace(cmd.Context(), o, to, cmd.OutOrStdout(), cmd.ErrOrStderr())
@@ -51,6 +58,7 @@ itself, one tracer at a time.`,
 	f.StringVar(&to.pod, "pod", "", "only this pod's decisions (NAMESPACE/NAME)")
 	f.IntVar(&to.count, "count", 0, "stop after this many events (0: until interrupted)")
 	f.DurationVar(&to.duration, "duration", 0, "stop after this long (0: until interrupted)")
+	f.DurationVar(&to.since, "since", 0, "first replay the decisions of this last window from the agent's history (needs the agent's --trace-history)")
 	f.BoolVar(&to.pins, "pins", false, "read the pinned ring buffer directly, even when the agent answers")
 	return cmd
 }
@@ -64,10 +72,20 @@ type eventSource interface {
 }
 
 func runTrace(ctx context.Context, o *options, to traceOptions, out, errOut io.Writer) error {
+	if to.since < 0 {
+		return fmt.Errorf("--since %s: want a positive duration", to.since)
+	}
+	if to.since > 0 && to.pins {
+		return errSinceNeedsAgent
+	}
 	if to.duration > 0 {
+		// A cancel, not a deadline: a deadline travels to the agent,
+		// whose side may then end the stream first, as a reset.
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, to.duration)
+		ctx, cancel = context.WithCancel(ctx)
 		defer cancel()
+		t := time.AfterFunc(to.duration, cancel)
+		defer t.Stop()
 	}
 	src, err := openEvents(ctx, o, to, errOut)
 	if err != nil {
@@ -106,12 +124,19 @@ func runTrace(ctx context.Context, o *options, to traceOptions, out, errOut io.W
 // openEvents streams from the agent when it answers, else from the pins.
 func openEvents(ctx context.Context, o *options, to traceOptions, errOut io.Writer) (eventSource, error) {
 	if !to.pins {
-		s, err := agentEvents(ctx, o.agent.inspectSocket, to.pod)
+		var since time.Time
+		if to.since > 0 {
+			since = time.Now().Add(-to.since)
+		}
+		s, err := agentEvents(ctx, o.agent.inspectSocket, to.pod, since)
 		if err == nil {
 			return s, nil
 		}
 		if !errors.Is(err, errAgentDown) {
 			return nil, err
+		}
+		if to.since > 0 {
+			return nil, fmt.Errorf("%w on %s: %w", errAgentDown, o.agent.inspectSocket, errSinceNeedsAgent)
 		}
 		fmt.Fprintf(errOut, "the agent does not answer on %s: reading the pins\n", o.agent.inspectSocket)
 	}
@@ -129,6 +154,10 @@ func openEvents(ctx context.Context, o *options, to traceOptions, errOut io.Writ
 	}
 	return t, err
 }
+
+// errSinceNeedsAgent refuses --since where only the pins are read: they
+// hold no past events.
+var errSinceNeedsAgent = errors.New("--since replays the agent's trace history; the pins hold no past events (the programs emit events only while someone traces)")
 
 // requirePod fails for a pod that is not enrolled on this node.
 func requirePod(o *options, name string) error {

@@ -198,11 +198,20 @@ func OpenTracer(bpffsDir string) (_ *Tracer, err error) {
 	return t, nil
 }
 
+// tracePoll bounds how long an event may wait in the ring for the reader.
+const tracePoll = 50 * time.Millisecond
+
 // Read blocks for the next event. After Close it returns an error
 // wrapping os.ErrClosed.
 func (t *Tracer) Read() (Event, error) {
 	for {
+		// The programs wake the reader only for a batch (trace_submit in
+		// bpf/trace.h), so it also looks at the ring every tracePoll.
+		t.rd.SetDeadline(time.Now().Add(tracePoll))
 		rec, err := t.rd.Read()
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			continue
+		}
 		if err != nil {
 			return Event{}, fmt.Errorf("read trace events: %w", err)
 		}

@@ -39,8 +39,15 @@ type settings struct {
 	rtts       int           // BENCH_RTTS: round trips per latency run
 	enrollPods int           // BENCH_ENROLL_PODS: pods per path and repetition
 	scalePods  int           // BENCH_SCALE_PODS
+	churnReps  int           // BENCH_CHURN_REPS: churn runs per path
 	results    string        // BENCH_RESULTS: path of results.json
 	doc        string        // BENCH_DOC: path of BENCHMARKS.md
+	chart      string        // BENCH_CHART: path of the chart (SVG)
+	// parts are the parts of the run (BENCH_PARTS, comma-separated; all
+	// by default): traffic, lean, churn, profile, enroll, scale. "render"
+	// alone measures nothing: it writes the doc's section and the chart
+	// from an existing results.json.
+	parts map[string]bool
 	// BENCH_EXPOSE_COLLISIONS=1 has the server close connections first
 	// and leaves both pods of a path the same ephemeral port range, which
 	// exposes the eBPF path's 4-tuple collisions (docs/BENCHMARKS.md):
@@ -49,8 +56,8 @@ type settings struct {
 }
 
 func loadSettings() settings {
-	s := settings{reps: 5, duration: 1500 * time.Millisecond, conc: 8, rtts: 3000, enrollPods: 30, scalePods: 1000,
-		results: "../../bench/results.json", doc: "../../docs/BENCHMARKS.md"}
+	s := settings{reps: 5, duration: 1500 * time.Millisecond, conc: 8, rtts: 3000, enrollPods: 30, scalePods: 1000, churnReps: 3,
+		results: "../../bench/results.json", doc: "../../docs/BENCHMARKS.md", chart: "../../bench/chart.svg", parts: map[string]bool{}}
 	envInt := func(key string, v *int) {
 		if n, err := strconv.Atoi(os.Getenv(key)); err == nil && n > 0 {
 			*v = n
@@ -61,6 +68,7 @@ func loadSettings() settings {
 	envInt("BENCH_RTTS", &s.rtts)
 	envInt("BENCH_ENROLL_PODS", &s.enrollPods)
 	envInt("BENCH_SCALE_PODS", &s.scalePods)
+	envInt("BENCH_CHURN_REPS", &s.churnReps)
 	if d, err := time.ParseDuration(os.Getenv("BENCH_DURATION")); err == nil && d > 0 {
 		s.duration = d
 	}
@@ -71,7 +79,34 @@ func loadSettings() settings {
 	if v := os.Getenv("BENCH_DOC"); v != "" {
 		s.doc = v
 	}
+	if v := os.Getenv("BENCH_CHART"); v != "" {
+		s.chart = v
+	}
+	parts := allParts
+	if v := os.Getenv("BENCH_PARTS"); v != "" {
+		parts = strings.Split(v, ",")
+	}
+	for _, p := range parts {
+		s.parts[strings.TrimSpace(p)] = true
+	}
 	return s
+}
+
+// allParts are the parts of a full run, in the order they run.
+var allParts = []string{"traffic", "lean", "churn", "profile", "enroll", "scale"}
+
+// partList names the parts a run measured.
+func (s settings) partList() string {
+	var out []string
+	for _, p := range allParts {
+		if s.parts[p] {
+			out = append(out, p)
+		}
+	}
+	if len(out) == len(allParts) {
+		return "all (" + strings.Join(out, ", ") + ")"
+	}
+	return strings.Join(out, ", ") + " (BENCH_PARTS; the others were not run)"
 }
 
 // TestBench runs every measurement on one simulated node and writes
@@ -83,6 +118,20 @@ func TestBench(t *testing.T) {
 		t.Skipf("benchmarks run with %s=1 (make bench)", EnableEnv)
 	}
 	s := loadSettings()
+	if s.parts["render"] {
+		res, err := readJSON(s.results)
+		if err != nil {
+			t.Fatalf("render: %v", err)
+		}
+		if err := writeDoc(s.doc, res); err != nil {
+			t.Fatalf("write doc: %v", err)
+		}
+		if err := writeChart(s.chart, res); err != nil {
+			t.Fatalf("write chart: %v", err)
+		}
+		t.Logf("rendered %s into %s and %s", s.results, s.doc, s.chart)
+		return
+	}
 	e := newEnv(t, s)
 	res := &Results{Machine: describeMachine(), Notes: map[string]string{}, Config: map[string]string{
 		"repetitions":       strconv.Itoa(s.reps),
@@ -91,7 +140,10 @@ func TestBench(t *testing.T) {
 		"round trips":       strconv.Itoa(s.rtts),
 		"enrollments":       fmt.Sprintf("%d pods per path and repetition", s.enrollPods),
 		"scale pods":        strconv.Itoa(s.scalePods),
-		"traffic":           "IPv4, client pod to server pod on the same node; meshed: both pods enrolled (outbound and inbound capture, two stand-in relays)",
+		"traffic":           "IPv4, client pod to server pod on the same node; meshed: both pods enrolled (outbound and inbound capture, two relays: the stand-in's, or the lean proxy's on the lean paths)",
+		"dns capture":       "on for both backends, Istio's default: the iptables pods' rules include istio-cni's DNS rules (nat REDIRECT to 15053, raw CT zone 1), the agent enrolls with its default --dns-capture=true (checked in the pinned pod options); the benchmark sends no DNS",
+		"lean proxy":        "test/bench/leanproxy.go: one process in the node netns serving every lean pod (as ztunnel), one thread, level-triggered epoll, read/write relay; per pod listeners [::]:15001 and [::]:15006 with SO_MARK 0x539, SO_REUSEPORT, IP_TRANSPARENT; SO_ORIGINAL_DST on every accepted connection; upstream marked 0x539 and made in the pod's netns, inbound bound to the client's address; direct+proxy: the direct pods through the same proxy addressed explicitly (15101 -> 15106 -> server)",
+		"parts":             s.partList(),
 		"connection close":  map[bool]string{false: "client first; tcp_tw_reuse=1 in the pods, no TIME_WAIT in server pods (tcp_max_tw_buckets=0); ephemeral ports 32768-46999 in client pods, 47000-60999 in server pods (see below)", true: "server first, shared ephemeral port range (BENCH_EXPOSE_COLLISIONS=1)"}[s.exposeCollisions],
 		"ztunnel stand-in":  "test/ztunnel/standin (Go, io.Copy relay), one process serving both meshed paths",
 		"enrollment timing": "enroll_cni: exec of the CNI plugin (ebpf: cmd/ambient-ebpf-cni through the node agent; iptables: test/reference/iptables-cni) to its exit 0 and redirection in place; enroll_latency: ebpf: dataplane.Enroll in a process of its own, iptables: istio-cni's rules applied with iptables-restore, ip rule/route and ipset commands (test/reference)",
@@ -100,17 +152,19 @@ func TestBench(t *testing.T) {
 	}}
 	res.Commit = gitCommit()
 	start := time.Now()
-	e.traffic(res)
-	slog.Info("traffic done", "elapsed", time.Since(start).Round(time.Second))
-	e.profile(res)
-	e.enrollment(res)
-	slog.Info("enrollment done", "elapsed", time.Since(start).Round(time.Second))
-	e.scale(res)
-	slog.Info("scale done", "elapsed", time.Since(start).Round(time.Second))
+	for _, part := range []struct {
+		name string
+		run  func(*Results)
+	}{{"traffic", e.traffic}, {"lean", e.lean}, {"churn", e.churn}, {"profile", e.profile}, {"enroll", e.enrollment}, {"scale", e.scale}} {
+		if s.parts[part.name] {
+			part.run(res)
+			slog.Info(part.name+" done", "elapsed", time.Since(start).Round(time.Second))
+		}
+	}
 	res.Config["total bench time"] = time.Since(start).Round(time.Second).String()
-	for _, name := range allPaths {
+	for _, name := range slices.Concat(allPaths, leanPaths[1:]) {
 		if f, ok := e.failures[name]; ok {
-			res.Notes["failed connections, "+name] = fmt.Sprintf("%d at the client, %d the stand-in could not relay; first: %s", f.conns, f.relay, f.first)
+			res.Notes["failed connections, "+name] = fmt.Sprintf("%d at the client, %d the proxy (stand-in or lean) could not relay; first: %s", f.conns, f.relay, f.first)
 		}
 	}
 
@@ -120,7 +174,10 @@ func TestBench(t *testing.T) {
 	if err := writeDoc(s.doc, res); err != nil {
 		t.Fatalf("write doc: %v", err)
 	}
-	t.Logf("results in %s and %s:\n%s", s.results, s.doc, markdown(res))
+	if err := writeChart(s.chart, res); err != nil {
+		t.Fatalf("write chart: %v", err)
+	}
+	t.Logf("results in %s, %s and %s:\n%s", s.results, s.doc, s.chart, markdown(res))
 	e.teardown()
 }
 
@@ -144,7 +201,19 @@ type env struct {
 	dpapi *simnode.Proc
 	dpCfg dataplane.Config
 	paths map[string]*path
-	light *lightPods // pods without apps, for enrollment and scale
+	// tracer is someone tracing the node (ambient-ebpf trace through the
+	// agent), for the ebpf+trace variant of the lean paths.
+	tracer   *simnode.Proc
+	tracerCG string
+	// leanpx is the lean proxy serving the lean paths' pods (ztunnel's
+	// listeners) and the direct pods (explicit ones, direct+proxy), in
+	// cgroup leanCG.
+	leanpx *simnode.Proc
+	leanCG string
+	// softirqd are the ksoftirqd threads, whose CPU time the lean
+	// figures count.
+	softirqd []int
+	light    *lightPods // pods without apps, for enrollment and scale
 	// cniPods (per repetition, and one batch more) and scalePods are the
 	// pods the node agent enrolls through the CNI plugin: its pod file
 	// names them.
@@ -162,8 +231,9 @@ type failures struct {
 	first string // the first failure
 }
 
-// path is one of direct, iptables, ebpf: a client pod running the load
-// generator and a server pod.
+// path is one of direct, iptables, ebpf (through the stand-in),
+// iptables-lean and ebpf-lean (through lean proxies): a client pod running
+// the load generator and a server pod.
 type path struct {
 	name           string
 	client, server *simnode.Pod
@@ -171,10 +241,14 @@ type path struct {
 	echo, sink     string        // server addresses
 }
 
+// iptables and ebpf tell the backend of a meshed path.
+func (p *path) iptables() bool { return p.name == pathIptables || p.name == pathIptablesLean }
+func (p *path) ebpf() bool     { return p.name == pathEBPF || p.name == pathEBPFLean }
+
 func newEnv(t *testing.T, s settings) *env {
 	n := simnode.New(t)
 	e := &env{t: t, s: s, node: n, paths: map[string]*path{}, failures: map[string]failures{}}
-	for _, name := range allPaths {
+	for _, name := range slices.Concat(allPaths, leanPaths[1:]) {
 		p := &path{name: name, client: n.AddPod(name + "-c"), server: n.AddPod(name + "-s")}
 		e.paths[name] = p
 		for _, pod := range []*simnode.Pod{p.client, p.server} {
@@ -203,8 +277,8 @@ func newEnv(t *testing.T, s settings) *env {
 
 	// The node agent, its pod file naming every pod it will be asked
 	// about; the stand-in's ZDS client connects to it.
-	ebpf := e.paths[pathEBPF]
-	known := []*simnode.Pod{ebpf.client, ebpf.server}
+	ebpf, ebpfLean := e.paths[pathEBPF], e.paths[pathEBPFLean]
+	known := []*simnode.Pod{ebpf.client, ebpf.server, ebpfLean.client, ebpfLean.server}
 	e.cniPods = make([][]*simnode.Pod, s.reps+1) // the last: a profiled batch
 	for rep := range s.reps + 1 {
 		e.cniPods[rep] = e.light.plan(fmt.Sprintf("c%d-", rep), s.enrollPods)
@@ -227,19 +301,32 @@ func newEnv(t *testing.T, s settings) *env {
 		t.Fatalf("load dataplane: %v", err)
 	}
 
-	for _, name := range allPaths {
+	e.tracerCG = e.cgroup("tracer")
+	e.tracer = simnode.StartHelper(t, roleTracer, n.NodeNS, e.tracerCG)
+	e.softirqd = softirqThreads()
+	e.leanCG = e.cgroup("lean")
+	e.leanpx = simnode.StartHelper(t, roleLean, n.NodeNS, e.leanCG, "GOMAXPROCS=1")
+	for _, name := range slices.Concat(allPaths, leanPaths[1:]) {
 		p := e.paths[name]
 		for _, pod := range []*simnode.Pod{p.client, p.server} {
-			switch name {
-			case pathIptables:
+			if name == pathIptables || name == pathEBPF {
 				e.ztAdd(pod)
-				e.ipt.Enroll(t, pod, reference.Opts{})
-			case pathEBPF:
-				e.ztAdd(pod)
+			}
+			switch {
+			case p.iptables():
+				// DNS capture on, as istio-cni's default.
+				e.ipt.Enroll(t, pod, reference.Opts{DNS: true})
+			case p.ebpf():
 				if _, err := e.cni(pathEBPF, "ADD", []*simnode.Pod{pod}, 1); err != nil {
 					t.Fatalf("CNI ADD %s: %v", pod.Name, err)
 				}
+				if ep := e.pinned()[pod.UID]; !ep.Options.DNSCapture {
+					t.Fatalf("%s enrolled without DNS capture (options %+v): the agent's default is on", pod.Name, ep.Options)
+				}
 			}
+		}
+		if name == pathIptablesLean || name == pathEBPFLean || name == pathDirect {
+			e.addLean(p)
 		}
 		p.srv = simnode.StartHelper(t, roleServer, p.server.NS, p.server.Cgroup)
 		if err := call(p.srv, serverRequest{Op: "listen"}, nil); err != nil {
@@ -248,6 +335,9 @@ func newEnv(t *testing.T, s settings) *env {
 		p.gen = simnode.StartHelper(t, roleClient, p.client.NS, p.client.Cgroup)
 		p.echo = fmt.Sprintf("%s:%d", p.server.V4, echoPort)
 		p.sink = fmt.Sprintf("%s:%d", p.server.V4, sinkPort)
+	}
+	if err := call(e.leanpx, leanRequest{Op: "serve"}, nil); err != nil {
+		t.Fatalf("lean proxy: %v", err)
 	}
 	return e
 }

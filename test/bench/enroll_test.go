@@ -24,6 +24,7 @@ func (e *env) enrollment(res *Results) {
 	p50, p99 := map[string][]float64{}, map[string][]float64{}
 	cni50, cni99 := map[string][]float64{}, map[string][]float64{}
 	cniCPU, delLat := map[string][]time.Duration{}, map[string][]time.Duration{}
+	dist := map[string][]float64{} // every enroll_cni latency, for the chart
 	var agentSide []float64
 	late := 0
 	for rep := range e.s.reps {
@@ -46,7 +47,7 @@ func (e *env) enrollment(res *Results) {
 			case pathIptables:
 				for _, p := range pods {
 					t0 := time.Now()
-					e.ipt.Enroll(e.t, p, reference.Opts{})
+					e.ipt.Enroll(e.t, p, reference.Opts{DNS: true})
 					lat = append(lat, time.Since(t0))
 				}
 			}
@@ -68,6 +69,9 @@ func (e *env) enrollment(res *Results) {
 			}
 			cniCPU[name] = append(cniCPU[name], r.PluginCPU/time.Duration(len(pods)))
 			lat = slices.Sorted(slices.Values(r.Latencies))
+			for _, d := range r.Latencies {
+				dist[name] = append(dist[name], ms(d))
+			}
 			cni50[name] = append(cni50[name], ms(percentile(lat, 50)))
 			cni99[name] = append(cni99[name], ms(percentile(lat, 99)))
 		}
@@ -115,6 +119,10 @@ func (e *env) enrollment(res *Results) {
 			"(the CNI plugin and the agent are not included); iptables is the reference's eight commands (nsenter iptables-restore, ip, ipset)"),
 		newFigure("enroll_latency_p99", "ms", "lower", "", p99).withNote("as enroll_latency_p50"),
 	)
+	if res.Distributions == nil {
+		res.Distributions = map[string]map[string][]float64{}
+	}
+	res.Distributions["enroll_cni_ms"] = dist
 	for _, name := range []string{pathIptables, pathEBPF} {
 		res.Notes["enroll_cni: plugin process CPU per ADD, "+name] = fmt.Sprintf("%.2f ms (user+system of the plugin and what it runs, median of the repetitions)",
 			ms(medianDuration(cniCPU[name])))

@@ -36,6 +36,8 @@ const (
 	roleZtunnel = "bench-ztunnel"
 	roleAgent   = "bench-agent"
 	roleRuntime = "bench-runtime"
+	roleLean    = "bench-leanproxy"
+	roleTracer  = "bench-tracer"
 )
 
 // RunHelper runs this package's helper role named in the environment, or
@@ -56,6 +58,10 @@ func RunHelper() {
 		h = &agent{}
 	case roleRuntime:
 		h = cniRuntime{}
+	case roleLean:
+		h = &leanProxy{}
+	case roleTracer:
+		h = &tracer{}
 	default:
 		simnode.RunHelper()
 		return

@@ -117,7 +117,13 @@ type loadRequest struct {
 	Addr     string        `json:"addr"`
 	Duration time.Duration `json:"duration,omitempty"` // conn, bulk
 	Conc     int           `json:"conc,omitempty"`     // conn: parallel loops
-	Count    int           `json:"count,omitempty"`    // rr: round trips
+	Count    int           `json:"count,omitempty"`    // rr: round trips; conn: stop after this many connections (0: none)
+	// Timeout bounds each connection of op conn, from the dial to the
+	// response (0: 5 s).
+	Timeout time.Duration `json:"timeout,omitempty"`
+	// Storm counts failed connections of op conn and goes on, however
+	// many fail (by default a loop whose connections mostly fail stops).
+	Storm bool `json:"storm,omitempty"`
 	// ServerCloses makes the server close each connection of op conn
 	// first; by default the client closes first.
 	ServerCloses bool `json:"serverCloses,omitempty"`
@@ -158,7 +164,11 @@ func (c *client) handle(line []byte) (any, error) {
 // succeeded at all.
 func connLoop(req loadRequest) (loadResult, error) {
 	conc := max(req.Conc, 1)
-	var ok, failed atomic.Int64
+	timeout := req.Timeout
+	if timeout == 0 {
+		timeout = 5 * time.Second
+	}
+	var ok, failed, started atomic.Int64
 	var firstErr error
 	var once sync.Once
 	var wg sync.WaitGroup
@@ -167,10 +177,10 @@ func connLoop(req loadRequest) (loadResult, error) {
 	for range conc {
 		wg.Go(func() {
 			buf := make([]byte, msgSize)
-			for time.Now().Before(deadline) {
-				if err := oneConn(req.Addr, buf, req.ServerCloses); err != nil {
+			for time.Now().Before(deadline) && (req.Count == 0 || started.Add(1) <= int64(req.Count)) {
+				if err := oneConn(req.Addr, buf, req.ServerCloses, timeout); err != nil {
 					once.Do(func() { firstErr = err })
-					if f := failed.Add(1); f > 100 && f > ok.Load() {
+					if f := failed.Add(1); !req.Storm && f > 100 && f > ok.Load() {
 						return
 					}
 					continue
@@ -191,13 +201,14 @@ func connLoop(req loadRequest) (loadResult, error) {
 }
 
 // oneConn connects, sends one request, reads the response and closes.
-func oneConn(addr string, buf []byte, serverCloses bool) error {
-	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+func oneConn(addr string, buf []byte, serverCloses bool, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	c, err := net.DialTimeout("tcp", addr, timeout)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	_ = c.SetDeadline(deadline)
 	buf[0] = opKeep
 	if serverCloses {
 		buf[0] = opClose

@@ -49,6 +49,7 @@ type nodeAgent struct {
 	podFile           string
 	zds, cni, inspect string
 	proc              *simnode.Process
+	flags             []string // the extra flags of the latest start
 	http              *http.Client
 }
 
@@ -146,6 +147,7 @@ func (a *nodeAgent) exec(extra ...string) time.Time {
 		"--cni-bin-dir", a.cniBin, "--cni-conf-dir", a.confDir, "--cni-plugin-binary", a.plugin}, extra...)
 	t0 := time.Now()
 	a.proc = simnode.StartProcess(a.t, a.node.NodeNS, a.cgroup, args...)
+	a.flags = extra
 	return t0
 }
 

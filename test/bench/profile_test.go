@@ -21,11 +21,13 @@ import (
 
 const bpfStatsSysctl = "/proc/sys/kernel/bpf_stats_enabled"
 
-// profile runs one extra sequential connection-rate run on the eBPF path
+// profile runs extra sequential connection-rate runs on the eBPF paths
 // with kernel.bpf_stats_enabled=1 and notes what each of the dataplane's
 // programs costs per run and per connection, to show how much of the path
-// is BPF and how much is the rest (the stand-in's relays). The sysctl is
-// put back as it was.
+// is BPF and how much is the rest: through the stand-in, and through the
+// lean proxy with tracing off and on (bpf_us_per_conn). Then it profiles
+// the lean proxy on both backends (perf), which shows what bounds the lean
+// figures. The sysctl is put back as it was.
 func (e *env) profile(res *Results) {
 	old, err := os.ReadFile(bpfStatsSysctl)
 	if err != nil {
@@ -36,14 +38,71 @@ func (e *env) profile(res *Results) {
 		res.Notes["bpf program stats"] = "not measured: " + err.Error()
 		return
 	}
-	defer func() { _ = os.WriteFile(bpfStatsSysctl, old, 0o644) }()
-
 	p := e.paths[pathEBPF]
+	r, total, parts := e.bpfStats(func() (int64, float64, time.Duration) {
+		r := e.measure(p, loadRequest{Op: "conn", Addr: p.echo, Duration: e.s.duration})
+		return r.Conns, rate(r), r.ztCPU
+	})
+	res.Notes["bpf program stats (one ebpf conn_rate_seq run)"] = fmt.Sprintf("%d connections at %s conn/s; all programs %.1f us per connection, stand-in %.0f us CPU per connection; %s",
+		r.conns, num(r.rate), us(total), float64(r.other.Microseconds())/float64(max(r.conns, 1)), parts)
+	perConn := map[string][]float64{}
+	for _, v := range e.leanVariants(res) {
+		if v.name != pathEBPF && v.name != variantTrace {
+			continue
+		}
+		// Three runs each, alternating, for a median.
+		for range 3 {
+			r, total, parts := e.bpfStats(func() (int64, float64, time.Duration) {
+				r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: e.s.duration})
+				return r.Conns, rate(r.run()), 0
+			})
+			perConn[v.name] = append(perConn[v.name], us(total))
+			res.Notes["bpf program stats (ebpf-lean conn_rate_seq runs), "+v.name] = fmt.Sprintf("%d connections at %s conn/s; all programs %.2f us per connection; %s",
+				r.conns, num(r.rate), us(total), parts)
+		}
+	}
+	if err := os.WriteFile(bpfStatsSysctl, old, 0o644); err != nil {
+		e.t.Fatalf("restore %s: %v", bpfStatsSysctl, err)
+	}
+	res.Figures = append(res.Figures, newFigure("bpf_us_per_conn", "us/conn", "lower", "ebpf+trace: the same as ebpf without tracers", perConn).withNote(
+		"run time of all the dataplane's programs per connection (kernel.bpf_stats_enabled, three conn_rate_seq runs each) on the ebpf-lean "+
+			"pair; ebpf+trace: the same while someone traces (every decision also written to the ring buffer); with nobody tracing each "+
+			"decision costs one load of ae_tracing and a branch"))
+
+	// The lean proxy, profiled on each backend.
+	for _, v := range e.leanVariants(res) {
+		if v.name != pathIptables && v.name != pathEBPF && v.name != variantProxy {
+			continue
+		}
+		prof := startProfiler(e.leanpx.PID(), e.t.TempDir(), true)
+		e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: e.s.duration})
+		_, cpu := prof.finish(leanFrames)
+		res.Notes["lean proxy CPU profile (perf, one conn_rate_seq run), "+v.name] = cpu
+	}
+}
+
+// leanFrames are the functions worth naming in the lean proxy's profile:
+// the system calls it makes and the kernel's TCP, netfilter and BPF work
+// under them.
+var leanFrames = regexp.MustCompile(`^(__x64_sys_|__sys_|tcp_|inet_|nf_|ipt_|bpf_|__cgroup_bpf|ip_|__ip|ip6_|ep_|do_epoll|sock_|__sock|__inet|__tcp|__dev_queue_xmit|veth_|__netif|net_rx|process_backlog|github.com/ambient-ebpf)`)
+
+// bpfRun is what one profiled run did.
+type bpfRun struct {
+	conns int64
+	rate  float64
+	other time.Duration // the stand-in's CPU, where measured
+}
+
+// bpfStats runs fn (which reports connections, rate and another CPU time)
+// and returns the dataplane's programs' run time per connection and by
+// program.
+func (e *env) bpfStats(fn func() (int64, float64, time.Duration)) (bpfRun, time.Duration, string) {
 	before, err := progStats(e.node.BPFFSDir)
 	if err != nil {
 		e.t.Fatalf("program stats: %v", err)
 	}
-	r := e.measure(p, loadRequest{Op: "conn", Addr: p.echo, Duration: e.s.duration})
+	var r bpfRun
+	r.conns, r.rate, r.other = fn()
 	after, err := progStats(e.node.BPFFSDir)
 	if err != nil {
 		e.t.Fatalf("program stats: %v", err)
@@ -62,12 +121,10 @@ func (e *env) profile(res *Results) {
 		total += rt
 		parts = append(parts, fmt.Sprintf("%s %d runs, %d ns/run", s.Name, runs, rt.Nanoseconds()/int64(runs)))
 	}
-	perConn := time.Duration(0)
-	if r.Conns > 0 {
-		perConn = total / time.Duration(r.Conns)
+	if r.conns > 0 {
+		total /= time.Duration(r.conns)
 	}
-	res.Notes["bpf program stats (one ebpf conn_rate_seq run)"] = fmt.Sprintf("%d connections at %s conn/s; all programs %.1f us per connection, stand-in %.0f us CPU per connection; %s",
-		r.Conns, num(rate(r)), us(perConn), float64(r.ztCPU.Microseconds())/float64(max(r.Conns, 1)), strings.Join(parts, "; "))
+	return r, total, strings.Join(parts, "; ")
 }
 
 // profiler watches work while it runs: with a process to follow, its

@@ -21,14 +21,21 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The three paths, in the order repetitions alternate them.
+// The three paths through the stand-in, in the order repetitions
+// alternate them, and the lean paths (direct again, then both backends
+// through lean proxies).
 const (
-	pathDirect   = "direct"
-	pathIptables = "iptables"
-	pathEBPF     = "ebpf"
+	pathDirect       = "direct"
+	pathIptables     = "iptables"
+	pathEBPF         = "ebpf"
+	pathIptablesLean = "iptables-lean"
+	pathEBPFLean     = "ebpf-lean"
 )
 
-var allPaths = []string{pathDirect, pathIptables, pathEBPF}
+var (
+	allPaths  = []string{pathDirect, pathIptables, pathEBPF}
+	leanPaths = []string{pathDirect, pathIptablesLean, pathEBPFLean}
+)
 
 // Summary is one path's repetitions of a figure.
 type Summary struct {
@@ -48,6 +55,13 @@ type Figure struct {
 	EBPF              *Summary `json:"ebpf,omitempty"`
 	RatioEBPFIptables *float64 `json:"ratio_ebpf_iptables,omitempty"`
 	RatioEBPFDirect   *float64 `json:"ratio_ebpf_direct,omitempty"`
+	// Variants are more columns measured in the same repetitions, by
+	// name: variants of the ebpf path (ebpf+trace: someone tracing; an
+	// agent flag's variant), with the ratio of each median to ebpf's, and
+	// direct+proxy (the direct pair through the lean proxies, addressed
+	// explicitly).
+	Variants         map[string]*Summary `json:"variants,omitempty"`
+	RatioVariantEBPF map[string]float64  `json:"ratio_variant_ebpf,omitempty"`
 	// Target is the issue's goal for this figure, for the table.
 	Target string `json:"target,omitempty"`
 	// Note says how the figure is measured where the table cannot.
@@ -74,6 +88,9 @@ type Results struct {
 	// Notes are measured facts the doc explains (program run times,
 	// stand-in CPU per connection, ...), by key.
 	Notes map[string]string `json:"notes,omitempty"`
+	// Distributions are every sample of a latency, by name and path, for
+	// the chart (enroll_cni_ms: each CNI ADD of every repetition).
+	Distributions map[string]map[string][]float64 `json:"distributions,omitempty"`
 }
 
 func summarize(samples []float64) *Summary {
@@ -90,7 +107,8 @@ func summarize(samples []float64) *Summary {
 }
 
 // newFigure builds a figure from per-path samples (paths without samples
-// are left out) and the ratios of the medians where both sides exist.
+// are left out; keys other than direct, iptables and ebpf are variants of
+// ebpf) and the ratios of the medians where both sides exist.
 func newFigure(name, unit, better, target string, samples map[string][]float64) Figure {
 	f := Figure{Name: name, Unit: unit, Better: better, Target: target,
 		Direct: summarize(samples[pathDirect]), Iptables: summarize(samples[pathIptables]), EBPF: summarize(samples[pathEBPF])}
@@ -103,6 +121,22 @@ func newFigure(name, unit, better, target string, samples map[string][]float64) 
 	}
 	f.RatioEBPFIptables = ratio(f.EBPF, f.Iptables)
 	f.RatioEBPFDirect = ratio(f.EBPF, f.Direct)
+	for _, k := range slices.Sorted(maps.Keys(samples)) {
+		if k == pathDirect || k == pathIptables || k == pathEBPF {
+			continue
+		}
+		v := summarize(samples[k])
+		if v == nil {
+			continue
+		}
+		if f.Variants == nil {
+			f.Variants, f.RatioVariantEBPF = map[string]*Summary{}, map[string]float64{}
+		}
+		f.Variants[k] = v
+		if r := ratio(v, f.EBPF); r != nil && strings.HasPrefix(k, pathEBPF+"+") {
+			f.RatioVariantEBPF[k] = *r
+		}
+	}
 	return f
 }
 
@@ -153,6 +187,18 @@ func describeMachine() Machine {
 	return m
 }
 
+func readJSON(path string) (*Results, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var r Results
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return &r, nil
+}
+
 func writeJSON(path string, r *Results) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return err
@@ -197,12 +243,27 @@ func markdown(r *Results) string {
 	for _, k := range keys {
 		fmt.Fprintf(&b, "- %s: %s\n", k, r.Config[k])
 	}
-	b.WriteString("\nEach cell: median (min to max) over the repetitions.\n\n")
-	b.WriteString("| figure | unit | better | direct | iptables | ebpf | ebpf / iptables | ebpf / direct | target |\n")
-	b.WriteString("|---|---|---|---|---|---|---|---|---|\n")
+	b.WriteString("\nEach cell: median (min to max) over the repetitions. The `lean_*`, `redirect_*`, `conntrack_*` and `churn_*` figures go through " +
+		"the lean proxy (iptables: the iptables-lean pair, ebpf: the ebpf-lean pair). Variants are more columns of the same repetitions: " +
+		"direct+proxy, the direct pair through the same lean proxies addressed explicitly (no redirection), and variants of the ebpf-lean pair " +
+		"(ebpf+trace: someone tracing), with their ratio to ebpf.\n\n")
+	b.WriteString("| figure | unit | better | direct | iptables | ebpf | ebpf / iptables | ebpf / direct | variants | target |\n")
+	b.WriteString("|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, f := range r.Figures {
-		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s | %s | %s | %s | %s |\n", f.Name, f.Unit, f.Better,
-			cell(f.Direct), cell(f.Iptables), cell(f.EBPF), ratioCell(f.RatioEBPFIptables), ratioCell(f.RatioEBPFDirect), f.Target)
+		var vs []string
+		for _, k := range slices.Sorted(maps.Keys(f.Variants)) {
+			v := k + ": " + cell(f.Variants[k])
+			if rv, ok := f.RatioVariantEBPF[k]; ok {
+				v += fmt.Sprintf(", %.2fx ebpf", rv)
+			}
+			vs = append(vs, v)
+		}
+		variants := "-"
+		if len(vs) > 0 {
+			variants = strings.Join(vs, "; ")
+		}
+		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", f.Name, f.Unit, f.Better,
+			cell(f.Direct), cell(f.Iptables), cell(f.EBPF), ratioCell(f.RatioEBPFIptables), ratioCell(f.RatioEBPFDirect), variants, f.Target)
 	}
 	var notes []string
 	for _, f := range r.Figures {

@@ -177,8 +177,10 @@ func (e *env) adopt(res *Results) (time.Duration, time.Duration) {
 // no pinned pod but the traffic pair, no pods/<uid> pins (sk_lookup links, tc programs), and,
 // once the pods themselves are gone, no netns or cgroup of theirs.
 func (e *env) checkScaleLeftovers(pods []*simnode.Pod) {
-	pair := e.paths[pathEBPF]
-	keep := []string{pair.client.UID, pair.server.UID}
+	var keep []string
+	for _, name := range []string{pathEBPF, pathEBPFLean} {
+		keep = append(keep, e.paths[name].client.UID, e.paths[name].server.UID)
+	}
 	for uid := range e.pinned() {
 		if !slices.Contains(keep, uid) {
 			e.t.Errorf("pod %s is still in the pinned maps after its DEL", uid)
@@ -206,13 +208,20 @@ func (e *env) checkScaleLeftovers(pods []*simnode.Pod) {
 	}
 }
 
-// teardown removes the traffic pair through CNI DEL, stops the node agent
-// (which uninstalls) and the dataplane API's dataplane, and fails the run
+// teardown removes the traffic pairs through CNI DEL, stops the node agent
+// (which uninstalls; the scale run restarted it so, and a run without it
+// restarts it here) and the dataplane API's dataplane, and fails the run
 // if anything of either is left on the node's bpffs.
 func (e *env) teardown() {
-	pair := e.paths[pathEBPF]
-	if _, err := e.cni(pathEBPF, "DEL", []*simnode.Pod{pair.client, pair.server}, 1); err != nil {
-		e.t.Errorf("CNI DEL of the traffic pods: %v", err)
+	for _, name := range []string{pathEBPF, pathEBPFLean} {
+		pair := e.paths[name]
+		if _, err := e.cni(pathEBPF, "DEL", []*simnode.Pod{pair.client, pair.server}, 1); err != nil {
+			e.t.Errorf("CNI DEL of the %s traffic pods: %v", name, err)
+		}
+	}
+	if !slices.Contains(e.agent.flags, "--uninstall-on-exit") {
+		e.agent.stop()
+		e.agent.start("--uninstall-on-exit")
 	}
 	e.agent.stop()
 	if err := call(e.dpapi, agentRequest{Op: "uninstall"}, nil); err != nil {

@@ -27,9 +27,9 @@ type Iptables struct {
 	ipsets map[string]string // family -> ipset name
 }
 
-// The host rule: local sockets (kubelet) to enrolled pods leave with the
-// probe address.
-// Setup installs the node-level rule and ipsets.
+// Setup installs the node-level rule and ipsets as istio-cni does: the
+// ipsets, then its ISTIO_POSTRT chain with the jump at the top of
+// POSTROUTING.
 func (b *Iptables) Setup(t testing.TB, n *simnode.Node) {
 	b.node = n
 	b.ipsets = map[string]string{"inet": rules.IpsetV4, "inet6": rules.IpsetV6}
@@ -37,10 +37,8 @@ func (b *Iptables) Setup(t testing.TB, n *simnode.Node) {
 	for fam, set := range b.ipsets {
 		run(t, node, "", "ipset", "create", set, "hash:ip", "family", fam, "comment")
 	}
-	run(t, node, "", "iptables", "-t", "nat", "-A", "POSTROUTING", "-m", "owner", "--socket-exists", "-p", "tcp",
-		"-m", "set", "--match-set", b.ipsets["inet"], "dst", "-j", "SNAT", "--to-source", rules.Probe4)
-	run(t, node, "", "ip6tables", "-t", "nat", "-A", "POSTROUTING", "-m", "owner", "--socket-exists", "-p", "tcp",
-		"-m", "set", "--match-set", b.ipsets["inet6"], "dst", "-j", "SNAT", "--to-source", rules.Probe6)
+	run(t, node, rules.Host(rules.IpsetV4, rules.Probe4, true), "iptables-restore", "--noflush")
+	run(t, node, rules.Host(rules.IpsetV6, rules.Probe6, true), "ip6tables-restore", "--noflush")
 }
 
 func run(t testing.TB, netnsPath, stdin string, args ...string) string {
@@ -54,36 +52,56 @@ func run(t testing.TB, netnsPath, stdin string, args ...string) string {
 	return string(out)
 }
 
+// tryRun runs a command whose failure istio-cni ignores too (a chain it
+// did not create in that table).
+func tryRun(netnsPath string, args ...string) {
+	_ = exec.Command("nsenter", append([]string{"--net=" + netnsPath}, args...)...).Run()
+}
+
 // Enroll applies the in-pod rules and adds the pod to the ipsets.
 func (b *Iptables) Enroll(t testing.TB, p *simnode.Pod, o Opts) {
 	t.Helper()
 	ns := p.NetnsPath()
+	// Applied again (istio-cni's reconcile), the old rules go first, so
+	// no jump is doubled.
+	if strings.Contains(run(t, ns, "", "iptables-save", "-t", "nat"), ":"+rules.ChainPrerouting+" ") {
+		for _, tool := range []string{"iptables", "ip6tables"} {
+			for _, args := range rules.InpodCleanup() {
+				tryRun(ns, append([]string{tool}, args...)...)
+			}
+		}
+	}
 	run(t, ns, rules.Inpod(o, rules.Loopback4, rules.Probe4), "iptables-restore", "--noflush")
 	run(t, ns, rules.Inpod(o, rules.Loopback6, rules.Probe6), "ip6tables-restore", "--noflush")
 	for _, fam := range []string{"-4", "-6"} {
-		run(t, ns, "", "ip", fam, "rule", "add", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
+		// Added once: istio-cni takes EEXIST as done.
+		if !strings.Contains(run(t, ns, "", "ip", fam, "rule", "show", "pref", "32764"), "lookup 100") {
+			run(t, ns, "", "ip", fam, "rule", "add", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
+		}
 	}
-	run(t, ns, "", "ip", "-4", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "100")
-	run(t, ns, "", "ip", "-6", "route", "add", "local", "::/0", "dev", "lo", "table", "100")
+	run(t, ns, "", "ip", "-4", "route", "replace", "local", "0.0.0.0/0", "dev", "lo", "table", "100")
+	run(t, ns, "", "ip", "-6", "route", "replace", "local", "::/0", "dev", "lo", "table", "100")
 	node := simnode.NetnsPath(b.node.NodeNS)
 	run(t, node, "", "ipset", "add", "-exist", b.ipsets["inet"], p.V4.String(), "comment", p.UID)
 	run(t, node, "", "ipset", "add", "-exist", b.ipsets["inet6"], p.V6.String(), "comment", p.UID)
 }
 
-// Remove flushes the pod's rules and takes its IPs out of the ipsets.
+// Remove takes out what istio-cni put in the pod, and only that: the jumps
+// into its chains and the chains (other rules in the pod stay), its policy
+// rule and its two local routes; and the pod's IPs from the ipsets.
 func (b *Iptables) Remove(t testing.TB, p *simnode.Pod) {
 	t.Helper()
 	ns := p.NetnsPath()
 	for _, tool := range []string{"iptables", "ip6tables"} {
-		for _, table := range []string{"mangle", "nat", "raw"} {
-			run(t, ns, "", tool, "-t", table, "-F")
-			run(t, ns, "", tool, "-t", table, "-X")
+		for _, args := range rules.InpodCleanup() {
+			tryRun(ns, append([]string{tool}, args...)...)
 		}
 	}
 	for _, fam := range []string{"-4", "-6"} {
 		run(t, ns, "", "ip", fam, "rule", "del", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
-		run(t, ns, "", "ip", fam, "route", "flush", "table", "100")
 	}
+	run(t, ns, "", "ip", "-4", "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "100")
+	run(t, ns, "", "ip", "-6", "route", "del", "local", "::/0", "dev", "lo", "table", "100")
 	// H4: an IP is removed only while its entry still names this pod.
 	node := simnode.NetnsPath(b.node.NodeNS)
 	for fam, ip := range map[string]string{"inet": p.V4.String(), "inet6": p.V6.String()} {

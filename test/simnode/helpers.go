@@ -133,6 +133,7 @@ func serveJSON(h handler) error {
 type app struct {
 	ns      *sockutil.Netns
 	streams map[string]*bufio.ReadWriter // kept connections by name
+	conns   map[string]net.Conn
 }
 
 func newApp() *app {
@@ -140,7 +141,7 @@ func newApp() *app {
 	if err != nil {
 		panic(err)
 	}
-	return &app{ns: ns, streams: map[string]*bufio.ReadWriter{}}
+	return &app{ns: ns, streams: map[string]*bufio.ReadWriter{}, conns: map[string]net.Conn{}}
 }
 
 func (a *app) handle(line []byte) any {
@@ -194,12 +195,23 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 			return AppResponse{}, err
 		}
 		a.streams[req.Name] = bufio.NewReadWriter(bufio.NewReader(c), bufio.NewWriter(c))
+		a.conns[req.Name] = c
 		return AppResponse{Local: sockutil.AddrPort(c.LocalAddr())}, nil
+	case "stream-close":
+		c := a.conns[req.Name]
+		if c == nil {
+			return AppResponse{}, fmt.Errorf("no stream %q", req.Name)
+		}
+		delete(a.streams, req.Name)
+		delete(a.conns, req.Name)
+		return AppResponse{}, c.Close()
 	case "stream-echo":
 		rw := a.streams[req.Name]
 		if rw == nil {
 			return AppResponse{}, fmt.Errorf("no stream %q", req.Name)
 		}
+		// A broken stream answers with a RST, or not at all: give up then.
+		_ = a.conns[req.Name].SetDeadline(time.Now().Add(5 * time.Second))
 		if _, err := rw.WriteString(req.DNSName + "\n"); err != nil {
 			return AppResponse{}, err
 		}

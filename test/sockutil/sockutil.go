@@ -309,18 +309,26 @@ func OriginalDst(c net.Conn) (dst netip.AddrPort, from string, err error) {
 	}
 	var got netip.AddrPort
 	_ = rc.Control(func(fd uintptr) {
-		if a, err := getOrigDst(int(fd), unix.SOL_IP); err == nil {
-			got = a
-			return
-		}
-		if a, err := getOrigDst(int(fd), unix.SOL_IPV6); err == nil {
-			got = a
-		}
+		got, _ = OriginalDstFD(int(fd))
 	})
 	if got.IsValid() {
 		return got, "SO_ORIGINAL_DST", nil
 	}
 	return AddrPort(c.LocalAddr()), "local", nil
+}
+
+// OriginalDstFD asks for the original destination of a connected socket
+// as ztunnel does, SO_ORIGINAL_DST on SOL_IP, then on SOL_IPV6, without
+// OriginalDst's fallback; the error is SOL_IP's.
+func OriginalDstFD(fd int) (netip.AddrPort, error) {
+	a, err := getOrigDst(fd, unix.SOL_IP)
+	if err == nil {
+		return a, nil
+	}
+	if a, err6 := getOrigDst(fd, unix.SOL_IPV6); err6 == nil {
+		return a, nil
+	}
+	return netip.AddrPort{}, err
 }
 
 type syscallConn interface {

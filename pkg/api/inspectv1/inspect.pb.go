@@ -186,7 +186,11 @@ func (x *StatusResponse) GetBpffsDir() string {
 type TraceRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// pod, when set (namespace/name), keeps only that pod's decisions.
-	Pod           string `protobuf:"bytes,1,opt,name=pod,proto3" json:"pod,omitempty"`
+	Pod string `protobuf:"bytes,1,opt,name=pod,proto3" json:"pod,omitempty"`
+	// since_unix_nano, when set, first replays the decisions since then
+	// from the agent's trace history (--trace-history), then streams live.
+	// An agent without history refuses it (FAILED_PRECONDITION).
+	SinceUnixNano int64 `protobuf:"varint,2,opt,name=since_unix_nano,json=sinceUnixNano,proto3" json:"since_unix_nano,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -226,6 +230,13 @@ func (x *TraceRequest) GetPod() string {
 		return x.Pod
 	}
 	return ""
+}
+
+func (x *TraceRequest) GetSinceUnixNano() int64 {
+	if x != nil {
+		return x.SinceUnixNano
+	}
+	return 0
 }
 
 // TraceEvent is one decision (pkg/dataplane's Event). Addresses are
@@ -389,9 +400,10 @@ const file_inspectv1_inspect_proto_rawDesc = "" +
 	"\tbpffs_dir\x18\t \x01(\tR\bbpffsDir\x1a;\n" +
 	"\rFeaturesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\bR\x05value:\x028\x01\" \n" +
+	"\x05value\x18\x02 \x01(\bR\x05value:\x028\x01\"H\n" +
 	"\fTraceRequest\x12\x10\n" +
-	"\x03pod\x18\x01 \x01(\tR\x03pod\"\xba\x02\n" +
+	"\x03pod\x18\x01 \x01(\tR\x03pod\x12&\n" +
+	"\x0fsince_unix_nano\x18\x02 \x01(\x03R\rsinceUnixNano\"\xba\x02\n" +
 	"\n" +
 	"TraceEvent\x12$\n" +
 	"\x0etime_unix_nano\x18\x01 \x01(\x03R\ftimeUnixNano\x12\x10\n" +

@@ -15,12 +15,66 @@ type Opts struct {
 	Reroute     []string // R14: istio.io/reroute-virtual-interfaces
 }
 
-// The node's ipsets of enrolled pod IPs (istio-cni names them
-// istio-inpod-probes-v4 and -v6), hash:ip with the pod UID as comment.
+// The node's ipsets of enrolled pod IPs, named as istio-cni names them,
+// hash:ip with the pod UID as comment.
 const (
-	IpsetV4 = "ae-pods-v4"
-	IpsetV6 = "ae-pods-v6"
+	IpsetV4 = "istio-inpod-probes-v4"
+	IpsetV6 = "istio-inpod-probes-v6"
 )
+
+// istio-cni's chains: in the pod (mangle, nat, and raw with DNS capture),
+// and on the node (nat).
+const (
+	ChainPrerouting      = "ISTIO_PRERT"
+	ChainOutput          = "ISTIO_OUTPUT"
+	ChainHostPostrouting = "ISTIO_POSTRT"
+)
+
+// Host renders istio-cni's host-probe rule for one family, as
+// iptables-restore --noflush input: its own nat chain, jumped to from the
+// first position of POSTROUTING, where local sockets (kubelet) to enrolled
+// pods leave with the probe address. The jump is left out (withJump
+// false) where it exists already: iptables-restore would add a second.
+func Host(ipset, probe string, withJump bool) string {
+	out := "*nat\n:" + ChainHostPostrouting + " - [0:0]\n"
+	if withJump {
+		out += "-I POSTROUTING 1 -j " + ChainHostPostrouting + "\n"
+	}
+	return out + "-A " + ChainHostPostrouting + " -m owner --socket-exists -p tcp -m set --match-set " + ipset +
+		" dst -j SNAT --to-source " + probe + "\nCOMMIT\n"
+}
+
+// InpodCleanup is what istio-cni runs to take its rules out of a pod, per
+// family: the jumps into its chains, then the chains, flushed and deleted.
+// Any of them may fail (a table it did not use, rules already gone), and
+// istio-cni ignores that; nothing else in the pod is touched.
+func InpodCleanup() [][]string {
+	var cmds [][]string
+	for _, j := range []struct{ table, from, to string }{
+		{"mangle", "PREROUTING", ChainPrerouting}, {"mangle", "OUTPUT", ChainOutput},
+		{"nat", "OUTPUT", ChainOutput}, {"raw", "PREROUTING", ChainPrerouting},
+		{"raw", "OUTPUT", ChainOutput}, {"nat", "PREROUTING", ChainPrerouting},
+	} {
+		cmds = append(cmds, []string{"-t", j.table, "-D", j.from, "-j", j.to})
+	}
+	for _, op := range []string{"-F", "-X"} {
+		for _, table := range []string{"mangle", "nat", "raw"} {
+			for _, chain := range []string{ChainPrerouting, ChainOutput} {
+				cmds = append(cmds, []string{"-t", table, op, chain})
+			}
+		}
+	}
+	return cmds
+}
+
+// HostCleanup takes istio-cni's host rule out of the node, per family.
+func HostCleanup() [][]string {
+	return [][]string{
+		{"-t", "nat", "-D", "POSTROUTING", "-j", ChainHostPostrouting},
+		{"-t", "nat", "-F", ChainHostPostrouting},
+		{"-t", "nat", "-X", ChainHostPostrouting},
+	}
+}
 
 // Per family: the loopback network and the host-probe SNAT address as the
 // rules write them.
@@ -64,7 +118,7 @@ func Inpod(o Opts, loopback, probe string) string {
 		"-A ISTIO_OUTPUT ! -d LOOPBACK -o lo -j ACCEPT",
 		"-A ISTIO_OUTPUT ! -d LOOPBACK -p tcp -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001")
 	table := func(name string, rules []string) string {
-		return "*" + name + "\n:ISTIO_PRERT - [0:0]\n:ISTIO_OUTPUT - [0:0]\n-A PREROUTING -j ISTIO_PRERT\n-A OUTPUT -j ISTIO_OUTPUT\n" +
+		return "*" + name + "\n:" + ChainPrerouting + " - [0:0]\n:" + ChainOutput + " - [0:0]\n-A PREROUTING -j " + ChainPrerouting + "\n-A OUTPUT -j " + ChainOutput + "\n" +
 			strings.Join(rules, "\n") + "\nCOMMIT\n"
 	}
 	out := table("mangle", mangle) + table("nat", nat)
