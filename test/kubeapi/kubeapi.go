@@ -298,6 +298,12 @@ func (c *Cluster) logTail(name string) string {
 	return string(b)
 }
 
+// ServingCert returns the API server's self-signed serving certificate
+// (with its CA), which clients inside a node use as ca.crt.
+func (c *Cluster) ServingCert() ([]byte, error) {
+	return os.ReadFile(filepath.Join(c.dir, "certs", "apiserver.crt"))
+}
+
 // LogPath returns the log file of "etcd" or "kube-apiserver".
 func (c *Cluster) LogPath(name string) string { return filepath.Join(c.dir, name+".log") }
 

@@ -1,0 +1,203 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package node
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
+)
+
+// TestKubelet runs kubelet on the node: it starts the agent's pod (the
+// DaemonSet's template, as the DaemonSet controller would create it) with
+// the chart's securityContext and probes, and a meshed pod whose HTTP
+// readiness and liveness probes pass through the host-probe SNAT.
+func TestKubelet(t *testing.T) {
+	bins, err := kubeapi.FindBinaries()
+	if err != nil {
+		testenv.SkipOrFail(t, "%v", err)
+	}
+	kubelet := filepath.Join(bins, "kubelet")
+	if _, err := os.Stat(kubelet); err != nil {
+		testenv.SkipOrFail(t, "kubelet not built (make kube-bins): %v", err)
+	}
+	s := newScene(t)
+	k := s.n.StartKubelet(kubelet, s.nodeName, s.api, cluster.Config.BearerToken)
+	ctx := context.Background()
+	eventually(t, "kubelet registers the node and is ready", func() bool {
+		if k.Exited() {
+			t.Fatalf("kubelet exited:\n%s", k.LogTail())
+		}
+		n, err := cluster.Client.CoreV1().Nodes().Get(ctx, s.nodeName, metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		for _, c := range n.Status.Conditions {
+			if c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue {
+				return true
+			}
+		}
+		return false
+	})
+
+	// The agent's pod, from the chart.
+	ch, err := RenderChart(filepath.Join(repoRoot, "deploy", "ambient-ebpf"), s.n.ChartValues(""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, obj := range ch.Objects {
+		apply(t, obj)
+	}
+	agent := s.daemonSetPod(ch)
+	waitPod(t, k, agent, "agent ready (kubelet's readiness probe on /readyz)", podReady)
+	hc := s.nodeHTTP()
+	eventually(t, "ztunnel connected to the agent", func() bool { return s.ztunnelConnected(hc) })
+
+	// A meshed pod with HTTP probes.
+	probe := func(path string) *corev1.Probe {
+		return &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: path, Port: intstr.FromInt32(8081)}},
+			PeriodSeconds: 1, FailureThreshold: 3, TimeoutSeconds: 2}
+	}
+	app := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "probed", Namespace: s.ambientNS},
+		Spec: corev1.PodSpec{
+			NodeName:                      s.nodeName,
+			TerminationGracePeriodSeconds: ptr(int64(1)),
+			Containers: []corev1.Container{{
+				Name: "echo", Image: EchoImage, ImagePullPolicy: corev1.PullNever,
+				ReadinessProbe: probe("/ready"), LivenessProbe: probe("/live"),
+				SecurityContext: &corev1.SecurityContext{RunAsUser: ptr(int64(1000))},
+			}},
+		},
+	}
+	app, err = cluster.Client.CoreV1().Pods(s.ambientNS).Create(ctx, app, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	app = waitPod(t, k, app, "meshed pod ready (its readiness probe passed)", podReady)
+	if got := app.Annotations[enrollment.RedirectionAnnotation]; got != "enabled" {
+		eventually(t, "redirection annotation", func() bool {
+			p, err := cluster.Client.CoreV1().Pods(app.Namespace).Get(ctx, app.Name, metav1.GetOptions{})
+			return err == nil && p.Annotations[enrollment.RedirectionAnnotation] == "enabled"
+		})
+	}
+	// The app saw both probes from the SNAT address, and liveness kept
+	// passing (no restart) over several periods.
+	seen := map[string]int{}
+	var example string
+	eventually(t, "readiness and liveness probes from "+ProbeV4.String(), func() bool {
+		clear(seen)
+		for _, l := range k.PodLog(app.Namespace, app.Name, string(app.UID), "echo") {
+			var p struct{ Path, Peer string }
+			if json.Unmarshal([]byte(l), &p) == nil && p.Path != "" {
+				if !strings.HasPrefix(p.Peer, ProbeV4.String()+":") {
+					t.Fatalf("probe %s came from %s, want the host-probe SNAT address %s", p.Path, p.Peer, ProbeV4)
+				}
+				seen[p.Path]++
+				example = l
+			}
+		}
+		return seen["/ready"] >= 3 && seen["/live"] >= 3
+	})
+	t.Logf("probes the app saw: %v, e.g. %s", seen, example)
+	p, err := cluster.Client.CoreV1().Pods(app.Namespace).Get(ctx, app.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cs := p.Status.ContainerStatuses; len(cs) != 1 || cs[0].RestartCount != 0 || !cs[0].Ready {
+		t.Fatalf("meshed pod's container: %+v", cs)
+	}
+	// Remove the pods through the API, as a user would; kubelet stops them.
+	for _, pod := range []*corev1.Pod{app, agent} {
+		if err := cluster.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, "kubelet removed the pods", func() bool {
+		_, err1 := cluster.Client.CoreV1().Pods(app.Namespace).Get(ctx, app.Name, metav1.GetOptions{})
+		_, err2 := cluster.Client.CoreV1().Pods(agent.Namespace).Get(ctx, agent.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err1) && apierrors.IsNotFound(err2)
+	})
+}
+
+// daemonSetPod creates the agent's pod as the DaemonSet controller would
+// (the template, bound to the node), with what the ServiceAccount admission
+// plugin adds (off on the test API server): the projected token volume. The
+// API server's address is the one the node reaches, as a node's
+// KUBERNETES_SERVICE_* would be through kube-proxy.
+func (s *scene) daemonSetPod(ch *Chart) *corev1.Pod {
+	t := s.t
+	ctx := context.Background()
+	ca, err := cluster.ServingCert()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "kube-root-ca.crt", Namespace: ReleaseNamespace}, Data: map[string]string{"ca.crt": string(ca)}}
+	if _, err := cluster.Client.CoreV1().ConfigMaps(ReleaseNamespace).Create(ctx, cm, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	tmpl := ch.DaemonSet.Spec.Template.DeepCopy()
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: ch.DaemonSet.Name + "-" + s.n.ID, Namespace: ReleaseNamespace, Labels: tmpl.Labels, Annotations: tmpl.Annotations},
+		Spec:       tmpl.Spec,
+	}
+	pod.Spec.NodeName = s.nodeName
+	pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: "kube-api-access", VolumeSource: corev1.VolumeSource{Projected: &corev1.ProjectedVolumeSource{
+		Sources: []corev1.VolumeProjection{
+			{ServiceAccountToken: &corev1.ServiceAccountTokenProjection{Path: "token", ExpirationSeconds: ptr(int64(3607))}},
+			{ConfigMap: &corev1.ConfigMapProjection{LocalObjectReference: corev1.LocalObjectReference{Name: "kube-root-ca.crt"}, Items: []corev1.KeyToPath{{Key: "ca.crt", Path: "ca.crt"}}}},
+			{DownwardAPI: &corev1.DownwardAPIProjection{Items: []corev1.DownwardAPIVolumeFile{{Path: "namespace", FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.namespace"}}}}},
+		},
+	}}})
+	c := &pod.Spec.Containers[0]
+	c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: "kube-api-access", MountPath: "/var/run/secrets/kubernetes.io/serviceaccount", ReadOnly: true})
+	c.Env = append(c.Env, corev1.EnvVar{Name: "KUBERNETES_SERVICE_HOST", Value: s.api.Addr().String()},
+		corev1.EnvVar{Name: "KUBERNETES_SERVICE_PORT", Value: fmt.Sprint(s.api.Port())})
+	got, err := cluster.Client.CoreV1().Pods(ReleaseNamespace).Create(ctx, pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create the agent's pod: %v", err)
+	}
+	return got
+}
+
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// waitPod waits up to 90 s for cond on the pod, failing with kubelet's and
+// the pod's state.
+func waitPod(t *testing.T, k *Kubelet, pod *corev1.Pod, what string, cond func(*corev1.Pod) bool) *corev1.Pod {
+	t.Helper()
+	var p *corev1.Pod
+	for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		var err error
+		p, err = cluster.Client.CoreV1().Pods(pod.Namespace).Get(context.Background(), pod.Name, metav1.GetOptions{})
+		if err == nil && cond(p) {
+			return p
+		}
+		if time.Now().After(deadline) || k.Exited() {
+			b, _ := json.MarshalIndent(p.Status, "", "  ")
+			t.Fatalf("timed out waiting: %s; pod status %s\nkubelet log ends:\n%s", what, b, k.LogTail())
+		}
+	}
+}
