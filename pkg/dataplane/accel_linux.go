@@ -237,7 +237,7 @@ func (d *Dataplane) stopAccel() {
 		return
 	}
 	if n := info.Senders + info.Receivers; n > 0 {
-		d.log.Info("sockmap acceleration off: accelerated connections keep it until they close", "sockets", n)
+		d.log.Info("sockmap acceleration off: accelerated connections keep it until they close", "map_entries", n)
 		return
 	}
 	if err := detachPinnedLink(filepath.Join(linksDir(d.cfg), accelMsgPin)); err != nil {

@@ -6,9 +6,12 @@ package conformance
 import (
 	"context"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
@@ -26,6 +29,7 @@ type accelNode struct {
 	a        *simnode.Pod
 	app, out *simnode.App
 	zt       *simnode.Ztunnel
+	cfg      dataplane.Config
 	d        *dataplane.Dataplane
 }
 
@@ -40,7 +44,7 @@ func newAccelNode(t *testing.T, mode dataplane.AccelMode) *accelNode {
 		t.Fatalf("New: %v", err)
 	}
 	t.Cleanup(func() { _ = d.Uninstall() })
-	e.d = d
+	e.d, e.cfg = d, cfg
 	e.zt = n.StartZtunnel()
 	e.zt.Add(e.a)
 	if err := d.Enroll(context.Background(), dataplane.Pod{UID: e.a.UID, Namespace: e.a.Namespace, Name: e.a.Name, Netns: e.a.NetnsPath(), IPs: e.a.IPs()}); err != nil {
@@ -199,5 +203,236 @@ func waitAccelEmpty(t *testing.T, n *simnode.Node) {
 			t.Fatalf("%d senders and %d receivers still in the sockmaps after their connections ended", info.Senders, info.Receivers)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// Multipath TCP sockets cannot join a sockhash (an MPTCP subflow carries a
+// ULP): a hop with one is left to TCP, and every byte still arrives. Go's
+// listeners are MPTCP by default where the kernel allows, so an app's
+// listener may well be one.
+func TestAccelLeavesMPTCPToTCP(t *testing.T) {
+	requireAccel(t)
+	const size = 1 << 20
+	e := newAccelNode(t, dataplane.AccelBoth)
+	const mptcpPort = accelEchoPort + 1
+	e.listenEcho(t, e.app, mptcpPort, simnode.AppRequest{ReadWrite: true, MPTCP: true})
+	for _, c := range []struct {
+		name string
+		from *simnode.App
+		req  simnode.AppRequest
+	}{
+		{"mptcp_client", e.app, simnode.AppRequest{Addr: netip.AddrPortFrom(simnode.OutsideV4, accelEchoPort), MPTCP: true}},
+		{"mptcp_listener", e.out, simnode.AppRequest{Addr: netip.AddrPortFrom(e.a.V4, mptcpPort)}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			before := e.stats(t)
+			c.req.Op, c.req.Bytes = "bulk-tcp", size
+			resp, err := c.from.Do(c.req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if resp.Echoed != size {
+				t.Fatalf("echoed %d bytes, want %d", resp.Echoed, size)
+			}
+			if r, ok := e.zt.RecordFor(resp.Local); !ok || r.OrigDst != c.req.Addr {
+				t.Errorf("the connection did not go through ztunnel to %s: %+v", c.req.Addr, r)
+			}
+			after := e.stats(t)
+			redirected := after.RedirectBytes - before.RedirectBytes
+			switch c.name {
+			case "mptcp_client":
+				// The app's end was refused; ztunnel's found no peer.
+				if after.InsertErrors == before.InsertErrors || redirected != 0 {
+					t.Errorf("an MPTCP client's hop was not left to TCP: counters before %+v, after %+v", before, after)
+				}
+			default:
+				// An MPTCP listener answers a TCP client (ztunnel) with a
+				// TCP socket, which may join; a direction is redirected
+				// whole or not at all.
+				if redirected != 0 && redirected != size && redirected != 2*size {
+					t.Errorf("%d bytes of %d each way redirected: a direction took both ways", redirected, size)
+				}
+				t.Logf("%d of %d bytes redirected", redirected, 2*size)
+			}
+		})
+	}
+}
+
+// The flag never costs the data path: on a kernel without the helpers the
+// acceleration needs, or when its programs or maps cannot be loaded (here a
+// foreign map pinned where ae_accel goes), the agent starts, says why, and
+// the hop is TCP.
+func TestAccelFallsBack(t *testing.T) {
+	n := simnode.New(t)
+	a := n.AddPod("a")
+	cfg := ebpfConfig(n)
+	cfg.SockmapAccel = dataplane.AccelBoth
+	var foreign *ebpf.Map
+	if features.HasSockmapAccel() {
+		var err error
+		foreign, err = ebpf.NewMap(&ebpf.MapSpec{Name: "not_accel", Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer foreign.Close()
+		if err := os.MkdirAll(filepath.Join(cfg.BPFFSDir, "maps"), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := foreign.Pin(filepath.Join(cfg.BPFFSDir, "maps", "ae_accel")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	d, err := dataplane.New(cfg)
+	if err != nil {
+		t.Fatalf("New with the acceleration unavailable: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	st := d.AccelStatus()
+	if st.Active || st.Reason == "" || st.Mode != dataplane.AccelBoth {
+		t.Errorf("status %+v, want inactive with a reason", st)
+	}
+	t.Logf("status: %+v", st)
+	pins, _ := filepath.Glob(filepath.Join(cfg.BPFFSDir, "*", "*accel*"))
+	wantPins := 0
+	if foreign != nil {
+		wantPins = 1 // the foreign map, left alone
+	}
+	if len(pins) != wantPins {
+		t.Errorf("pins after the failed start: %v, want %d", pins, wantPins)
+	}
+	zt := n.StartZtunnel()
+	zt.Add(a)
+	if err := d.Enroll(context.Background(), dataplane.Pod{UID: a.UID, Namespace: a.Namespace, Name: a.Name, Netns: a.NetnsPath(), IPs: a.IPs()}); err != nil {
+		t.Fatal(err)
+	}
+	app, out := n.StartApp(a), n.StartOutsideApp()
+	if _, err := out.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), accelEchoPort)}); err != nil {
+		t.Fatal(err)
+	}
+	dst := netip.AddrPortFrom(simnode.OutsideV4, accelEchoPort)
+	resp, err := app.Do(simnode.AppRequest{Op: "bulk-tcp", Addr: dst, Bytes: 1 << 20})
+	if err != nil || resp.Echoed != 1<<20 {
+		t.Fatalf("bulk through ztunnel: echoed %d bytes, %v", resp.Echoed, err)
+	}
+	if r, ok := zt.RecordFor(resp.Local); !ok || r.OrigDst != dst {
+		t.Errorf("the connection did not go through ztunnel: %+v", r)
+	}
+}
+
+// restart stops the agent's data path (its pins stay) and starts it again
+// in mode, as an agent restarted with --sockmap-accel=mode.
+func (e *accelNode) restart(t *testing.T, mode dataplane.AccelMode) {
+	t.Helper()
+	if err := e.d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.cfg
+	cfg.SockmapAccel = mode
+	d, err := dataplane.New(cfg)
+	if err != nil {
+		t.Fatalf("restart with --sockmap-accel=%s: %v", mode, err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	e.d = d
+	if got := d.List(); len(got) != 1 || got[0].UID != e.a.UID {
+		t.Fatalf("restarted agent adopted %+v", got)
+	}
+}
+
+// A connection accelerated by one agent keeps working, and keeps its
+// sockmap path, while no agent runs and under the next one, whatever the
+// next one's flag: turning the flag off stops accelerating new
+// connections only (taking a socket out of a sockhash would drop what
+// was redirected to it and not yet read). Once the last accelerated
+// connection is gone, an agent with the flag off removes the rest.
+func TestAccelSurvivesRestartsAndToggles(t *testing.T) {
+	requireAccel(t)
+	e := newAccelNode(t, dataplane.AccelBoth)
+	dst := netip.AddrPortFrom(simnode.OutsideV4, accelEchoPort)
+	if _, err := e.app.Do(simnode.AppRequest{Op: "stream-open", Name: "s", Addr: dst}); err != nil {
+		t.Fatal(err)
+	}
+	// echo sends a line on the long-lived connection and reports whether
+	// both its directions went through the sockmap.
+	echo := func(phase string) {
+		t.Helper()
+		before := e.stats(t)
+		if _, err := e.app.Do(simnode.AppRequest{Op: "stream-echo", Name: "s", DNSName: phase}); err != nil {
+			t.Fatalf("%s: the long-lived connection broke: %v", phase, err)
+		}
+		if got := e.stats(t).RedirectMsgs - before.RedirectMsgs; got < 2 {
+			t.Errorf("%s: %d of the line's two sends went through the sockmap", phase, got)
+		}
+	}
+	// fresh runs a new connection and reports how many of its bytes were
+	// redirected.
+	fresh := func(phase string) uint64 {
+		t.Helper()
+		before := e.stats(t)
+		resp, err := e.app.Do(simnode.AppRequest{Op: "bulk-tcp", Addr: dst, Bytes: 1 << 20})
+		if err != nil || resp.Echoed != 1<<20 {
+			t.Fatalf("%s: new connection: echoed %d bytes, %v", phase, resp.Echoed, err)
+		}
+		return e.stats(t).RedirectBytes - before.RedirectBytes
+	}
+	accelPins := func() []string {
+		pins, _ := filepath.Glob(filepath.Join(e.n.BPFFSDir, "*", "*accel*"))
+		return pins
+	}
+
+	echo("agent-running")
+	if err := e.d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	echo("agent-gone")
+	if got := fresh("agent-gone"); got != 2<<20 {
+		t.Errorf("agent gone: %d bytes of a new connection redirected, want all %d", got, 2<<20)
+	}
+
+	cfg := e.cfg
+	d, err := dataplane.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	e.d = d
+	if st := d.AccelStatus(); !st.Active {
+		t.Fatalf("restarted with the flag on: %+v", st)
+	}
+	echo("agent-restarted")
+	if got := fresh("agent-restarted"); got != 2<<20 {
+		t.Errorf("agent restarted: %d bytes of a new connection redirected, want all %d", got, 2<<20)
+	}
+
+	e.restart(t, dataplane.AccelOff)
+	if st := e.d.AccelStatus(); st.Active || st.Mode != dataplane.AccelOff {
+		t.Errorf("restarted with the flag off: %+v", st)
+	}
+	if info, err := dataplane.ReadAccel(e.n.BPFFSDir); err != nil || info.Active || !info.Installed {
+		t.Errorf("flag off with an accelerated connection open: pins %+v (%v), want the maps without the sockops link", info, err)
+	}
+	echo("flag-off")
+	if got := fresh("flag-off"); got != 0 {
+		t.Errorf("flag off: %d bytes of a new connection redirected", got)
+	}
+
+	if _, err := e.app.Do(simnode.AppRequest{Op: "stream-close", Name: "s"}); err != nil {
+		t.Fatal(err)
+	}
+	waitAccelEmpty(t, e.n)
+	e.restart(t, dataplane.AccelOff)
+	if pins := accelPins(); len(pins) != 0 {
+		t.Errorf("flag off, nothing accelerated: pins %v left", pins)
+	}
+	if got := fresh("removed"); got != 0 {
+		t.Errorf("removed: %d bytes of a new connection redirected", got)
+	}
+
+	e.restart(t, dataplane.AccelToZtunnel)
+	if st := e.d.AccelStatus(); !st.Active {
+		t.Fatalf("flag on again: %+v", st)
+	}
+	if got := fresh("on-again"); got != 1<<20 {
+		t.Errorf("on again (mode ztunnel): %d bytes of a new connection redirected, want %d (one direction)", got, 1<<20)
 	}
 }

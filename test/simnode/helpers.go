@@ -144,7 +144,13 @@ func serveJSON(h handler) error {
 
 type app struct {
 	ns      *sockutil.Netns
-	streams map[string]*bufio.ReadWriter // kept connections by name
+	streams map[string]*stream // kept connections by name
+}
+
+// stream is a connection op stream-open keeps for stream-echo.
+type stream struct {
+	*bufio.ReadWriter
+	c net.Conn
 }
 
 func newApp() *app {
@@ -152,7 +158,7 @@ func newApp() *app {
 	if err != nil {
 		panic(err)
 	}
-	return &app{ns: ns, streams: map[string]*bufio.ReadWriter{}}
+	return &app{ns: ns, streams: map[string]*stream{}}
 }
 
 func (a *app) handle(line []byte) any {
@@ -205,8 +211,15 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		if err != nil {
 			return AppResponse{}, err
 		}
-		a.streams[req.Name] = bufio.NewReadWriter(bufio.NewReader(c), bufio.NewWriter(c))
+		a.streams[req.Name] = &stream{bufio.NewReadWriter(bufio.NewReader(c), bufio.NewWriter(c)), c}
 		return AppResponse{Local: sockutil.AddrPort(c.LocalAddr())}, nil
+	case "stream-close":
+		rw := a.streams[req.Name]
+		if rw == nil {
+			return AppResponse{}, fmt.Errorf("no stream %q", req.Name)
+		}
+		delete(a.streams, req.Name)
+		return AppResponse{}, rw.c.Close()
 	case "stream-echo":
 		rw := a.streams[req.Name]
 		if rw == nil {
