@@ -309,6 +309,20 @@ func countKeys(m *ebpf.Map) (int, error) {
 	}
 }
 
+// countPinned counts the entries of the map pinned at pin.
+func countPinned(pin string) (int, error) {
+	m, err := ebpf.LoadPinnedMap(pin, &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return 0, fmt.Errorf("open %s: %w", pin, err)
+	}
+	defer m.Close()
+	n, err := countKeys(m)
+	if err != nil {
+		return n, fmt.Errorf("read %s: %w", pin, err)
+	}
+	return n, nil
+}
+
 // AccelInfo is the sockmap acceleration as the pins show it.
 type AccelInfo struct {
 	// Installed: maps/ae_accel exists.
@@ -340,27 +354,16 @@ func ReadAccel(bpffsDir string) (AccelInfo, error) {
 		info.Active = true
 	}
 	ro := &ebpf.LoadPinOptions{ReadOnly: true}
-	m, err := ebpf.LoadPinnedMap(filepath.Join(bpffsDir, "maps", accelMapAeAccel), ro)
-	if errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(filepath.Join(bpffsDir, "maps", accelMapAeAccel)); errors.Is(err, os.ErrNotExist) {
 		return info, nil
 	}
-	if err != nil {
-		return info, fmt.Errorf("open ae_accel: %w", err)
-	}
 	info.Installed = true
-	info.Senders, err = countKeys(m)
-	m.Close()
-	if err != nil {
-		return info, fmt.Errorf("read ae_accel: %w", err)
+	var err error
+	if info.Senders, err = countPinned(filepath.Join(bpffsDir, "maps", accelMapAeAccel)); err != nil {
+		return info, err
 	}
-	rx, err := ebpf.LoadPinnedMap(filepath.Join(bpffsDir, "maps", accelMapAeAccelRx), ro)
-	if err != nil {
-		return info, fmt.Errorf("open ae_accel_rx: %w", err)
-	}
-	info.Receivers, err = countKeys(rx)
-	rx.Close()
-	if err != nil {
-		return info, fmt.Errorf("read ae_accel_rx: %w", err)
+	if info.Receivers, err = countPinned(filepath.Join(bpffsDir, "maps", accelMapAeAccelRx)); err != nil {
+		return info, err
 	}
 	sm, err := ebpf.LoadPinnedMap(filepath.Join(bpffsDir, "maps", accelMapAeAccelStats), ro)
 	if err != nil {
