@@ -158,6 +158,15 @@ bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/resu
 	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md BENCH_CHART=$(CURDIR)/bench/chart.svg \
 		$(GO) test -tags bench -count=1 -timeout 40m -run '^TestBench$$' -v ./test/bench
 
+# The sockmap acceleration's figures (--sockmap-accel off, ztunnel, both) on
+# the eBPF path through the stand-in; same knobs as bench. Writes
+# bench/sockmap.json (docs/BENCHMARKS.md, "Sockmap acceleration").
+.PHONY: bench-sockmap
+bench-sockmap: deps ## the sockmap acceleration's figures as root: off vs ztunnel vs both; writes bench/sockmap.json
+	@mkdir -p bench
+	AMBIENT_EBPF_BENCH=1 BENCH_SOCKMAP_RESULTS=$(CURDIR)/bench/sockmap.json \
+		$(GO) test -tags bench -count=1 -timeout 20m -run '^TestBenchSockmap$$' -v ./test/bench
+
 .PHONY: test-kernels
 test-kernels: deps ## run the kernel suites on the host kernel and, under qemu, on Debian's 5.10, 6.1 and 6.12
 	CACHE=$(CACHE) GO=$(GO) hack/vmtest/vmtest.sh $(VMTEST_KERNELS)

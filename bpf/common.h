@@ -228,4 +228,39 @@ struct ae_event {
 	__u32 slot; /* the pod's ae_pod_meta slot, AE_NO_SLOT for none */
 };
 
+/* Key of ae_accel: one end of a pod-local TCP connection between an app
+ * and ztunnel (sockmap acceleration), by its own view of the connection.
+ * The peer's key is the same with the two ends swapped. */
+struct accel_key {
+	__u64 netns_cookie;
+	struct ae_addr local;
+	struct ae_addr remote;
+	__be16 local_port;
+	__be16 remote_port;
+	__u32 pad;
+};
+
+/* struct accel_sock.state: what one end of a hop does with its sends. */
+#define AE_ACCEL_UNDECIDED 1 /* in ae_accel, has not sent yet */
+#define AE_ACCEL_REDIRECT  2 /* its peer was in ae_accel at its first send */
+#define AE_ACCEL_PLAIN     3 /* its peer was not: TCP for good */
+
+/* Value of ae_accel_sk (socket storage) for each socket in ae_accel. */
+struct accel_sock {
+	__u32 state; /* AE_ACCEL_* */
+	__u32 pad;
+};
+
+/* Counters of the sockmap acceleration (ae_accel_stats, per CPU). */
+struct accel_stats {
+	__u64 sockets;        /* sockets put into ae_accel */
+	__u64 insert_errors;  /* sockets the kernel refused (MPTCP, kTLS, table full): TCP */
+	__u64 redirecting;    /* ends whose peer was in ae_accel at their first send */
+	__u64 plain;          /* ends whose peer was not: TCP for good */
+	__u64 redirect_msgs;  /* sends handed to the peer socket */
+	__u64 redirect_bytes;
+	__u64 pass_msgs;      /* sends that went through TCP */
+	__u64 peer_gone;      /* sends whose peer had left ae_accel (closed): TCP */
+};
+
 #endif /* AMBIENT_COMMON_H */

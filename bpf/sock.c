@@ -29,6 +29,7 @@
 #include "maps.h"
 #include "lib.h"
 #include "trace.h"
+#include "sockaddr.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
@@ -183,8 +184,6 @@ static __always_inline void dns_source6(struct bpf_sock_addr *ctx, struct netns_
 		ctx->msg_src_ip6[3] = sa.addr[3];
 	}
 }
-
-static __always_inline void sock_local(struct bpf_sock *sk, struct ae_addr *a);
 
 /*
  * The event of a socket hook's decision: the socket's source as far as it
@@ -442,42 +441,6 @@ int ae_getpeername6(struct bpf_sock_addr *ctx)
 }
 
 /*
- * Socket addresses are read unconditionally and pinned in registers before
- * the family is looked at. Otherwise clang merges the IPv4 and IPv6 loads
- * into one load at a computed offset, which the verifier refuses for
- * context and socket pointers.
- */
-
-static __always_inline void pick_addr(struct ae_addr *a, __u32 family, __u32 v4, __u32 w0, __u32 w1,
-				      __u32 w2, __u32 w3)
-{
-	barrier_var(v4);
-	barrier_var(w0);
-	barrier_var(w1);
-	barrier_var(w2);
-	barrier_var(w3);
-	if (family == AF_INET) {
-		addr_set_v4(a, v4);
-	} else {
-		__u32 ip6[4] = {w0, w1, w2, w3};
-
-		addr_set_v6(a, ip6);
-	}
-}
-
-static __always_inline void sockops_local(struct bpf_sock_ops *skops, struct ae_addr *a)
-{
-	pick_addr(a, skops->family, skops->local_ip4, skops->local_ip6[0], skops->local_ip6[1],
-		  skops->local_ip6[2], skops->local_ip6[3]);
-}
-
-static __always_inline void sockops_remote(struct bpf_sock_ops *skops, struct ae_addr *a)
-{
-	pick_addr(a, skops->family, skops->remote_ip4, skops->remote_ip6[0], skops->remote_ip6[1],
-		  skops->remote_ip6[2], skops->remote_ip6[3]);
-}
-
-/*
  * bpf_get_netns_cookie() reached sockops and sockopt programs in Linux
  * 5.15. Before that, ae_orig_dst entries are scoped by the client's address
  * alone (netns cookie 0): pod IPs are unique on a node, so only a client
@@ -717,16 +680,6 @@ int ae_sockops(struct bpf_sock_ops *skops)
 		break;
 	}
 	return 1;
-}
-
-static __always_inline void sock_remote(struct bpf_sock *sk, struct ae_addr *a)
-{
-	pick_addr(a, sk->family, sk->dst_ip4, sk->dst_ip6[0], sk->dst_ip6[1], sk->dst_ip6[2], sk->dst_ip6[3]);
-}
-
-static __always_inline void sock_local(struct bpf_sock *sk, struct ae_addr *a)
-{
-	pick_addr(a, sk->family, sk->src_ip4, sk->src_ip6[0], sk->src_ip6[1], sk->src_ip6[2], sk->src_ip6[3]);
 }
 
 /*

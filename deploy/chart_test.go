@@ -274,6 +274,20 @@ func TestChartRenders(t *testing.T) {
 			check:  checkRepair("label"),
 		},
 		{
+			name:   "sockmap acceleration on request",
+			values: "agent: {sockmapAccel: ztunnel}",
+			check: func(t *testing.T, r *rendered) {
+				if fl := flags(t, r.agent(t)); !slices.Equal(fl["sockmap-accel"], []string{"ztunnel"}) {
+					t.Errorf("--sockmap-accel=%v, want ztunnel", fl["sockmap-accel"])
+				}
+			},
+		},
+		{
+			name:    "unknown sockmap acceleration mode fails the schema",
+			values:  "agent: {sockmapAccel: true}",
+			wantErr: "/agent/sockmapAccel",
+		},
+		{
 			name:    "unknown repair mode fails the schema",
 			values:  "agent: {repairMode: fix}",
 			wantErr: "/agent/repairMode': value must be one of",
@@ -846,7 +860,7 @@ func checkDefaults(t *testing.T, r *rendered) {
 			t.Errorf("--%s=%v, want %s", k, fl[k], v)
 		}
 	}
-	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig", "per-pod-metrics", "enablement-selectors", "trace-history"} {
+	for _, k := range []string{"cni-conf-name", "probe-snat-v4", "probe-snat-v6", "kubeconfig", "per-pod-metrics", "enablement-selectors", "trace-history", "sockmap-accel"} {
 		if _, ok := fl[k]; ok {
 			t.Errorf("--%s set by default", k)
 		}

@@ -18,6 +18,7 @@ import (
 	"helm.sh/helm/v3/pkg/engine"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 )
 
 // schemaEnum returns the enum values.schema.json gives the value at path
@@ -79,6 +80,16 @@ func TestValuesAreWhatTheAgentAccepts(t *testing.T) {
 		}
 		if _, err := f.Logger(); err != nil {
 			t.Errorf("agent.logFormat %q passes the schema, the agent refuses it: %v", format, err)
+		}
+	}
+}
+
+// Every sockmap acceleration mode the schema lets through is one the agent
+// takes.
+func TestSockmapAccelValuesAreAgentModes(t *testing.T) {
+	for _, mode := range schemaEnum(t, "agent", "sockmapAccel") {
+		if _, err := dataplane.ParseAccelMode(mode); err != nil {
+			t.Errorf("agent.sockmapAccel %q passes the schema, the agent refuses it: %v", mode, err)
 		}
 	}
 }

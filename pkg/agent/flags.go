@@ -38,6 +38,7 @@ type Flags struct {
 	installCNI                                  bool
 	excluded, selectors                         string
 	dnsCapture                                  bool
+	sockmapAccel                                string
 	repairMode                                  string
 	dsNamespace, dsName                         string
 	uninstallOnExit                             bool
@@ -87,6 +88,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.excluded, "excluded-namespaces", "kube-system", "comma-separated namespaces whose pods are never enrolled")
 	fs.StringVar(&f.selectors, "enablement-selectors", "", "istio-cni's ambient enablement selectors, a JSON or YAML list of {podSelector, namespaceSelector}; a pod is ambient when one matches (empty: the istio.io/dataplane-mode label rule)")
 	fs.BoolVar(&f.dnsCapture, "dns-capture", true, "capture DNS to ztunnel's proxy (per pod: ambient.istio.io/dns-capture)")
+	fs.StringVar(&f.sockmapAccel, "sockmap-accel", envOr("AMBIENT_EBPF_SOCKMAP_ACCEL", string(dataplane.AccelOff)), "sockmap acceleration of the app <-> ztunnel hop in each pod (Linux 5.15): off, ztunnel (the app's sends into ztunnel skip TCP) or both (ztunnel's into the app too; apps reading with splice(2) miss those bytes); default $AMBIENT_EBPF_SOCKMAP_ACCEL, else off (see docs/BENCHMARKS.md)")
 	fs.StringVar(&f.repairMode, "repair-mode", "repair", "unredirected running ambient pods: repair (in place), delete, label or off")
 	fs.StringVar(&f.dsNamespace, "daemonset-namespace", os.Getenv("POD_NAMESPACE"), "the agent's DaemonSet namespace (uninstall check)")
 	fs.StringVar(&f.dsName, "daemonset-name", "", "the agent's DaemonSet; while it exists, shutdown keeps all state")
@@ -142,6 +144,9 @@ func (f *Flags) Config() (Config, error) {
 	}
 	if c.Dataplane.ProbeV6, err = netip.ParseAddr(f.probeV6); err != nil {
 		return c, fmt.Errorf("--probe-snat-v6: %w", err)
+	}
+	if c.Dataplane.SockmapAccel, err = dataplane.ParseAccelMode(f.sockmapAccel); err != nil {
+		return c, fmt.Errorf("--sockmap-accel: %w", err)
 	}
 	if c.Dataplane.CgroupRoot == "" {
 		if c.Dataplane.CgroupRoot, err = hostfs.Cgroup2Root(); err != nil {
@@ -210,4 +215,12 @@ func (f *Flags) Config() (Config, error) {
 		c.Install = ic
 	}
 	return c, nil
+}
+
+// envOr is the environment variable's value, or def when it is unset.
+func envOr(name, def string) string {
+	if v, ok := os.LookupEnv(name); ok {
+		return v
+	}
+	return def
 }

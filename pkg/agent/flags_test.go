@@ -9,6 +9,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 )
@@ -41,6 +42,32 @@ func TestFlagsBuildTheConfig(t *testing.T) {
 	}
 }
 
+// --sockmap-accel is off unless given, from the environment too (the
+// benchmark starts agents that way).
+func TestSockmapAccelFlag(t *testing.T) {
+	for _, c := range []struct {
+		env  string
+		args []string
+		want dataplane.AccelMode
+	}{
+		{"", nil, dataplane.AccelOff},
+		{"", []string{"--sockmap-accel", "both"}, dataplane.AccelBoth},
+		{"ztunnel", nil, dataplane.AccelToZtunnel},
+		{"ztunnel", []string{"--sockmap-accel=off"}, dataplane.AccelOff},
+	} {
+		if c.env != "" {
+			t.Setenv("AMBIENT_EBPF_SOCKMAP_ACCEL", c.env)
+		}
+		cfg, err := parse(t, append([]string{"--node-name", "n1"}, c.args...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cfg.Dataplane.SockmapAccel != c.want {
+			t.Errorf("env %q, args %v: mode %q, want %q", c.env, c.args, cfg.Dataplane.SockmapAccel, c.want)
+		}
+	}
+}
+
 func TestFlagsRefuseBadValues(t *testing.T) {
 	for name, args := range map[string][]string{
 		"repair mode":   {"--repair-mode", "sometimes"},
@@ -48,6 +75,7 @@ func TestFlagsRefuseBadValues(t *testing.T) {
 		"log level":     {"--log-level", "loud"},
 		"log format":    {"--log-format", "xml"},
 		"trace history": {"--trace-history", "-1m"},
+		"sockmap":       {"--sockmap-accel", "on"},
 		"selectors":     {"--enablement-selectors", `[{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}]`},
 	} {
 		t.Run(name, func(t *testing.T) {

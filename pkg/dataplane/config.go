@@ -45,12 +45,53 @@ type Config struct {
 	ProcRoot string
 	// ProbeV4 and ProbeV6 are the host-probe SNAT addresses (R7, R8).
 	ProbeV4, ProbeV6 netip.Addr
-	Logger           *slog.Logger
+	// SockmapAccel accelerates the hop between an app and ztunnel inside
+	// each enrolled pod with sockhashes and an sk_msg program
+	// (bpf/accel.c): both ends being sockets of the pod's netns, a send on
+	// one is queued onto the other's receive queue without TCP. Off by
+	// default (docs/BENCHMARKS.md says why). It needs Linux 5.15 (package
+	// features: sockmap_accel); elsewhere it is ignored with a warning and
+	// the hop stays on TCP. Changed or turned off after it was on,
+	// connections already accelerated keep what they had until they close.
+	SockmapAccel AccelMode
+	Logger       *slog.Logger
 	// Failpoint, when set, is called at each step of enrolment and
 	// removal with the step's name (see Steps). The crash-injection tests
 	// kill the process there; nothing else sets it.
 	Failpoint func(step string) `json:"-"`
 }
+
+// AccelMode says which sends of the app <-> ztunnel hop skip TCP
+// (Config.SockmapAccel).
+type AccelMode string
+
+// The sockmap acceleration's modes.
+const (
+	// AccelOff: every byte of the hop is TCP over the pod's lo.
+	AccelOff AccelMode = "off"
+	// AccelToZtunnel: the app's sends into ztunnel skip TCP; ztunnel's
+	// into the app do not. Apps receive as without it, so any app works.
+	AccelToZtunnel AccelMode = "ztunnel"
+	// AccelBoth: ztunnel's sends into the app skip TCP too. An app that
+	// reads its sockets with splice(2) (Go's io.Copy from one TCP
+	// connection to another, HAProxy's splicing) or sizes reads with
+	// FIONREAD does not see those bytes: only recv and read do.
+	AccelBoth AccelMode = "both"
+)
+
+// ParseAccelMode reads a mode as the agent's --sockmap-accel takes it.
+func ParseAccelMode(s string) (AccelMode, error) {
+	switch m := AccelMode(s); m {
+	case AccelOff, AccelToZtunnel, AccelBoth:
+		return m, nil
+	case "":
+		return AccelOff, nil
+	}
+	return "", fmt.Errorf("sockmap acceleration %q: want off, ztunnel or both", s)
+}
+
+// On reports whether the mode accelerates anything.
+func (m AccelMode) On() bool { return m == AccelToZtunnel || m == AccelBoth }
 
 // Steps are the failpoints of Enroll and Remove, in order: after each the
 // node is in a state a crash may leave, and a restarted agent must finish
@@ -107,6 +148,11 @@ func (c *Config) setDefaults() error {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	mode, err := ParseAccelMode(string(c.SockmapAccel))
+	if err != nil {
+		return err
+	}
+	c.SockmapAccel = mode
 	return nil
 }
 

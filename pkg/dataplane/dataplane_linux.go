@@ -40,6 +40,9 @@ type Dataplane struct {
 	nodeLinks []link.Link
 	pods      map[string]*podState // by UID
 	slots     slotAllocator
+	// The sockmap acceleration (accel_linux.go): nil unless it runs.
+	accel       *accelState
+	accelStatus AccelStatus
 }
 
 type podState struct {
@@ -116,6 +119,7 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 		d.closeObjects()
 		return nil, err
 	}
+	d.setupAccel(cgroupID)
 	if err := d.adoptPods(); err != nil {
 		d.Close()
 		return nil, err
@@ -259,6 +263,10 @@ func (d *Dataplane) logVerifier(err error) {
 }
 
 func (d *Dataplane) closeObjects() {
+	if d.accel != nil {
+		d.accel.close()
+		d.accel = nil
+	}
 	if d.nsQuery != nil {
 		d.nsQuery.Close()
 		d.nsQuery = nil
@@ -387,6 +395,9 @@ func (d *Dataplane) Uninstall() error {
 		l.Close()
 	}
 	d.nodeLinks = nil
+	if err := d.uninstallAccel(); err != nil {
+		errs = append(errs, err)
+	}
 	d.mu.Unlock()
 	if err := d.Close(); err != nil {
 		errs = append(errs, err)

@@ -14,6 +14,10 @@
 //     netns cookie, so the hooks cost one hash lookup for everyone else.
 //     sockops also files ztunnel's inbound listeners (ae_listeners) and its
 //     deliveries to the app (ae_local_flows) for the pod's sk_lookup.
+//   - bpf/accel.c, only with Config.SockmapAccel (Linux 5.15): a second
+//     sockops program on the cgroup root puts both ends of each pod-local
+//     app <-> ztunnel connection into sockhashes, and an sk_msg program
+//     queues a send straight onto the peer socket (no TCP on that hop).
 //   - bpf/tc.c, per pod: the sk_lookup program in the pod netns hands new
 //     inbound flows to ztunnel's :15006 (R5); a tc program on the pod's lo
 //     gives ztunnel's deliveries the return mark (R10); two on the node
@@ -47,6 +51,8 @@
 //	links/<hook>        node-wide cgroup links: connect4, connect6,
 //	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
 //	                    getpeername4, getpeername6, sockops, getsockopt
+//	maps/ae_accel*, links/accel_*  the sockmap acceleration, when
+//	                    Config.SockmapAccel asks for it (accel_linux.go)
 //	pods/<uid>/sk_lookup     sk_lookup link in the pod netns (R5)
 //	pods/<uid>/lo_ingress    tc ingress on the pod's lo (R10)
 //	pods/<uid>/reroute_<if>  tc ingress on a virtual interface (R14)

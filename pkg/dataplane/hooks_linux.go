@@ -48,8 +48,12 @@ type CgroupProgram struct {
 func CgroupPrograms(root, bpffsDir string, maxCgroups int) (progs []CgroupProgram, truncated bool, err error) {
 	ours := map[ebpf.ProgramID]bool{}
 	hooks := (&Dataplane{}).nodeHooks() // the hook table; no programs loaded
+	pins := []string{accelSockopsPin}   // the sockmap acceleration's sockops, beside ours
 	for _, h := range hooks {
-		l, err := link.LoadPinnedLink(filepath.Join(bpffsDir, "links", h.name), nil)
+		pins = append(pins, h.name)
+	}
+	for _, name := range pins {
+		l, err := link.LoadPinnedLink(filepath.Join(bpffsDir, "links", name), nil)
 		if err != nil {
 			continue
 		}

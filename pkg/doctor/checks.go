@@ -131,12 +131,33 @@ func checkDataPath(_ context.Context, n *node) []Finding {
 	case on:
 		out = append(out, Finding{Check: "trace", Status: Info, Summary: "someone is tracing: the programs write an event for each decision"})
 	}
+	out = append(out, checkAccel(n)...)
 	if len(partial) > 0 {
 		out = append(out, Finding{Check: "datapath", Status: Warn, Summary: "an agent stopped part way through " + list(partial, 5),
 			Meaning: "the journal keeps such pods from staying half redirected: the next agent to start undoes it and they are enrolled again",
 			Action:  "make sure the agent is running (ambient-ebpf status)"})
 	}
 	return out
+}
+
+// checkAccel reports the sockmap acceleration (--sockmap-accel) when its
+// pins exist.
+func checkAccel(n *node) []Finding {
+	info, err := dataplane.ReadAccel(n.cfg.BPFFSDir)
+	switch {
+	case err != nil:
+		return []Finding{{Check: "sockmap", Status: Warn, Summary: fmt.Sprintf("the sockmap acceleration's pins cannot be read: %v", err)}}
+	case !info.Installed:
+		return nil
+	case !info.Active:
+		return []Finding{{Check: "sockmap", Status: Info, Summary: fmt.Sprintf("sockmap acceleration off; %d sockets accelerated before keep it until they close", info.Senders+info.Receivers),
+			Meaning: "the next agent start with --sockmap-accel=off after they closed removes its maps"}}
+	}
+	s := info.Stats
+	f := Finding{Check: "sockmap", Status: Info, Summary: fmt.Sprintf("sockmap acceleration on: %d senders and %d receivers in the sockmaps; %d MiB redirected in %d sends, %d sends over TCP, %d sockets refused",
+		info.Senders, info.Receivers, s.RedirectBytes>>20, s.RedirectMsgs, s.PassMsgs, s.InsertErrors),
+		Meaning: "the app <-> ztunnel hop skips TCP; the kernel does not hold back a sender whose receiver does not read, and with --sockmap-accel=both apps that read with splice(2) miss bytes (docs/BENCHMARKS.md)"}
+	return []Finding{f}
 }
 
 // rewriting are the hooks where another program changes what ours sees

@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -116,7 +117,9 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 		}
 	})
 
-	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	// With the sockmap acceleration on: its sockops program beside ours is
+	// not another program on our hooks.
+	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), SockmapAccel: dataplane.AccelToZtunnel})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,6 +155,12 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 			t.Errorf("an installed node fails:\n%s", dump(r))
 		}
 		forbidStatus(t, r, "trace", Info, Warn, Fail) // nobody traces
+		if features.HasSockmapAccel() {
+			requireFindings(t, r, want{"sockmap", Info, []string{"sockmap acceleration on: 0 senders and 0 receivers"}})
+			requireFindings(t, r, want{"cgroup-hooks", OK, []string{"no other program on the socket hooks"}})
+		} else {
+			forbidStatus(t, r, "sockmap", Info, Warn, Fail)
+		}
 	})
 
 	t.Run("conflicts", func(t *testing.T) {

@@ -63,10 +63,14 @@ func All() []Feature {
 			"SO_ORIGINAL_DST entries are keyed by the client's address alone, and inbound capture needs a tc program on every pod's interface", false, HasNetnsCookieSockops},
 		{"netns_cookie_sockopt", "5.15", "getsockopt: scope SO_ORIGINAL_DST lookups by netns",
 			"lookups by address alone; ztunnel's accepted sockets in any netns get their own local address, which ztunnel falls back to anyway", false, HasNetnsCookieSockopt},
+		{"sockmap_accel", "5.15", "--sockmap-accel: the hop between an app and ztunnel in its pod skips TCP (sockhash and sk_msg)",
+			"the hop stays on TCP over the pod's lo; --sockmap-accel logs a warning and does nothing", false, HasSockmapAccel},
 		{"sk_lookup_ifindex", "5.17", "pod netns: sk_lookup alone captures inbound flows (no tc program on the pod's interface)",
 			"a tc program on each pod's interface runs for every inbound packet and files new flows for sk_lookup", false, HasSkLookupIfindex},
 		{"tcx", "6.6", "marks the kernels (6.5+) whose tc bpf_sk_assign takes reuseport listeners (R14 hand-over from tc)",
 			"R14 flows and SYNs over TIME_WAIT sockets are handed over through ae_steer and sk_lookup (one more map write per such flow)", false, HasTCX},
+		{"sockmap_link", "6.10", "--sockmap-accel: the sk_msg program is attached to ae_accel by a pinned bpf_link",
+			"the program is attached to the map itself (BPF_PROG_ATTACH) and lives as long as the pinned map", false, HasSockmapLink},
 	}
 }
 

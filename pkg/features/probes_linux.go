@@ -76,6 +76,18 @@ var HasNetnsCookieSockops = sync.OnceValue(func() bool { return helper(ebpf.Sock
 // programs (Linux 5.15).
 var HasNetnsCookieSockopt = sync.OnceValue(func() bool { return helper(ebpf.CGroupSockopt, asm.FnGetNetnsCookie) })
 
+// HasSockmapAccel reports what the sockmap acceleration's programs call
+// (bpf/accel.c): bpf_get_netns_cookie in sockops and sk_msg programs
+// (Linux 5.15; BPF compare-and-swap, 5.12, comes before) and socket storage
+// in sk_msg programs (5.8).
+var HasSockmapAccel = sync.OnceValue(func() bool {
+	return HasNetnsCookieSockops() && helper(ebpf.SkMsg, asm.FnGetNetnsCookie) && helper(ebpf.SkMsg, asm.FnSkStorageGet)
+})
+
+// HasSockmapLink reports bpf_links for sockmap programs (Linux 6.10): an
+// sk_msg program linked to a sockhash.
+var HasSockmapLink = sync.OnceValue(func() bool { return probeSockmapLink() == nil })
+
 func helper(pt ebpf.ProgramType, fn asm.BuiltinFunc) bool {
 	return features.HaveProgramHelper(pt, fn) == nil
 }
@@ -120,4 +132,29 @@ func probeTCX() error {
 		return nil
 	}
 	return err
+}
+
+// probeSockmapLink links a trivial sk_msg program to a one-entry sockhash;
+// kernels before 6.10 refuse the attach type in BPF_LINK_CREATE.
+func probeSockmapLink() error {
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.SockHash, KeySize: 4, ValueSize: 8, MaxEntries: 1})
+	if err != nil {
+		return err
+	}
+	defer m.Close()
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type:         ebpf.SkMsg,
+		AttachType:   ebpf.AttachSkMsgVerdict,
+		License:      "GPL",
+		Instructions: asm.Instructions{asm.LoadImm(asm.R0, 1, asm.DWord), asm.Return()}, // SK_PASS
+	})
+	if err != nil {
+		return err
+	}
+	defer prog.Close()
+	l, err := link.AttachRawLink(link.RawLinkOptions{Target: m.FD(), Program: prog, Attach: ebpf.AttachSkMsgVerdict})
+	if err != nil {
+		return err
+	}
+	return l.Close()
 }

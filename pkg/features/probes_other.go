@@ -20,4 +20,6 @@ var (
 	HasSONetnsCookie       = missing
 	HasNetnsCookieSockops  = missing
 	HasNetnsCookieSockopt  = missing
+	HasSockmapAccel        = missing
+	HasSockmapLink         = missing
 )

@@ -30,15 +30,33 @@ type podOpts struct {
 	reroute     []string // R14: istio.io/reroute-virtual-interfaces
 }
 
-func backends() []backend { return []backend{&ebpfBackend{}, &iptablesBackend{}} }
+// backends are the data paths every row runs on: ambient-ebpf's, again
+// with the sockmap acceleration in both directions (on kernels without it,
+// the flag's fallback), and istio-cni's iptables rules, the reference.
+func backends() []backend {
+	return []backend{&ebpfBackend{}, &ebpfBackend{accel: dataplane.AccelBoth}, &iptablesBackend{}}
+}
+
+// referenceBackend is the backend the others must agree with.
+const referenceBackend = "iptables"
 
 // ebpfBackend is ambient-ebpf's data path.
-type ebpfBackend struct{ dp *dataplane.Dataplane }
+type ebpfBackend struct {
+	accel dataplane.AccelMode
+	dp    *dataplane.Dataplane
+}
 
-func (b *ebpfBackend) name() string { return "ebpf" }
+func (b *ebpfBackend) name() string {
+	if b.accel.On() {
+		return "ebpf-sockmap"
+	}
+	return "ebpf"
+}
 
 func (b *ebpfBackend) setup(t *testing.T, n *simnode.Node) {
-	dp, err := dataplane.New(ebpfConfig(n))
+	cfg := ebpfConfig(n)
+	cfg.SockmapAccel = b.accel
+	dp, err := dataplane.New(cfg)
 	if err != nil {
 		t.Fatalf("load dataplane: %v", err)
 	}

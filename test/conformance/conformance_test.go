@@ -530,7 +530,10 @@ func TestConformance(t *testing.T) {
 	for _, b := range backends() {
 		t.Run(b.name(), func(t *testing.T) {
 			e := newEnv(t, b)
-			if b.name() == "ebpf" {
+			if eb, ok := b.(*ebpfBackend); ok {
+				if eb.accel.On() {
+					defer t.Run("sockmap_accelerated_the_hops", func(t *testing.T) { checkAccelerated(t, eb.dp, e.node) })
+				}
 				defer t.Run("H1_probe_translations_of_finished_connections_go_away", func(t *testing.T) {
 					deadline := time.Now().Add(5 * time.Second)
 					for {
@@ -573,13 +576,16 @@ func TestConformance(t *testing.T) {
 		})
 	}
 	t.Run("parity", func(t *testing.T) {
+		all := backends()
 		for name, byBackend := range seen.got {
-			if len(byBackend) != 2 {
-				t.Errorf("%s ran on %d backends, want 2", name, len(byBackend))
+			if len(byBackend) != len(all) {
+				t.Errorf("%s ran on %d backends, want %d", name, len(byBackend), len(all))
 				continue
 			}
-			if !reflect.DeepEqual(byBackend["ebpf"], byBackend["iptables"]) {
-				t.Errorf("%s: ebpf and iptables differ\n    ebpf: %s\niptables: %s", name, js(byBackend["ebpf"]), js(byBackend["iptables"]))
+			for _, b := range all {
+				if got, want := byBackend[b.name()], byBackend[referenceBackend]; !reflect.DeepEqual(got, want) {
+					t.Errorf("%s: %s and %s differ\n%12s: %s\n%12s: %s", name, b.name(), referenceBackend, b.name(), js(got), referenceBackend, js(want))
+				}
 			}
 		}
 	})

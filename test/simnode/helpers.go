@@ -5,11 +5,13 @@ package simnode
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
@@ -87,6 +89,14 @@ type AppRequest struct {
 	// WaitEOF makes dial-tcp read until the server closes before closing:
 	// the server side closes first (and keeps the TIME_WAIT).
 	WaitEOF bool `json:"waitEOF,omitempty"`
+	// Bytes is how much op bulk-tcp sends (in writes of varying sizes)
+	// before it half-closes and reads the echo back to EOF.
+	Bytes int `json:"bytes,omitempty"`
+	// ReadWrite makes op listen-echo copy with read and write; by
+	// default it splices (io.Copy from a TCP connection to itself).
+	ReadWrite bool `json:"readWrite,omitempty"`
+	// MPTCP makes ops listen-echo and bulk-tcp use Multipath TCP sockets.
+	MPTCP bool `json:"mptcp,omitempty"`
 }
 
 // AppResponse answers an AppRequest.
@@ -101,6 +111,8 @@ type AppResponse struct {
 	From   netip.AddrPort `json:"from,omitzero"`
 	// Replies of op dial-many, one per connection.
 	Replies []DialResult `json:"replies,omitempty"`
+	// Echoed is how many bytes op bulk-tcp read back, all as sent.
+	Echoed int64 `json:"echoed,omitempty"`
 }
 
 // DialResult is one connection of op dial-many.
@@ -132,8 +144,13 @@ func serveJSON(h handler) error {
 
 type app struct {
 	ns      *sockutil.Netns
-	streams map[string]*bufio.ReadWriter // kept connections by name
-	conns   map[string]net.Conn
+	streams map[string]*stream // kept connections by name
+}
+
+// stream is a connection op stream-open keeps for stream-echo.
+type stream struct {
+	*bufio.ReadWriter
+	c net.Conn
 }
 
 func newApp() *app {
@@ -141,7 +158,7 @@ func newApp() *app {
 	if err != nil {
 		panic(err)
 	}
-	return &app{ns: ns, streams: map[string]*bufio.ReadWriter{}, conns: map[string]net.Conn{}}
+	return &app{ns: ns, streams: map[string]*stream{}}
 }
 
 func (a *app) handle(line []byte) any {
@@ -183,35 +200,33 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 	case "dial-many":
 		return a.dialMany(req), nil
 	case "listen-echo":
-		l, err := a.ns.Listen(req.Addr, sockutil.Opts{ReusePort: true})
+		l, err := a.ns.Listen(req.Addr, sockutil.Opts{ReusePort: true, MPTCP: req.MPTCP})
 		if err != nil {
 			return AppResponse{}, err
 		}
-		go serveEcho(l)
+		go serveEcho(l, req.ReadWrite)
 		return AppResponse{Local: sockutil.AddrPort(l.Addr())}, nil
 	case "stream-open":
 		c, err := a.ns.Dial(req.Addr, sockutil.Opts{}, 5*time.Second)
 		if err != nil {
 			return AppResponse{}, err
 		}
-		a.streams[req.Name] = bufio.NewReadWriter(bufio.NewReader(c), bufio.NewWriter(c))
-		a.conns[req.Name] = c
+		a.streams[req.Name] = &stream{bufio.NewReadWriter(bufio.NewReader(c), bufio.NewWriter(c)), c}
 		return AppResponse{Local: sockutil.AddrPort(c.LocalAddr())}, nil
 	case "stream-close":
-		c := a.conns[req.Name]
-		if c == nil {
+		rw := a.streams[req.Name]
+		if rw == nil {
 			return AppResponse{}, fmt.Errorf("no stream %q", req.Name)
 		}
 		delete(a.streams, req.Name)
-		delete(a.conns, req.Name)
-		return AppResponse{}, c.Close()
+		return AppResponse{}, rw.c.Close()
 	case "stream-echo":
 		rw := a.streams[req.Name]
 		if rw == nil {
 			return AppResponse{}, fmt.Errorf("no stream %q", req.Name)
 		}
 		// A broken stream answers with a RST, or not at all: give up then.
-		_ = a.conns[req.Name].SetDeadline(time.Now().Add(5 * time.Second))
+		_ = rw.c.SetDeadline(time.Now().Add(5 * time.Second))
 		if _, err := rw.WriteString(req.DNSName + "\n"); err != nil {
 			return AppResponse{}, err
 		}
@@ -226,6 +241,8 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 			return AppResponse{}, fmt.Errorf("stream %q echoed %q, sent %q", req.Name, line, req.DNSName)
 		}
 		return AppResponse{}, nil
+	case "bulk-tcp":
+		return bulk(a.ns, req)
 	case "dial-tcp", "dial-udp":
 		dst := req.Addr
 		if req.Mapped {
@@ -284,6 +301,59 @@ func readReply(c net.Conn) (*standin.Reply, error) {
 			return nil, fmt.Errorf("short reply %q: %w", got, err)
 		}
 	}
+}
+
+// bulk sends req.Bytes of a seeded pseudo-random stream to an echo server
+// in writes of 1 byte to 256 KiB, half-closes, and checks that exactly the
+// stream comes back before EOF.
+func bulk(ns *sockutil.Netns, req AppRequest) (AppResponse, error) {
+	c, err := ns.Dial(req.Addr, sockutil.Opts{Mark: req.Mark, Bind: req.Bind, MPTCP: req.MPTCP}, 5*time.Second)
+	if err != nil {
+		return AppResponse{}, err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(60 * time.Second))
+	stream := func() *rand.ChaCha8 {
+		return rand.NewChaCha8([32]byte{byte(req.Bytes), byte(req.Bytes >> 8), byte(req.Bytes >> 16)})
+	}
+	werr := make(chan error, 1)
+	go func() {
+		src, sizes := stream(), rand.New(rand.NewPCG(1, uint64(req.Bytes)))
+		buf := make([]byte, 256<<10)
+		for left := req.Bytes; left > 0; {
+			n := min(left, 1+sizes.IntN(len(buf)))
+			_, _ = src.Read(buf[:n])
+			if _, err := c.Write(buf[:n]); err != nil {
+				werr <- fmt.Errorf("write: %w", err)
+				return
+			}
+			left -= n
+		}
+		werr <- c.(*net.TCPConn).CloseWrite()
+	}()
+	want, got := stream(), make([]byte, 64<<10)
+	exp := make([]byte, len(got))
+	var echoed int64
+	for {
+		n, err := c.Read(got)
+		if n > 0 {
+			_, _ = want.Read(exp[:n])
+			if !bytes.Equal(got[:n], exp[:n]) {
+				return AppResponse{}, fmt.Errorf("echo differs from what was sent after %d bytes", echoed)
+			}
+			echoed += int64(n)
+		}
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return AppResponse{}, fmt.Errorf("read after %d bytes: %w", echoed, err)
+		}
+	}
+	if err := <-werr; err != nil {
+		return AppResponse{}, err
+	}
+	return AppResponse{Local: sockutil.AddrPort(c.LocalAddr()), Echoed: echoed}, nil
 }
 
 // dialMany holds Count connections open at once, then has each say hello.
@@ -469,7 +539,7 @@ func ping(dst netip.Addr) error {
 }
 
 // serveEcho echoes lines back on each connection until it closes.
-func serveEcho(l net.Listener) {
+func serveEcho(l net.Listener, readWrite bool) {
 	for {
 		c, err := l.Accept()
 		if err != nil {
@@ -477,7 +547,13 @@ func serveEcho(l net.Listener) {
 		}
 		go func() {
 			defer c.Close()
-			_, _ = io.Copy(c, c)
+			if readWrite {
+				// Hidden behind plain interfaces, io.Copy reads and
+				// writes instead of splicing.
+				_, _ = io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{c})
+				return
+			}
+			_, _ = io.Copy(c, c) // splice(2) from the socket to itself
 		}()
 	}
 }

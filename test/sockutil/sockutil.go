@@ -3,7 +3,8 @@
 
 // Package sockutil makes sockets the way ztunnel and the test apps need
 // them: in a chosen network namespace, with SO_MARK, SO_REUSEPORT,
-// IP_TRANSPARENT and explicit source addresses, and never MPTCP. It also
+// IP_TRANSPARENT and explicit source addresses, and never MPTCP unless asked
+// (Opts.MPTCP). It also
 // reads SO_ORIGINAL_DST the way ztunnel does.
 package sockutil
 
@@ -30,6 +31,9 @@ type Opts struct {
 	V6Only      bool           // IPV6_V6ONLY on AF_INET6 sockets
 	Bind        netip.AddrPort // local address; zero value: none
 	Family      int            // AF_INET or AF_INET6; 0: from the address
+	// MPTCP makes a Multipath TCP socket (IPPROTO_MPTCP), as Go's listeners
+	// are by default where the kernel allows; stream sockets only.
+	MPTCP bool
 }
 
 // Netns is a dedicated OS thread parked in a network namespace that makes
@@ -104,7 +108,11 @@ func (n *Netns) Socket(family, typ int, opts Opts) (int, error) {
 }
 
 func socket(family, typ int, o Opts) (int, error) {
-	fd, err := unix.Socket(family, typ|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+	proto := 0
+	if o.MPTCP {
+		proto = unix.IPPROTO_MPTCP
+	}
+	fd, err := unix.Socket(family, typ|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, proto)
 	if err != nil {
 		return -1, fmt.Errorf("socket: %w", err)
 	}

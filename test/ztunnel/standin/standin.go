@@ -245,13 +245,18 @@ func (p *Proxy) handle(pd *pod, c net.Conn, port int) {
 	relay(c, up)
 }
 
-// relay copies both ways until both directions are done.
+// relay copies both ways until both directions are done. It reads and
+// writes through a buffer, as ztunnel does (its copy_buf), never with
+// splice(2) (what io.Copy between two TCP connections does): the kernel can
+// see the difference, and splice misses bytes a sockmap redirected onto a
+// socket (dataplane.Config.SockmapAccel).
 func relay(a, b net.Conn) {
 	var wg sync.WaitGroup
 	wg.Add(2)
 	cp := func(dst, src net.Conn) {
 		defer wg.Done()
-		_, _ = io.Copy(dst, src)
+		buf := make([]byte, 64<<10)
+		_, _ = io.CopyBuffer(struct{ io.Writer }{dst}, struct{ io.Reader }{src}, buf)
 		if cw, ok := dst.(interface{ CloseWrite() error }); ok {
 			_ = cw.CloseWrite()
 		}

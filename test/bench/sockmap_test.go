@@ -1,0 +1,236 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+//go:build bench
+
+package bench
+
+import (
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+)
+
+// The sockmap acceleration's modes, as the figures name them.
+var sockmapModes = []dataplane.AccelMode{dataplane.AccelOff, dataplane.AccelToZtunnel, dataplane.AccelBoth}
+
+// SockmapResults are the figures of TestBenchSockmap: the eBPF path
+// through the stand-in, each mode of --sockmap-accel in turn, on one pair
+// of pods. Written to BENCH_SOCKMAP_RESULTS (make bench-sockmap).
+type SockmapResults struct {
+	Commit  string            `json:"commit"`
+	Machine Machine           `json:"machine"`
+	Config  map[string]string `json:"config"`
+	Figures []SockmapFigure   `json:"figures"`
+}
+
+// SockmapFigure is one figure per mode, with each accelerated mode's ratio
+// to off.
+type SockmapFigure struct {
+	Name   string              `json:"name"`
+	Unit   string              `json:"unit"`
+	Better string              `json:"better"`
+	Modes  map[string]*Summary `json:"modes"`
+	// RatioToOff is each accelerated mode's median over off's.
+	RatioToOff map[string]float64 `json:"ratio_to_off"`
+	Target     string             `json:"target,omitempty"`
+}
+
+// TestBenchSockmap measures what --sockmap-accel does to the meshed eBPF
+// path through the ztunnel stand-in: connection rate, round-trip latency
+// and throughput, the modes alternating within every repetition on the
+// same client and server pods (the data path restarted in each mode, as an
+// agent restarted with the flag). The hop it accelerates is the pods' own
+// app <-> ztunnel one, on both pods. A run fails on errors and on a
+// connection that did not take the path (not through the stand-in, or not
+// accelerated as its mode says), never on a number.
+func TestBenchSockmap(t *testing.T) {
+	if os.Getenv(EnableEnv) != "1" {
+		t.Skipf("benchmarks run with %s=1 (make bench-sockmap)", EnableEnv)
+	}
+	s := loadSettings()
+	out := os.Getenv("BENCH_SOCKMAP_RESULTS")
+	if out == "" {
+		out = "../../bench/sockmap.json"
+	}
+	n := simnode.New(t)
+	client, server := n.AddPod("sm-c"), n.AddPod("sm-s")
+	for _, pod := range []*simnode.Pod{client, server} {
+		n.Sysctl(pod.NS, "net/ipv4/tcp_tw_reuse", "1")
+	}
+	// As TestBench's pods: no TIME_WAIT in the server pod, disjoint
+	// ephemeral ports (docs/BENCHMARKS.md).
+	n.Sysctl(server.NS, "net/ipv4/tcp_max_tw_buckets", "0")
+	n.Sysctl(client.NS, "net/ipv4/ip_local_port_range", "32768 46999")
+	n.Sysctl(server.NS, "net/ipv4/ip_local_port_range", "47000 60999")
+	cg := filepath.Join(n.CgroupRoot, "ztunnel")
+	if err := os.Mkdir(cg, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cfg := dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
+	var dp *dataplane.Dataplane
+	start := func(mode dataplane.AccelMode) {
+		if dp != nil {
+			if err := dp.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		c := cfg
+		c.SockmapAccel = mode
+		var err error
+		if dp, err = dataplane.New(c); err != nil {
+			t.Fatalf("dataplane with --sockmap-accel=%s: %v", mode, err)
+		}
+		if st := dp.AccelStatus(); st.Active != mode.On() {
+			t.Fatalf("--sockmap-accel=%s: %+v", mode, st)
+		}
+	}
+	start(dataplane.AccelOff)
+	t.Cleanup(func() { _ = dp.Uninstall() })
+	for _, pod := range []*simnode.Pod{client, server} {
+		if err := dp.Enroll(t.Context(), dpPod(pod)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// As on a node, ztunnel opens a pod's listeners after the data path
+	// is loaded (sockops files them then).
+	zt := simnode.StartHelper(t, roleZtunnel, n.NodeNS, cg)
+	for _, pod := range []*simnode.Pod{client, server} {
+		if err := call(zt, ztunnelRequest{Op: "add", UID: pod.UID, Netns: pod.NetnsPath()}, nil); err != nil {
+			t.Fatalf("ztunnel add %s: %v", pod.Name, err)
+		}
+	}
+	srv := simnode.StartHelper(t, roleServer, server.NS, server.Cgroup)
+	if err := call(srv, serverRequest{Op: "listen"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	gen := simnode.StartHelper(t, roleClient, client.NS, client.Cgroup)
+	echo, sink := fmt.Sprintf("%s:%d", server.V4, echoPort), fmt.Sprintf("%s:%d", server.V4, sinkPort)
+
+	// measure runs req and checks that its connections went through the
+	// stand-in, both hops, and through the sockmap as mode says.
+	measure := func(mode dataplane.AccelMode, req loadRequest) loadResult {
+		t.Helper()
+		var z0, z1 ztunnelCounts
+		if err := call(zt, ztunnelRequest{Op: "counts"}, &z0); err != nil {
+			t.Fatal(err)
+		}
+		a0, err := dataplane.ReadAccel(n.BPFFSDir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r loadResult
+		if err := call(gen, req, &r); err != nil {
+			t.Fatalf("%s on --sockmap-accel=%s: %v", req.Op, mode, err)
+		}
+		if err := call(zt, ztunnelRequest{Op: "counts"}, &z1); err != nil {
+			t.Fatal(err)
+		}
+		a1, err := dataplane.ReadAccel(n.BPFFSDir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out, in := z1.Outbound-z0.Outbound, z1.Inbound-z0.Inbound; out < r.Conns || in < r.Conns {
+			t.Fatalf("%s on --sockmap-accel=%s: %d connections, the stand-in saw %d outbound and %d inbound", req.Op, mode, r.Conns, out, in)
+		}
+		if redirected := a1.Stats.RedirectBytes - a0.Stats.RedirectBytes; mode.On() != (redirected > 0) {
+			t.Fatalf("%s on --sockmap-accel=%s: %d bytes went through the sockmap", req.Op, mode, redirected)
+		}
+		if r.Failures*10 > r.Conns {
+			t.Fatalf("%s on --sockmap-accel=%s: %d of %d connections failed, the first: %s", req.Op, mode, r.Failures, r.Conns+r.Failures, r.FirstError)
+		}
+		return r
+	}
+
+	begin := time.Now()
+	seq, conc, p50, p99, tput := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
+	for rep := range s.reps {
+		for _, mode := range sockmapModes {
+			m := string(mode)
+			start(mode)
+			if rep == 0 {
+				measure(mode, loadRequest{Op: "conn", Addr: echo, Duration: 200 * time.Millisecond}) // warm-up
+			}
+			r := measure(mode, loadRequest{Op: "conn", Addr: echo, Duration: s.duration})
+			seq[m] = append(seq[m], rate(run{loadResult: r}))
+			r = measure(mode, loadRequest{Op: "conn", Addr: echo, Duration: s.duration, Conc: s.conc})
+			conc[m] = append(conc[m], rate(run{loadResult: r}))
+			r = measure(mode, loadRequest{Op: "rr", Addr: echo, Count: s.rtts})
+			p50[m] = append(p50[m], us(percentile(r.RTTs, 50)))
+			p99[m] = append(p99[m], us(percentile(r.RTTs, 99)))
+			r = measure(mode, loadRequest{Op: "bulk", Addr: sink, Duration: s.duration})
+			tput[m] = append(tput[m], float64(r.Bytes)*8/r.Elapsed.Seconds()/1e9)
+		}
+		slog.Info("sockmap repetition done", "rep", rep+1, "of", s.reps, "conn_seq", last(seq), "rr_p99_us", last(p99), "gbit", last(tput))
+	}
+	res := &SockmapResults{Commit: gitCommit(), Machine: describeMachine(), Config: map[string]string{
+		"repetitions":      strconv.Itoa(s.reps),
+		"run duration":     s.duration.String(),
+		"concurrent loops": strconv.Itoa(s.conc),
+		"round trips":      strconv.Itoa(s.rtts),
+		"traffic":          "IPv4, client pod to server pod on the same node, both enrolled on the eBPF path: app -> ztunnel (client pod, accelerated hop) -> ztunnel -> app (server pod, accelerated hop); the stand-in relays with read/write",
+		"modes":            "off, ztunnel (the app's sends into ztunnel skip TCP), both (ztunnel's into the app too); the data path restarted in each mode within every repetition",
+		"total time":       time.Since(begin).Round(time.Second).String(),
+	}, Figures: []SockmapFigure{
+		sockmapFigure("conn_rate_seq", "conn/s", "higher", "", seq),
+		sockmapFigure("conn_rate_conc", "conn/s", "higher", "", conc),
+		sockmapFigure("rr_latency_p50", "us", "lower", "", p50),
+		sockmapFigure("rr_latency_p99", "us", "lower", "<= 0.7x off", p99),
+		sockmapFigure("throughput", "Gbit/s", "higher", "", tput),
+	}}
+	b, err := json.MarshalIndent(res, "", "  ")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(out, append(b, '\n'), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("results in %s:\n%s", out, res.markdown())
+}
+
+func sockmapFigure(name, unit, better, target string, samples map[string][]float64) SockmapFigure {
+	f := SockmapFigure{Name: name, Unit: unit, Better: better, Target: target, Modes: map[string]*Summary{}, RatioToOff: map[string]float64{}}
+	for _, m := range sockmapModes {
+		f.Modes[string(m)] = summarize(samples[string(m)])
+	}
+	off := f.Modes[string(dataplane.AccelOff)]
+	for _, m := range sockmapModes[1:] {
+		if s := f.Modes[string(m)]; s != nil && off != nil && off.Median != 0 {
+			f.RatioToOff[string(m)] = s.Median / off.Median
+		}
+	}
+	return f
+}
+
+// markdown is the figures as a table: medians (min-max) and ratios to off.
+func (r *SockmapResults) markdown() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "| figure | off | ztunnel | both | ztunnel/off | both/off |\n|---|---|---|---|---|---|\n")
+	for _, f := range r.Figures {
+		fmt.Fprintf(&b, "| %s (%s) ", f.Name, f.Unit)
+		for _, m := range sockmapModes {
+			if s := f.Modes[string(m)]; s != nil {
+				fmt.Fprintf(&b, "| %s (%s-%s) ", num(s.Median), num(s.Min), num(s.Max))
+			} else {
+				b.WriteString("| - ")
+			}
+		}
+		for _, m := range sockmapModes[1:] {
+			fmt.Fprintf(&b, "| %.2fx ", f.RatioToOff[string(m)])
+		}
+		b.WriteString("|\n")
+	}
+	return b.String()
+}
