@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/btf"
@@ -640,12 +639,16 @@ func removePinnedLink(pin string) error {
 	return nil
 }
 
-// describeLayout is one line for a log or an error.
-func describeLayout(l Layout) string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "layout %d written by %s", l.Layout, l.Version)
-	if l.Migrating {
-		b.WriteString(" (migration unfinished)")
+// ReadLayout returns the layout of the pins under bpffsDir: the record,
+// or layout 1 without one (v0.1.0 wrote none); ErrNotInstalled without
+// pins.
+func ReadLayout(bpffsDir string) (Layout, error) {
+	rec, recorded, found, err := readLayout(bpffsDir)
+	if err != nil {
+		return Layout{}, err
 	}
-	return b.String()
+	if !found {
+		return Layout{}, fmt.Errorf("%s: %w", bpffsDir, ErrNotInstalled)
+	}
+	return rec.public(recorded), nil
 }

@@ -60,13 +60,17 @@ func newAgentNode(t *testing.T, names ...string) *agentNode {
 	return n
 }
 
-func (n *agentNode) startAgent(t *testing.T, extra ...string) {
-	t.Helper()
-	args := append([]string{n.bin, "--standalone-pods", n.podFile, "--node-name", "node-1",
+// agentArgs is the command line of n.bin on this node.
+func (n *agentNode) agentArgs(extra ...string) []string {
+	return append([]string{n.bin, "--standalone-pods", n.podFile, "--node-name", "node-1",
 		"--bpffs-dir", n.BPFFSDir, "--cgroup-root", n.CgroupRoot, "--node-netns", simnode.NetnsPath(n.NodeNS),
 		"--zds-socket", n.zds, "--cni-socket", n.cni, "--inspect-socket", filepath.Join(n.dir, "inspect.sock"),
 		"--install-cni=false", "--log-level", "debug"}, extra...)
-	n.agent = simnode.StartProcess(t, n.NodeNS, "", args...)
+}
+
+func (n *agentNode) startAgent(t *testing.T, extra ...string) {
+	t.Helper()
+	n.agent = simnode.StartProcess(t, n.NodeNS, "", n.agentArgs(extra...)...)
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		if code, _ := n.get("/readyz"); code == http.StatusOK {
