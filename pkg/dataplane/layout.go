@@ -19,6 +19,6 @@ const (
 // layoutFingerprints are the fingerprints of the shipped layouts.
 func layoutFingerprints() map[int]string {
 	return map[int]string{
-		1: "",
+		1: "89ba73d3f94938c3", // v0.1.0
 	}
 }

@@ -190,6 +190,7 @@ func (p *mapPlan) name() string { return p.spec.Name }
 type migration struct {
 	from, to     layoutRecord
 	recorded     bool
+	resumed      bool // a killed agent's migration is being finished
 	maps         []*mapPlan
 	byName       map[string]*mapPlan
 	staleStaging []string // pins under next/ of another layout
@@ -199,7 +200,7 @@ type migration struct {
 // active reports whether the pins change layout, or a migration is to be
 // finished.
 func (m *migration) active() bool {
-	if m.from.Layout != m.to.Layout || m.from.State == layoutMigrating || len(m.staleStaging) > 0 || len(m.obsolete) > 0 {
+	if m.from.Layout != m.to.Layout || m.from.State == layoutMigrating || m.resumed || len(m.staleStaging) > 0 || len(m.obsolete) > 0 {
 		return true
 	}
 	for _, p := range m.maps {
@@ -414,14 +415,14 @@ func (p *mapPlan) checkConvertible() error {
 func (m *migration) prepare(cfg Config, log func(msg string, args ...any)) error {
 	if m.active() {
 		if m.from.State == layoutMigrating {
-			log("finishing the migration of the pinned data path a stopped agent left", "from_layout", m.from.FromLayout, "to_layout", m.from.Layout, "layout", layoutVersion)
+			// The record of a killed migration names where it came from.
+			m.from.Layout, m.from.Version = m.from.FromLayout, m.from.FromVersion
+			m.from.State, m.resumed = layoutStable, true
+			log("finishing the migration of the pinned data path a stopped agent left", "from_layout", m.from.Layout, "from_version", cStringOf(m.from.Version[:]), "layout", layoutVersion)
 		}
 		log("migrating the pinned data path", "from_layout", m.from.Layout, "from_version", cStringOf(m.from.Version[:]), "to_layout", layoutVersion, "to_version", cStringOf(m.to.Version[:]))
 		rec := m.to
 		rec.State, rec.FromLayout, rec.FromVersion = layoutMigrating, m.from.Layout, m.from.Version
-		if m.from.State == layoutMigrating {
-			rec.FromLayout, rec.FromVersion = m.from.FromLayout, m.from.FromVersion
-		}
 		if err := writeLayout(cfg.BPFFSDir, rec); err != nil {
 			return err
 		}
