@@ -19,6 +19,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf/rlimit"
+
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
@@ -29,6 +31,14 @@ import (
 
 func TestMain(m *testing.M) {
 	simnode.RunHelper()
+	// The agents this starts inherit no RLIMIT_MEMLOCK limit, as a
+	// container runtime commonly grants: kernels before 5.11 charge BPF
+	// memory to it per user, and v0.1.0's agent probes the kernel's
+	// features before it lifts the limit itself (HEAD's lifts it first).
+	if err := rlimit.RemoveMemlock(); err != nil {
+		fmt.Fprintln(os.Stderr, "remove memlock limit:", err)
+		os.Exit(1)
+	}
 	os.Exit(m.Run())
 }
 
