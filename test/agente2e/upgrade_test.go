@@ -423,8 +423,21 @@ func (n *agentNode) startTraffic(t *testing.T, zt *simnode.Ztunnel, pods ...*sim
 	return tr
 }
 
+// check stops the traffic, once each probe has made a few connections
+// since it started, and reports what failed.
 func (tr *traffic) check(t *testing.T) {
 	t.Helper()
+	const enough = 5
+	waitFor(t, "connections", func() bool {
+		tr.mu.Lock()
+		in := tr.inbound
+		tr.mu.Unlock()
+		ok := in >= enough*len(tr.out)
+		for _, p := range tr.out {
+			ok = ok && p.Conns() >= enough
+		}
+		return ok
+	})
 	tr.stop.Store(true)
 	tr.wg.Wait()
 	for _, p := range tr.out {
@@ -432,14 +445,14 @@ func (tr *traffic) check(t *testing.T) {
 		if len(failures) > 0 {
 			t.Errorf("%d outbound failures (of %d connections), first: %v", len(failures), conns, failures[:min(5, len(failures))])
 		}
-		if conns < 5 {
+		if conns < enough {
 			t.Errorf("only %d outbound connections were tried", conns)
 		}
 	}
 	if len(tr.fails) > 0 {
 		t.Errorf("%d inbound failures (of %d connections), first: %v", len(tr.fails), tr.inbound, tr.fails[:min(5, len(tr.fails))])
 	}
-	if tr.inbound < 5 {
+	if tr.inbound < enough {
 		t.Errorf("only %d inbound connections were made", tr.inbound)
 	}
 }
