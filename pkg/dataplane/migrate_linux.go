@@ -139,21 +139,18 @@ func readLayout(bpffsDir string) (rec layoutRecord, recorded, ok bool, err error
 
 // writeLayout creates or updates the pinned record.
 func writeLayout(bpffsDir string, rec layoutRecord) error {
-	m, err := ebpf.NewMapWithOptions(layoutRecordSpec(), ebpf.MapOptions{})
 	pin := filepath.Join(bpffsDir, layoutRecordPin)
-	if existing, lerr := ebpf.LoadPinnedMap(pin, nil); lerr == nil {
-		if err == nil {
-			m.Close()
-		}
-		m, err = existing, nil
-	} else if err == nil {
-		if perr := m.Pin(pin); perr != nil {
-			m.Close()
-			return fmt.Errorf("pin %s: %w", layoutRecordPin, perr)
+	m, err := ebpf.LoadPinnedMap(pin, nil)
+	if errors.Is(err, os.ErrNotExist) {
+		if m, err = ebpf.NewMap(layoutRecordSpec()); err == nil {
+			if perr := m.Pin(pin); perr != nil {
+				m.Close()
+				return fmt.Errorf("pin %s: %w", layoutRecordPin, perr)
+			}
 		}
 	}
 	if err != nil {
-		return fmt.Errorf("create %s: %w", layoutRecordPin, err)
+		return fmt.Errorf("open %s: %w", layoutRecordPin, err)
 	}
 	defer m.Close()
 	if err := m.Put(uint32(0), &rec); err != nil {
