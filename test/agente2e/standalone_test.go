@@ -81,7 +81,9 @@ func (n *agentNode) agentArgs(extra ...string) []string {
 func (n *agentNode) startAgent(t *testing.T, extra ...string) {
 	t.Helper()
 	n.agent = simnode.StartProcess(t, n.NodeNS, "", n.agentArgs(extra...)...)
-	deadline := time.Now().Add(20 * time.Second)
+	// Generous: under emulation (hack/vmtest) loading the programs alone
+	// takes seconds.
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		if code, _ := n.get("/readyz"); code == http.StatusOK {
 			// Ready means every listener is up.
@@ -256,7 +258,7 @@ func TestAgentEnrollsThroughCNIAndZDS(t *testing.T) {
 
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
+	deadline := time.Now().Add(time.Minute)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
