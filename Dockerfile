@@ -20,6 +20,10 @@ ARG BASE_IMAGE=gcr.io/distroless/static-debian13
 FROM --platform=$BUILDPLATFORM ${GO_IMAGE} AS build
 ARG TARGETOS=linux
 ARG TARGETARCH
+# The version stamped into the binaries (`make image` passes hack/version.sh's;
+# the context has no .git to take it from).
+ARG VERSION=(devel)
+ARG REVISION=
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN --mount=type=cache,target=/go/pkg/mod go mod download
@@ -29,7 +33,7 @@ COPY . .
 RUN --mount=type=cache,target=/go/pkg/mod \
     --mount=type=cache,target=/root/.cache/go-build \
     CGO_ENABLED=0 GOOS=${TARGETOS} GOARCH=${TARGETARCH} \
-    go build -trimpath -ldflags="-s -w" -o /out/ \
+    go build -trimpath -ldflags="-s -w -X github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo.stampedVersion=${VERSION} -X github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo.stampedRevision=${REVISION}" -o /out/ \
         ./cmd/ambient-ebpf-agent \
         ./cmd/ambient-ebpf-cni \
         ./cmd/ambient-ebpf-cni-fallback \

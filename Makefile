@@ -34,6 +34,12 @@ ETCD_VERSION := v3.7.3
 KUBE_BINS    := $(CACHE)/kube/$(KUBE_VERSION)
 KUBE_LDFLAGS := -X k8s.io/component-base/version.gitVersion=$(KUBE_VERSION) -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 export AMBIENT_EBPF_KUBE_BINS := $(KUBE_BINS)
+# The version stamped into every binary (hack/version.sh: the last release of
+# hack/releases and the commits since, git describe style) and its commit.
+VERSION  ?= $(shell hack/version.sh)
+REVISION ?= $(shell git rev-parse HEAD 2>/dev/null)
+BUILDINFO := github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo
+VERSION_LDFLAGS := -X $(BUILDINFO).stampedVersion=$(VERSION) -X $(BUILDINFO).stampedRevision=$(REVISION)
 # Under CI=true a skipped test fails the run.
 TESTREPORT_FLAGS := $(if $(filter true,$(CI)),-fail-on-skip,)
 
@@ -89,7 +95,7 @@ cni-plugins: ## build bridge, ptp, host-local and loopback $(CNI_PLUGINS_VERSION
 .PHONY: build
 build: ## build all binaries into bin/
 	@mkdir -p bin
-	$(GO) build -trimpath -o bin/ ./cmd/...
+	$(GO) build -trimpath -ldflags '$(VERSION_LDFLAGS)' -o bin/ ./cmd/...
 
 .PHONY: vet
 vet: ## go vet and gofmt
@@ -143,7 +149,7 @@ IMAGE ?= ghcr.io/ambient-ebpf/ambient-ebpf:dev
 
 .PHONY: image
 image: ## build the container image (needs docker; deploy/dockerfile_test.go checks the Dockerfile without it)
-	docker build -t $(IMAGE) .
+	docker build --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t $(IMAGE) .
 
 .PHONY: demo
 demo: deps build cni-plugins ## run a self-contained demo node (root): CNI chain, agent, ztunnel stand-in, real traffic

@@ -52,6 +52,12 @@ struct pod_info {
 	__u32 flags;
 	__u32 ifindex;      /* the pod interface inbound traffic arrives on (R5) */
 	__u32 pad;
+#ifdef AE_LAYOUT_NEXT
+	/* Only in the test-only build of the next pinned layout (build tag
+	 * ae_layout_next, pkg/dataplane/layout_next.go): a field the shipped
+	 * layout lacks, so the upgrade tests migrate a real layout change. */
+	__u64 next_generation;
+#endif
 };
 
 /* Value of ae_netns, keyed by the pod's netns cookie: what the socket hooks need. */

@@ -10,6 +10,12 @@
 # ends with "vmtest <release>: N passed, N failed, N skipped"; the script
 # fails when any kernel fails, hangs or panics (no exit marker).
 #
+# A VMTEST_PKGS entry PKG:PATTERN runs only PKG's tests matching PATTERN
+# (a -test.run pattern). Packages whose tests run the real agent get
+# their binaries prebuilt here (hack/testbins: this tree's agent, its
+# next-layout build, the last release's), since the guest has no Go
+# toolchain or git; the guest finds them through AMBIENT_EBPF_TEST_BINS.
+#
 # VMTEST_RUN (a -test.run pattern) narrows the run, for debugging.
 # CI is passed into the guest, so the suites keep CI=true semantics
 # there: only documented kernel-floor skips (see the README's
@@ -19,8 +25,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 GO=${GO:-go}
 CACHE=${CACHE:-$root/.cache}
-VMTEST_PKGS=${VMTEST_PKGS:-./pkg/features ./pkg/dataplane ./test/conformance}
-VMTEST_TIMEOUT=${VMTEST_TIMEOUT:-1500} # seconds per VM, boot to poweroff
+VMTEST_PKGS=${VMTEST_PKGS:-./pkg/features ./pkg/dataplane ./test/conformance ./test/agente2e:^(TestUpgradeFromTheLastRelease|TestDowngradeToTheLastRelease|TestMigrateToTheNextLayoutAndBack|TestAgentKilledDuringAMigrationFinishesIt)\$}
+VMTEST_TIMEOUT=${VMTEST_TIMEOUT:-3600} # seconds per VM, boot to poweroff
+VMTEST_MEM=${VMTEST_MEM:-2G}         # the initramfs (binaries included) lives in it
 # vCPUs per guest, each a host thread (multi-threaded TCG): with one vCPU the
 # suites' 200-connections-at-once scenario can outlast its 5 s dial timeout.
 VMTEST_SMP=${VMTEST_SMP:-2}
@@ -32,12 +39,18 @@ log() { echo "vmtest: $*" >&2; }
 
 build_tests() {
 	mkdir -p "$work/tests"
-	local pkg name
-	for pkg in $VMTEST_PKGS; do
+	local entry pkg run name
+	for entry in $VMTEST_PKGS; do
+		pkg=${entry%%:*} run=""
+		[ "$pkg" = "$entry" ] || run=${entry#*:}
 		name=$(echo "${pkg#./}" | tr / _)
 		(cd "$root" && CGO_ENABLED=0 $GO test -c -o "$work/tests/$name.test" "$pkg")
 		(cd "$root" && $GO list -f '{{.ImportPath}}' "$pkg") >"$work/tests/$name.test.pkg"
 		(cd "$root" && $GO list -f '{{.Dir}}' "$pkg") >"$work/dir.$name"
+		[ -z "$run" ] || echo "$run" >"$work/tests/$name.test.run"
+		if [ "$pkg" = ./test/agente2e ] && [ ! -d "$work/bins" ]; then
+			(cd "$root" && $GO run ./hack/testbins -o "$work/bins")
+		fi
 	done
 	$GO build -o "$work/testreport" "$root/hack/testreport"
 }
@@ -72,7 +85,9 @@ run_host() {
 	rel=$(uname -r)
 	for t in "$work"/tests/*.test; do
 		echo "VMTEST-PKG $(cat "$t.pkg")"
-		(cd "$(cat "$work/dir.$(basename "$t" .test)")" && "$t" -test.v=test2json -test.count=1 -test.timeout=20m 2>&1) || rc=1
+		local run=${VMTEST_RUN:-}
+		[ -n "$run" ] || [ ! -e "$t.run" ] || run=$(cat "$t.run")
+		(cd "$(cat "$work/dir.$(basename "$t" .test)")" && "$t" -test.v=test2json -test.count=1 -test.timeout=20m ${run:+-test.run "$run"} 2>&1) || rc=1
 		echo "VMTEST-PKGEXIT"
 	done >"$work/host.out"
 	echo "VMTEST-EXIT $rc" >>"$work/host.out"
@@ -90,6 +105,7 @@ build_base() {
 	ln -s ../bin/busybox "$base/sbin/modprobe"
 	cp "$here/init" "$base/init"
 	cp "$work"/tests/* "$base/tests/"
+	[ ! -d "$work/bins" ] || cp -a "$work/bins" "$base/bins"
 	local tools="ip nsenter ipset xtables-nft-multi xtables-legacy-multi"
 	for bin in $tools; do
 		cp "$(command -v "$bin")" "$base/usr/sbin/$bin"
@@ -162,10 +178,12 @@ run_vm() {
 	log "$rel: booting (qemu tcg, timeout ${VMTEST_TIMEOUT}s)"
 	local console=$work/console.$rel results=$work/results.$rel
 	: >"$results"
-	timeout --foreground -k 10 "$VMTEST_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp "$VMTEST_SMP" -m 1G \
+	local bins=""
+	[ ! -d "$work/bins" ] || bins=/bins
+	timeout --foreground -k 10 "$VMTEST_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp "$VMTEST_SMP" -m "$VMTEST_MEM" \
 		-nodefaults -no-reboot -display none \
 		-kernel "$kdir/boot/vmlinuz-$rel" -initrd "$work/initrd.$rel.gz" \
-		-append "console=ttyS0 panic=-1 quiet loglevel=4 CI=${CI:-} VMTEST_RUN=${VMTEST_RUN:-}" \
+		-append "console=ttyS0 panic=-1 quiet loglevel=4 CI=${CI:-} VMTEST_RUN=${VMTEST_RUN:-} AMBIENT_EBPF_TEST_BINS=$bins" \
 		-serial "file:$console" -serial "file:$results" </dev/null || log "$rel: qemu exited with $?"
 	if ! summarize "$rel" <"$results"; then
 		log "$rel: last console lines:"

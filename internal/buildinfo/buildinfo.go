@@ -1,11 +1,13 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-// Package buildinfo reports what the Go toolchain stamped into a binary
-// (runtime/debug.ReadBuildInfo): the module version, the VCS revision and
-// whether the tree had local changes. Nothing is set with -ldflags, so a
-// plain `go build` in a checkout gives the full answer; a build without
-// VCS information (a source tree without .git) reports what it has.
+// Package buildinfo reports a binary's version: the one the build stamped
+// with -ldflags (LDFlags: `make build`, the Dockerfile, the tests' builds,
+// all from hack/version.sh), else what the Go toolchain stamped
+// (runtime/debug.ReadBuildInfo: the module version, the VCS revision and
+// whether the tree had local changes). A plain `go build` in a linked git
+// worktree, or of a tree without .git, gets no VCS stamp from Go and
+// reports "(devel)" unless -ldflags gave the version.
 package buildinfo
 
 import (
@@ -30,13 +32,39 @@ type Info struct {
 	GoVersion string `json:"goVersion"`
 }
 
+// Set by the linker only (LDFlags), never at run time.
+var (
+	stampedVersion  string
+	stampedRevision string
+)
+
+// LDFlags is the -ldflags value that stamps version and revision (either
+// may be empty) into a binary of this module.
+func LDFlags(version, revision string) string {
+	const pkg = "github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo"
+	return fmt.Sprintf("-X %s.stampedVersion=%s -X %s.stampedRevision=%s", pkg, version, pkg, revision)
+}
+
 // Read returns the running binary's build information.
 func Read() Info {
 	bi, ok := debug.ReadBuildInfo()
-	if !ok {
-		return Info{Version: "unknown"}
+	info := Info{Version: "unknown"}
+	if ok {
+		info = FromBuildInfo(bi)
 	}
-	return FromBuildInfo(bi)
+	return info.stamped(stampedVersion, stampedRevision)
+}
+
+// stamped is i with what -ldflags stamped in place of Go's own.
+func (i Info) stamped(version, revision string) Info {
+	if version != "" {
+		i.Version = version
+		i.Modified = strings.HasSuffix(version, "-dirty")
+	}
+	if revision != "" {
+		i.Revision = revision
+	}
+	return i
 }
 
 // FromBuildInfo extracts Info from a binary's build information.

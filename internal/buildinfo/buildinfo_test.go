@@ -54,3 +54,20 @@ func TestFromBuildInfo(t *testing.T) {
 		})
 	}
 }
+
+// A version stamped with -ldflags (hack/version.sh's) takes the place of
+// Go's "(devel)" of a linked worktree or a tree without .git.
+func TestStamped(t *testing.T) {
+	devel := Info{Version: "(devel)", GoVersion: "go1.26.0"}
+	if got := devel.stamped("", ""); got != devel {
+		t.Errorf("nothing stamped: %+v, want %+v", got, devel)
+	}
+	got := devel.stamped("v0.1.0-2-gfed2263-dirty", "fed2263aaaa")
+	want := Info{Version: "v0.1.0-2-gfed2263-dirty", Revision: "fed2263aaaa", Modified: true, GoVersion: "go1.26.0"}
+	if got != want {
+		t.Errorf("stamped = %+v, want %+v", got, want)
+	}
+	if flags := LDFlags("v0.1.0", "abc"); flags != "-X github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo.stampedVersion=v0.1.0 -X github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo.stampedRevision=abc" {
+		t.Errorf("LDFlags = %q", flags)
+	}
+}

@@ -15,7 +15,8 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 )
 
-// FailpointEnv names a data path step (dataplane.Steps), optionally with
+// FailpointEnv names a data path step (dataplane.Steps, or
+// dataplane.MigrateSteps of a start that migrates the pins), optionally with
 // "#N" for its Nth time, at which the agent kills itself with SIGKILL: no
 // cleanup, as a node's OOM killer or a power cut would. It exists for the
 // crash-injection tests; an agent without it never stops there.
@@ -37,8 +38,9 @@ func failpointFromEnv() (func(step string), error) {
 		}
 		want = n
 	}
-	if !slices.Contains(dataplane.Steps, step) {
-		return nil, fmt.Errorf("%s=%q: no such step (steps: %s)", FailpointEnv, spec, strings.Join(dataplane.Steps, ", "))
+	steps := slices.Concat(dataplane.Steps, dataplane.MigrateSteps)
+	if !slices.Contains(steps, step) {
+		return nil, fmt.Errorf("%s=%q: no such step (steps: %s)", FailpointEnv, spec, strings.Join(steps, ", "))
 	}
 	var seen atomic.Int64
 	return func(s string) {

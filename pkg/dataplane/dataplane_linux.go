@@ -34,6 +34,10 @@ type Dataplane struct {
 	bpfFlags        uint32                 // ae_cfg.flags
 	nsQuery         link.Link              // ae_netns_query, where SO_NETNS_COOKIE is missing
 
+	// migration is what New found of the pins' layout; used from load
+	// until the links run the new programs, nil afterwards.
+	migration *migration
+
 	mu        sync.Mutex
 	sock      sockObjects
 	tc        tcObjects
@@ -101,6 +105,14 @@ func New(cfg Config) (*Dataplane, error) {
 }
 
 func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
+	// Pins this build cannot take over are refused before anything
+	// is created.
+	if rec, _, found, err := readLayout(cfg.BPFFSDir); err != nil {
+		return nil, err
+	} else if found && rec.Compat > layoutVersion {
+		_, err := planMigration(cfg)
+		return nil, err
+	}
 	for _, dir := range []string{mapsDir(cfg), linksDir(cfg), podsDir(cfg)} {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			return nil, fmt.Errorf("create pin directory: %w", err)
@@ -124,7 +136,22 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 		d.Close()
 		return nil, err
 	}
+	err := d.migration.finish(cfg, d.nodeHookNames(), d.log.Info)
+	d.migration.close()
+	d.migration = nil
+	if err != nil {
+		d.Close()
+		return nil, fmt.Errorf("migrate the pinned data path: %w", err)
+	}
 	return d, nil
+}
+
+func (d *Dataplane) nodeHookNames() []string {
+	var out []string
+	for _, h := range d.nodeHooks() {
+		out = append(out, h.name)
+	}
+	return out
 }
 
 // pickMechanisms chooses, from the kernel's features, how TC programs are
@@ -194,7 +221,6 @@ func podDir(cfg Config, uid string) string {
 func (d *Dataplane) load() error {
 	bpfCfg := d.cfg.bpfConfig()
 	bpfCfg.Flags = d.bpfFlags
-	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: mapsDir(d.cfg)}}
 
 	sockSpec, err := loadSock()
 	if err != nil {
@@ -211,31 +237,18 @@ func (d *Dataplane) load() error {
 	if err := pinTraceFlag(sockSpec, ss.AeTracing, tracing); err != nil {
 		return fmt.Errorf("read socket programs: %w", err)
 	}
-	if err := sockSpec.LoadAndAssign(&d.sock, opts); err != nil {
-		d.logVerifier(err)
-		return fmt.Errorf("load socket programs: %w", err)
-	}
-	if err := d.sock.AeNodeCfg.Put(uint32(0), &bpfCfg); err != nil {
-		d.sock.Close()
-		return fmt.Errorf("write ae_node_cfg: %w", err)
-	}
-
 	tcSpec, err := loadTc()
 	if err != nil {
-		d.sock.Close()
 		return fmt.Errorf("read tc programs: %w", err)
 	}
 	var ts tcSpecs
 	if err := tcSpec.Assign(&ts); err != nil {
-		d.sock.Close()
 		return fmt.Errorf("read tc programs: %w", err)
 	}
 	if err := ts.AeCfg.Set(bpfCfg); err != nil {
-		d.sock.Close()
 		return fmt.Errorf("configure tc programs: %w", err)
 	}
 	if err := pinTraceFlag(tcSpec, ts.AeTracing, tracing); err != nil {
-		d.sock.Close()
 		return fmt.Errorf("read tc programs: %w", err)
 	}
 	if !features.HasTCX() {
@@ -247,8 +260,43 @@ func (d *Dataplane) load() error {
 			}
 		}
 	}
-	if err := tcSpec.LoadAndAssign(&d.tc, opts); err != nil {
+
+	// The pinned maps, of this layout or migrated to it (migrate_linux.go):
+	// every one is filled before a program that uses it is loaded.
+	mig, err := planMigration(d.cfg, sockSpec, tcSpec)
+	if err != nil {
+		return err
+	}
+	if err := mig.prepare(d.cfg, d.log.Info); err != nil {
+		mig.close()
+		return err
+	}
+	// A loader writes a data section's contents only into a map it
+	// creates itself.
+	if p := mig.byName[traceFlagMap]; p != nil {
+		if err := p.target.Put(uint32(0), tracing); err != nil {
+			mig.close()
+			return fmt.Errorf("write %s: %w", traceFlagMap, err)
+		}
+	}
+	d.migration = mig
+
+	opts := func(cs *ebpf.CollectionSpec) *ebpf.CollectionOptions {
+		return &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: mapsDir(d.cfg)}, MapReplacements: mig.replacements(cs)}
+	}
+	if err := sockSpec.LoadAndAssign(&d.sock, opts(sockSpec)); err != nil {
+		d.logVerifier(err)
+		mig.close()
+		return fmt.Errorf("load socket programs: %w", err)
+	}
+	if err := d.sock.AeNodeCfg.Put(uint32(0), &bpfCfg); err != nil {
 		d.sock.Close()
+		mig.close()
+		return fmt.Errorf("write ae_node_cfg: %w", err)
+	}
+	if err := tcSpec.LoadAndAssign(&d.tc, opts(tcSpec)); err != nil {
+		d.sock.Close()
+		mig.close()
 		d.logVerifier(err)
 		return fmt.Errorf("load tc programs: %w", err)
 	}
@@ -266,6 +314,10 @@ func (d *Dataplane) closeObjects() {
 	if d.accel != nil {
 		d.accel.close()
 		d.accel = nil
+	}
+	if d.migration != nil {
+		d.migration.close()
+		d.migration = nil
 	}
 	if d.nsQuery != nil {
 		d.nsQuery.Close()

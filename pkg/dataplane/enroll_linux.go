@@ -428,7 +428,11 @@ func pinnedPod(dir string, st *podState) Pod {
 // interface went away with the netns) is left out; the agent's reconcile
 // removes or re-enrolls such pods.
 func (d *Dataplane) adoptLinks(st *podState) {
-	for _, a := range d.podPlan(st) {
+	plan := d.podPlan(st)
+	if d.migration != nil && d.migration.active() {
+		d.removeUnplanned(st, plan)
+	}
+	for _, a := range plan {
 		pin := filepath.Join(podDir(d.cfg, st.UID), a.pin)
 		if _, err := os.Stat(pin); err != nil {
 			continue
@@ -439,6 +443,37 @@ func (d *Dataplane) adoptLinks(st *podState) {
 			continue
 		}
 		st.links[a.pin] = l
+	}
+}
+
+// removeUnplanned detaches the pod's pinned programs this build does not
+// plan: an older or newer layout's (a migration). A link detaches from
+// its pin; a tc program's filter is looked for, by its name, on every
+// interface of the pod.
+func (d *Dataplane) removeUnplanned(st *podState, plan []attachment) {
+	dir := podDir(d.cfg, st.UID)
+	entries, _ := os.ReadDir(dir)
+	for _, e := range entries {
+		if slices.ContainsFunc(plan, func(a attachment) bool { return a.pin == e.Name() }) {
+			continue
+		}
+		pin := filepath.Join(dir, e.Name())
+		d.log.Info("removing a pod program of another layout", "pod", st.Namespace+"/"+st.Name, "pin", e.Name())
+		if l, err := (netnsHooks{}).load(pin); err == nil {
+			_ = l.detach()
+			continue
+		}
+		for _, where := range []struct{ netns, iface string }{{st.netnsPath, st.Interface}, {st.netnsPath, "lo"}, {d.cfg.NodeNetns, st.HostInterface}} {
+			for _, attach := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
+				if where.netns == "" || where.iface == "" {
+					continue
+				}
+				f := &tcFilter{a: attachment{pin: e.Name(), netns: where.netns, iface: where.iface, attach: attach}, pin: pin}
+				if err := f.detach(); err != nil {
+					d.log.Warn("remove a pod program of another layout", "pod", st.Namespace+"/"+st.Name, "pin", e.Name(), "error", err)
+				}
+			}
+		}
 	}
 }
 

@@ -12,18 +12,25 @@ import (
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/features"
 	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 )
+
+// liftMemlock removes the RLIMIT_MEMLOCK limit once, before the first
+// probe: kernels before 5.11 charge BPF memory to it, and a probe program
+// that does not fit a low limit (the agent probes before the data path
+// loads) would look like a missing feature.
+var liftMemlock = sync.OnceFunc(func() { _ = rlimit.RemoveMemlock() })
 
 // Each probe runs once per process; a probe that cannot decide (an error
 // other than ErrNotSupported) counts as "missing", so the data path takes
 // the conservative mechanism.
 
 // HasTCX reports TCX links (Linux 6.6).
-var HasTCX = sync.OnceValue(func() bool { return probeTCX() == nil })
+var HasTCX = sync.OnceValue(func() bool { liftMemlock(); return probeTCX() == nil })
 
 // HasSkLookup reports sk_lookup programs (Linux 5.9).
-var HasSkLookup = sync.OnceValue(func() bool { return features.HaveProgramType(ebpf.SkLookup) == nil })
+var HasSkLookup = sync.OnceValue(func() bool { liftMemlock(); return features.HaveProgramType(ebpf.SkLookup) == nil })
 
 // HasSkLookupIfindex reports the ingress_ifindex field of sk_lookup
 // programs (Linux 5.17): a program reading it loads only where the kernel
@@ -89,6 +96,7 @@ var HasSockmapAccel = sync.OnceValue(func() bool {
 var HasSockmapLink = sync.OnceValue(func() bool { return probeSockmapLink() == nil })
 
 func helper(pt ebpf.ProgramType, fn asm.BuiltinFunc) bool {
+	liftMemlock()
 	return features.HaveProgramHelper(pt, fn) == nil
 }
 
@@ -100,6 +108,7 @@ func loads(spec *ebpf.ProgramSpec) bool {
 
 // loadsInsns reports whether insns load as a program of spec's type.
 func loadsInsns(spec *ebpf.ProgramSpec, insns asm.Instructions) bool {
+	liftMemlock()
 	spec.License = "GPL"
 	spec.Instructions = insns
 	prog, err := ebpf.NewProgram(spec)

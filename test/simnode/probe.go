@@ -57,6 +57,9 @@ func (p *TrafficProbe) fail(format string, args ...any) {
 	p.mu.Unlock()
 }
 
+// Conns is how many connections the probe made so far.
+func (p *TrafficProbe) Conns() int { return int(p.conns.Load()) }
+
 // Stop ends the probe and reports how many connections it made and what
 // went wrong.
 func (p *TrafficProbe) Stop() (conns int, failures []string) {

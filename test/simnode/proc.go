@@ -10,10 +10,11 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testbin"
 )
 
 // HelperEnv selects a helper role when the test binary re-executes itself.
@@ -191,13 +192,25 @@ func (p *Process) Exited() bool {
 	}
 }
 
-// BuildBinary builds a main package of this module into dir.
-func BuildBinary(t TB, dir, pkg string) string {
+// BuildBinary builds a main package of this module (with build tags, if
+// any) into dir, stamped with the version `make build` stamps; under
+// hack/vmtest it is the prebuilt one (internal/testbin).
+func BuildBinary(t TB, dir, pkg string, tags ...string) string {
 	t.Helper()
-	out := filepath.Join(dir, filepath.Base(pkg))
-	cmd := exec.Command("go", "build", "-o", out, pkg)
-	if b, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build %s: %v: %s", pkg, err, b)
+	wd, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root, err := testbin.Root(wd)
+	if os.Getenv(testbin.PrebuiltEnv) != "" {
+		root, err = wd, nil // no source tree in the VM
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := testbin.Head(root, dir, pkg, tags...)
+	if err != nil {
+		t.Fatal(err)
 	}
 	return out
 }
