@@ -55,7 +55,7 @@ var agentVariants = []struct {
 	name  string
 	flags []string
 }{
-	{name: "ebpf+sockmap", flags: []string{"--sockmap-accel"}},
+	{name: "ebpf+sockmap", flags: []string{"--sockmap-accel=ztunnel"}},
 }
 
 // leanVariant is one column of the lean figures: a path, and how it runs.
