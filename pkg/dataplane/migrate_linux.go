@@ -322,7 +322,10 @@ func planMigration(cfg Config, specs ...*ebpf.CollectionSpec) (_ *migration, err
 	}
 	entries, _ := os.ReadDir(mapsDir(cfg))
 	for _, e := range entries {
-		if mig.byName[e.Name()] == nil {
+		// accel.c's maps are the acceleration's own: it adopts them,
+		// creates them when missing and leaves an incompatible one alone
+		// (startAccel), so a migration never takes them for the old layout's.
+		if mig.byName[e.Name()] == nil && !slices.Contains(accelMapPins, e.Name()) {
 			mig.obsolete = append(mig.obsolete, e.Name())
 		}
 	}
@@ -604,8 +607,8 @@ func (m *migration) finish(cfg Config, nodeHooks []string, log func(msg string, 
 	}
 	links, _ := os.ReadDir(linksDir(cfg))
 	for _, e := range links {
-		if slices.Contains(nodeHooks, e.Name()) {
-			continue
+		if slices.Contains(nodeHooks, e.Name()) || e.Name() == accelSockopsPin || e.Name() == accelMsgPin {
+			continue // the node's hooks, and the acceleration's (startAccel)
 		}
 		log("removing a node link of the old layout", "link", e.Name())
 		if err := removePinnedLink(filepath.Join(linksDir(cfg), e.Name())); err != nil {

@@ -184,6 +184,11 @@ func progStats(bpffs string) ([]progStat, error) {
 		if err != nil || d.IsDir() || strings.Contains(path, "/maps/") {
 			return err
 		}
+		// Links and tc programs live under links/ and pods/; the root
+		// also holds the layout record (ae_layout), a map.
+		if rel, _ := filepath.Rel(bpffs, path); !strings.HasPrefix(rel, "links/") && !strings.HasPrefix(rel, "pods/") {
+			return nil
+		}
 		// A pin is a link (cgroup hooks, sk_lookup) or the program of a
 		// classic tc filter.
 		prog, err := pinnedProgram(path)
