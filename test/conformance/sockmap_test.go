@@ -441,3 +441,30 @@ func TestAccelSurvivesRestartsAndToggles(t *testing.T) {
 	}
 	fresh("on-again", 1<<20) // mode ztunnel: one direction
 }
+
+// ztunnel's delivery sockets take their ports from the pod's range; with
+// no TIME_WAIT there and a narrow range, a delivery's 4-tuple comes back
+// while the stand-in still holds the socket that had it, TCP-closed (its
+// relay not yet done). Every connection must still get its own bytes: the
+// sockhashes know sockets by cookie, and an accepted socket joins only as
+// the proven peer of its own connecting end (ae_accel_pair). Keyed by
+// 4-tuple, a send went into the dead socket and its connection stalled.
+func TestAccelKeepsConnectionsApartWhenTuplesComeBack(t *testing.T) {
+	const conns = 3000
+	e := newAccelNode(t, dataplane.AccelBoth)
+	e.n.Sysctl(e.a.NS, "net/ipv4/tcp_max_tw_buckets", "0")
+	e.n.Sysctl(e.a.NS, "net/ipv4/ip_local_port_range", "47000 47063")
+	before := e.stats(t)
+	resp, err := e.out.Do(simnode.AppRequest{Op: "churn-tcp", Addr: netip.AddrPortFrom(e.a.V4, accelEchoPort), Count: conns})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.Echoed != 0 {
+		t.Errorf("of %d connections through ztunnel into the pod, %s", conns, resp.Replies[0].Err)
+	}
+	after := e.stats(t)
+	t.Logf("counters over the run: %d redirected sends, %d ends unpaired, %d refused", after.RedirectMsgs-before.RedirectMsgs, after.Unpaired-before.Unpaired, after.InsertErrors-before.InsertErrors)
+	if accelerates(dataplane.AccelBoth) && after.RedirectMsgs == before.RedirectMsgs {
+		t.Error("nothing went through the sockmap")
+	}
+}

@@ -17,6 +17,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/net/dns/dnsmessage"
@@ -241,6 +242,8 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		return AppResponse{}, nil
 	case "bulk-tcp":
 		return bulk(a.ns, req)
+	case "churn-tcp":
+		return churn(a.ns, req), nil
 	case "dial-tcp", "dial-udp":
 		dst := req.Addr
 		if req.Mapped {
@@ -352,6 +355,57 @@ func bulk(ns *sockutil.Netns, req AppRequest) (AppResponse, error) {
 		return AppResponse{}, err
 	}
 	return AppResponse{Local: sockutil.AddrPort(c.LocalAddr()), Echoed: echoed}, nil
+}
+
+// churn runs req.Count short connections to an echo server, eight at a
+// time: each sends 64 bytes, half-closes, reads them back to EOF and
+// closes, so the server side closes second, as ztunnel's relay does.
+// Replies[0] carries the number of failures and the first one.
+func churn(ns *sockutil.Netns, req AppRequest) AppResponse {
+	var failed atomic.Int64
+	var first atomic.Value
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			msg := make([]byte, 64)
+			for next.Add(1) <= int64(req.Count) {
+				if err := churnOne(ns, req.Addr, msg); err != nil {
+					failed.Add(1)
+					first.CompareAndSwap(nil, err.Error())
+				}
+			}
+		})
+	}
+	wg.Wait()
+	res := DialResult{Err: fmt.Sprintf("%d failed", failed.Load())}
+	if f, ok := first.Load().(string); ok {
+		res.Err += ", the first: " + f
+	}
+	return AppResponse{Replies: []DialResult{res}, Echoed: failed.Load()}
+}
+
+func churnOne(ns *sockutil.Netns, dst netip.AddrPort, msg []byte) error {
+	c, err := ns.Dial(dst, sockutil.Opts{}, 5*time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write(msg); err != nil {
+		return fmt.Errorf("write: %w", err)
+	}
+	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+		return err
+	}
+	got, err := io.ReadAll(c)
+	if err != nil {
+		return fmt.Errorf("read the echo (%d bytes so far): %w", len(got), err)
+	}
+	if len(got) != len(msg) {
+		return fmt.Errorf("echoed %d bytes, sent %d", len(got), len(msg))
+	}
+	return nil
 }
 
 // dialMany holds Count connections open at once, then has each say hello.
