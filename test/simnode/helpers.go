@@ -114,6 +114,11 @@ type AppResponse struct {
 	Replies []DialResult `json:"replies,omitempty"`
 	// Echoed is how many bytes op bulk-tcp read back, all as sent.
 	Echoed int64 `json:"echoed,omitempty"`
+	// Op churn-tcp: connections that failed once connected, those that
+	// could not connect, and the first failure.
+	Failures        int64  `json:"failures,omitempty"`
+	ConnectFailures int64  `json:"connectFailures,omitempty"`
+	FirstError      string `json:"firstError,omitempty"`
 }
 
 // DialResult is one connection of op dial-many.
@@ -359,10 +364,11 @@ func bulk(ns *sockutil.Netns, req AppRequest) (AppResponse, error) {
 
 // churn runs req.Count short connections to an echo server, eight at a
 // time: each sends 64 bytes, half-closes, reads them back to EOF and
-// closes, so the server side closes second, as ztunnel's relay does.
-// Replies[0] carries the number of failures and the first one.
+// closes, so the server side closes second, as ztunnel's relay does. It
+// counts connections that failed once connected (Failures) apart from
+// those that could not connect.
 func churn(ns *sockutil.Netns, req AppRequest) AppResponse {
-	var failed atomic.Int64
+	var failed, unconnected atomic.Int64
 	var first atomic.Value
 	var next atomic.Int64
 	var wg sync.WaitGroup
@@ -370,42 +376,46 @@ func churn(ns *sockutil.Netns, req AppRequest) AppResponse {
 		wg.Go(func() {
 			msg := make([]byte, 64)
 			for next.Add(1) <= int64(req.Count) {
-				if err := churnOne(ns, req.Addr, msg); err != nil {
-					failed.Add(1)
-					first.CompareAndSwap(nil, err.Error())
+				connected, err := churnOne(ns, req.Addr, msg)
+				if err == nil {
+					continue
 				}
+				if connected {
+					failed.Add(1)
+				} else {
+					unconnected.Add(1)
+				}
+				first.CompareAndSwap(nil, err.Error())
 			}
 		})
 	}
 	wg.Wait()
-	res := DialResult{Err: fmt.Sprintf("%d failed", failed.Load())}
-	if f, ok := first.Load().(string); ok {
-		res.Err += ", the first: " + f
-	}
-	return AppResponse{Replies: []DialResult{res}, Echoed: failed.Load()}
+	res := AppResponse{Failures: failed.Load(), ConnectFailures: unconnected.Load()}
+	res.FirstError, _ = first.Load().(string)
+	return res
 }
 
-func churnOne(ns *sockutil.Netns, dst netip.AddrPort, msg []byte) error {
+func churnOne(ns *sockutil.Netns, dst netip.AddrPort, msg []byte) (connected bool, err error) {
 	c, err := ns.Dial(dst, sockutil.Opts{}, 5*time.Second)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
 	if _, err := c.Write(msg); err != nil {
-		return fmt.Errorf("write: %w", err)
+		return true, fmt.Errorf("write: %w", err)
 	}
 	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
-		return err
+		return true, err
 	}
 	got, err := io.ReadAll(c)
 	if err != nil {
-		return fmt.Errorf("read the echo (%d bytes so far): %w", len(got), err)
+		return true, fmt.Errorf("read the echo (%d bytes so far): %w", len(got), err)
 	}
 	if len(got) != len(msg) {
-		return fmt.Errorf("echoed %d bytes, sent %d", len(got), len(msg))
+		return true, fmt.Errorf("echoed %d bytes, sent %d", len(got), len(msg))
 	}
-	return nil
+	return true, nil
 }
 
 // dialMany holds Count connections open at once, then has each say hello.
