@@ -29,14 +29,20 @@
  *            returns it: the app's connection to :15001 and the socket
  *            ztunnel accepts for it; ztunnel's delivery to the app and the
  *            socket the app accepts (it carries the return mark 0x111 of
- *            the SYN, R10). ztunnel needs no change.
+ *            the SYN, R10). ztunnel needs no change. The connecting end
+ *            files the connection in ae_accel_pair; the accepting end joins
+ *            only if the sequence numbers prove it is the other end of that
+ *            connection, and the two then know each other by socket cookie.
+ *            The sockhashes are keyed by socket cookie, never by 4-tuple: a
+ *            socket stays in them until its owner closes it, and by then a
+ *            new connection may have the 4-tuple of its dead one.
  *   sk_msg   each send on an end in ae_accel: redirect, or let TCP carry it.
  *
  * The bytes of one direction must never take both ways: a receiver reads
  * what was redirected to it before what TCP queued, so data sent over TCP
  * first would be overtaken. Each sending end therefore decides once, at
  * its first send, and keeps to it (ae_accel_sk): redirect if its peer is
- * in ae_accel_rx then, TCP for good otherwise. Nothing goes through TCP
+ * known and in ae_accel_rx then, TCP for good otherwise. Nothing goes through TCP
  * before that first send (a socket that carried data before it was
  * established, TCP Fast Open, is never put in), so the two ways never mix.
  * The connecting end may send before its peer exists (the handshake's
@@ -55,26 +61,37 @@
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
-/* Ends whose sends are redirected; the sk_msg program is attached here.
- * The kernel drops a socket from both maps when it closes. Sized like
- * ae_orig_dst. */
+/* Ends whose sends are redirected, by socket cookie; the sk_msg program is
+ * attached here. The kernel drops a socket from both sockhashes when its
+ * owner closes it. Sized like ae_orig_dst. */
 struct {
 	__uint(type, BPF_MAP_TYPE_SOCKHASH);
 	__uint(max_entries, 1 << 18);
-	__type(key, struct accel_key);
+	__type(key, __u64);
 	__type(value, __u64);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ae_accel SEC(".maps");
 
-/* Ends that receive redirected sends (no program: their own sends are
- * TCP unless they are in ae_accel too). */
+/* Ends that receive redirected sends, by socket cookie (no program: their
+ * own sends are TCP unless they are in ae_accel too). */
 struct {
 	__uint(type, BPF_MAP_TYPE_SOCKHASH);
 	__uint(max_entries, 1 << 18);
-	__type(key, struct accel_key);
+	__type(key, __u64);
 	__type(value, __u64);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ae_accel_rx SEC(".maps");
+
+/* Connections whose connecting end is in, until it closes (struct
+ * accel_pair; not LRU: a live entry is never evicted). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1 << 18);
+	__type(key, struct accel_key);
+	__type(value, struct accel_pair);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ae_accel_pair SEC(".maps");
 
 /*
  * Set by the agent before load: ztunnel's sends into the app skip TCP too
@@ -107,16 +124,22 @@ static __always_inline struct accel_stats *stats_slot(void)
 	return bpf_map_lookup_elem(&ae_accel_stats, &zero);
 }
 
-/* The socket's own key. */
-static __always_inline void sockops_key(struct bpf_sock_ops *skops, __u64 cookie, struct accel_key *k)
+/* The connection as the socket sees it, or (reversed) as its peer does. */
+static __always_inline void sockops_key(struct bpf_sock_ops *skops, __u64 cookie, bool reversed, struct accel_key *k)
 {
+	struct ae_addr local, remote;
+	__be16 lport = bpf_htons((__u16)skops->local_port);
+	/* Network order in the upper half on little-endian hosts (sock.c). */
+	__be16 rport = (__be16)(skops->remote_port >> 16);
+
 	__builtin_memset(k, 0, sizeof(*k));
 	k->netns_cookie = cookie;
-	sockops_local(skops, &k->local);
-	sockops_remote(skops, &k->remote);
-	k->local_port = bpf_htons((__u16)skops->local_port);
-	/* Network order in the upper half on little-endian hosts (sock.c). */
-	k->remote_port = (__be16)(skops->remote_port >> 16);
+	sockops_local(skops, &local);
+	sockops_remote(skops, &remote);
+	k->local = reversed ? remote : local;
+	k->remote = reversed ? local : remote;
+	k->local_port = reversed ? rport : lport;
+	k->remote_port = reversed ? lport : rport;
 }
 
 static __always_inline bool is_ztunnel_port(__u16 port)
@@ -136,13 +159,13 @@ static __always_inline bool is_pod_addr(struct netns_info *ns, const struct ae_a
 #define END_ZTUNNEL 2 /* ztunnel's socket: it receives the app's sends */
 
 /*
- * Which end of a hop an established socket of an enrolled pod is.
- * Connecting: the app's connection to ztunnel's :15001 on the pod's own
- * address (or loopback, for a pod without an address of the family), or
- * ztunnel's (marked) delivery to the app on the pod's own address.
- * Accepting: ztunnel's socket of the former (accepted on :15001, ztunnel's
- * mark inherited from the listener), the app's of the latter (the return
- * mark its SYN got on lo, tcp_fwmark_accept).
+ * Which end of a hop an established socket of an enrolled pod is (k: the
+ * connection as it sees it). Connecting: the app's connection to ztunnel's
+ * :15001 on the pod's own address (or loopback, for a pod without an
+ * address of the family), or ztunnel's (marked) delivery to the app on the
+ * pod's own address. Accepting: ztunnel's socket of the former (accepted
+ * on :15001, ztunnel's mark inherited from the listener), the app's of the
+ * latter (the return mark its SYN got on lo, tcp_fwmark_accept).
  */
 static __always_inline int hop_end(struct bpf_sock *sk, struct netns_info *ns, const struct accel_key *k, bool active)
 {
@@ -162,59 +185,178 @@ static __always_inline int hop_end(struct bpf_sock *sk, struct netns_info *ns, c
 	return END_NONE;
 }
 
-/* An end of a hop as it is established: into its maps, undecided. */
-static __always_inline void on_established(struct bpf_sock_ops *skops, bool active)
+/*
+ * Puts an end into the sockhashes its role asks for, by its cookie: a
+ * receiver first (it can be redirected to at once), then a sender. 0, or
+ * -1 when the kernel refused it (then it is in neither).
+ */
+static __always_inline int join(struct bpf_sock_ops *skops, int end, __u64 *cookie, struct accel_stats *stats)
+{
+	bool tx = end == END_APP || accel_into_app;
+	bool rx = end == END_ZTUNNEL || accel_into_app;
+
+	if (rx && bpf_sock_hash_update(skops, &ae_accel_rx, cookie, BPF_NOEXIST))
+		goto refused;
+	if (tx && bpf_sock_hash_update(skops, &ae_accel, cookie, BPF_NOEXIST)) {
+		if (rx)
+			bpf_map_delete_elem(&ae_accel_rx, cookie);
+		goto refused;
+	}
+	if (stats)
+		stats->sockets++;
+	return 0;
+refused:
+	if (stats)
+		stats->insert_errors++;
+	return -1;
+}
+
+/* Which end of a hop an enrolled pod's established socket sk is, with k
+ * the connection as it sees it (accepted sockets: as its peer does), or
+ * END_NONE. */
+static __always_inline int classify_end(struct bpf_sock_ops *skops, struct bpf_sock *sk, bool active, struct accel_key *k)
+{
+	struct netns_info *ns;
+	struct accel_key own;
+	__u64 netns;
+
+	if (skops->family != AF_INET && skops->family != AF_INET6)
+		return END_NONE;
+	/* Data before this point went over TCP (TCP Fast Open): leave it. */
+	if (skops->data_segs_out || skops->bytes_received)
+		return END_NONE;
+	netns = bpf_get_netns_cookie(skops);
+	ns = bpf_map_lookup_elem(&ae_netns, &netns);
+	if (!ns)
+		return END_NONE;
+	sockops_key(skops, netns, false, &own);
+	if (active) {
+		*k = own;
+		return hop_end(sk, ns, &own, true);
+	}
+	sockops_key(skops, netns, true, k);
+	return hop_end(sk, ns, &own, false);
+}
+
+/*
+ * ACTIVE_ESTABLISHED: a connecting end, before its peer exists. It joins,
+ * then files the connection for the accepting end, and asks for the state
+ * callback that removes the entry when it closes.
+ */
+static __always_inline void on_active(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
 	struct accel_stats *stats;
-	struct netns_info *ns;
+	struct accel_pair pair = {};
 	struct accel_sock *st;
 	struct accel_key key;
-	bool tx, rx;
-	__u64 cookie;
 	int end;
 
-	if (!sk || (skops->family != AF_INET && skops->family != AF_INET6))
+	if (!sk)
 		return;
-	/* Data before this point went over TCP (TCP Fast Open): leave it. */
-	if (skops->data_segs_out || skops->bytes_received)
-		return;
-	cookie = bpf_get_netns_cookie(skops);
-	ns = bpf_map_lookup_elem(&ae_netns, &cookie);
-	if (!ns)
-		return;
-	sockops_key(skops, cookie, &key);
-	end = hop_end(sk, ns, &key, active);
+	end = classify_end(skops, sk, true, &key);
 	if (end == END_NONE)
 		return;
-	tx = end == END_APP || accel_into_app;
-	rx = end == END_ZTUNNEL || accel_into_app;
 	stats = stats_slot();
-	/* A receiver goes in first: it can be redirected to at once. */
-	if (rx && bpf_sock_hash_update(skops, &ae_accel_rx, &key, BPF_NOEXIST)) {
-		if (stats)
-			stats->insert_errors++;
-		return;
-	}
-	if (!tx)
-		goto done;
-	/* The state before the map: the socket can send once it is in. */
+	/* The state before the sockhashes: it can send once it is in. */
 	st = bpf_sk_storage_get(&ae_accel_sk, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!st) {
 		if (stats)
 			stats->insert_errors++;
 		return;
 	}
+	st->cookie = bpf_get_socket_cookie(skops);
+	st->peer = 0;
 	st->state = AE_ACCEL_UNDECIDED;
-	if (bpf_sock_hash_update(skops, &ae_accel, &key, BPF_NOEXIST)) {
-		bpf_sk_storage_delete(&ae_accel_sk, sk);
+	if (join(skops, end, &st->cookie, stats))
+		goto out;
+	pair.a_cookie = st->cookie;
+	pair.a_snd = skops->snd_nxt;
+	pair.a_rcv = skops->rcv_nxt;
+	/* An entry left by a dead socket of this 4-tuple is replaced: the
+	 * tuple is free again, so that socket's connection is over. */
+	if (bpf_map_update_elem(&ae_accel_pair, &key, &pair, BPF_ANY)) {
+		if (stats)
+			stats->insert_errors++;
+		goto out; /* in the sockhashes, but no peer will find it */
+	}
+	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	return;
+out:
+	st->state = AE_ACCEL_PLAIN;
+}
+
+/*
+ * PASSIVE_ESTABLISHED: an accepted socket joins only as the proven peer of
+ * a filed connecting end, before accept() can return it, and then tells
+ * that end its cookie. Updating the entry by key (BPF_EXIST) never writes
+ * into one that went away or was filed anew meanwhile for someone else: a
+ * new entry carries another connecting end's cookie, which the update
+ * would overwrite with a cookie it does not own, so that end just finds
+ * itself unpaired (TCP).
+ */
+static __always_inline void on_passive(struct bpf_sock_ops *skops)
+{
+	struct bpf_sock *sk = skops->sk;
+	struct accel_stats *stats;
+	struct accel_pair *filed, pair;
+	struct accel_sock *st;
+	struct accel_key key;
+	int end;
+
+	if (!sk)
+		return;
+	end = classify_end(skops, sk, false, &key);
+	if (end == END_NONE)
+		return;
+	stats = stats_slot();
+	filed = bpf_map_lookup_elem(&ae_accel_pair, &key);
+	if (!filed) {
+		if (stats)
+			stats->unpaired++;
+		return;
+	}
+	pair = *filed;
+	/* Its sequence numbers, the connecting end's reversed. */
+	if (pair.b_cookie || pair.a_snd != skops->rcv_nxt || pair.a_rcv != skops->snd_nxt) {
+		if (stats)
+			stats->unpaired++;
+		return;
+	}
+	st = bpf_sk_storage_get(&ae_accel_sk, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st) {
 		if (stats)
 			stats->insert_errors++;
 		return;
 	}
-done:
-	if (stats)
-		stats->sockets++;
+	st->cookie = bpf_get_socket_cookie(skops);
+	st->peer = pair.a_cookie;
+	st->state = AE_ACCEL_UNDECIDED;
+	if (join(skops, end, &st->cookie, stats)) {
+		st->state = AE_ACCEL_PLAIN;
+		return;
+	}
+	pair.b_cookie = st->cookie;
+	bpf_map_update_elem(&ae_accel_pair, &key, &pair, BPF_EXIST);
+}
+
+/* A connecting end closes: its entry goes, unless another's replaced it. */
+static __always_inline void on_close(struct bpf_sock_ops *skops)
+{
+	struct bpf_sock *sk = skops->sk;
+	struct accel_pair *pair;
+	struct accel_sock *st;
+	struct accel_key key;
+
+	if (!sk)
+		return;
+	st = bpf_sk_storage_get(&ae_accel_sk, sk, 0, 0);
+	if (!st)
+		return;
+	sockops_key(skops, bpf_get_netns_cookie(skops), false, &key);
+	pair = bpf_map_lookup_elem(&ae_accel_pair, &key);
+	if (pair && pair->a_cookie == st->cookie)
+		bpf_map_delete_elem(&ae_accel_pair, &key);
 }
 
 /* sockops: the ends of pod-local hops as they are established. */
@@ -223,24 +365,39 @@ int ae_accel_sockops(struct bpf_sock_ops *skops)
 {
 	switch (skops->op) {
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
-		on_established(skops, true);
+		on_active(skops);
 		break;
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
-		on_established(skops, false);
+		on_passive(skops);
+		break;
+	case BPF_SOCK_OPS_STATE_CB:
+		if (skops->args[1] == BPF_TCP_CLOSE)
+			on_close(skops);
 		break;
 	}
 	return 1;
 }
 
-/* The peer's key: the socket's own view of the connection, reversed. */
-static __always_inline void peer_key(struct sk_msg_md *msg, struct bpf_sock *sk, struct accel_key *k)
+/*
+ * The peer of a connecting end that has not sent yet: the accepting end's
+ * cookie, once it joined, from the end's own entry (filed under its view
+ * of the connection, and still its own).
+ */
+static __always_inline __u64 filed_peer(struct sk_msg_md *msg, struct bpf_sock *sk, __u64 cookie)
 {
-	__builtin_memset(k, 0, sizeof(*k));
-	k->netns_cookie = bpf_get_netns_cookie(msg);
-	sock_remote(sk, &k->local);
-	sock_local(sk, &k->remote);
-	k->local_port = (__be16)sk->dst_port;
-	k->remote_port = bpf_htons((__u16)sk->src_port);
+	struct accel_pair *pair;
+	struct accel_key k;
+
+	__builtin_memset(&k, 0, sizeof(k));
+	k.netns_cookie = bpf_get_netns_cookie(msg);
+	sock_local(sk, &k.local);
+	sock_remote(sk, &k.remote);
+	k.local_port = bpf_htons((__u16)sk->src_port);
+	k.remote_port = (__be16)sk->dst_port;
+	pair = bpf_map_lookup_elem(&ae_accel_pair, &k);
+	if (!pair || pair->a_cookie != cookie)
+		return 0;
+	return pair->b_cookie;
 }
 
 /* sk_msg (attached to ae_accel): every send of an end in ae_accel. */
@@ -250,7 +407,6 @@ int ae_accel_msg(struct sk_msg_md *msg)
 	struct accel_stats *stats = stats_slot();
 	struct bpf_sock *sk = msg->sk;
 	struct accel_sock *st;
-	struct accel_key key;
 	bool first;
 
 	if (!sk)
@@ -260,10 +416,11 @@ int ae_accel_msg(struct sk_msg_md *msg)
 	if (!st || st->state == AE_ACCEL_PLAIN)
 		goto pass;
 	first = st->state == AE_ACCEL_UNDECIDED;
-	peer_key(msg, sk, &key);
-	if (bpf_msg_redirect_hash(msg, &ae_accel_rx, &key, BPF_F_INGRESS) != SK_PASS) {
+	if (first && !st->peer)
+		st->peer = filed_peer(msg, sk, st->cookie);
+	if (!st->peer || bpf_msg_redirect_hash(msg, &ae_accel_rx, &st->peer, BPF_F_INGRESS) != SK_PASS) {
 		if (first) {
-			/* The peer is not in ae_accel_rx (yet): TCP now, so for good. */
+			/* No peer in ae_accel_rx (yet): TCP now, so for good. */
 			st->state = AE_ACCEL_PLAIN;
 			if (stats)
 				stats->plain++;

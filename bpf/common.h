@@ -234,9 +234,8 @@ struct ae_event {
 	__u32 slot; /* the pod's ae_pod_meta slot, AE_NO_SLOT for none */
 };
 
-/* Key of ae_accel: one end of a pod-local TCP connection between an app
- * and ztunnel (sockmap acceleration), by its own view of the connection.
- * The peer's key is the same with the two ends swapped. */
+/* Key of ae_accel_pair: a connection between an app and ztunnel inside a
+ * pod (sockmap acceleration), as its connecting end sees it. */
 struct accel_key {
 	__u64 netns_cookie;
 	struct ae_addr local;
@@ -246,27 +245,42 @@ struct accel_key {
 	__u32 pad;
 };
 
+/* Value of ae_accel_pair: who the two ends are. The connecting end files
+ * it with its socket cookie and initial sequence numbers; the accepting end
+ * proves it is the other end of that very connection by the sequence
+ * numbers (a 4-tuple alone can belong to a closed socket whose owner still
+ * holds it) and adds its cookie. */
+struct accel_pair {
+	__u64 a_cookie; /* the connecting end */
+	__u64 b_cookie; /* the accepting end; 0 until it is in */
+	__u32 a_snd;    /* the connecting end's snd_nxt when established: ISS + 1 */
+	__u32 a_rcv;    /* its rcv_nxt then: the accepting end's ISS + 1 */
+};
+
 /* struct accel_sock.state: what one end of a hop does with its sends. */
-#define AE_ACCEL_UNDECIDED 1 /* in ae_accel, has not sent yet */
-#define AE_ACCEL_REDIRECT  2 /* its peer was in ae_accel at its first send */
+#define AE_ACCEL_UNDECIDED 1 /* has not sent yet */
+#define AE_ACCEL_REDIRECT  2 /* its peer was in ae_accel_rx at its first send */
 #define AE_ACCEL_PLAIN     3 /* its peer was not: TCP for good */
 
-/* Value of ae_accel_sk (socket storage) for each socket in ae_accel. */
+/* Value of ae_accel_sk (socket storage) for each end of a hop. */
 struct accel_sock {
-	__u32 state; /* AE_ACCEL_* */
+	__u64 cookie; /* its own socket cookie */
+	__u64 peer;   /* the other end's, once known (0: not yet) */
+	__u32 state;  /* AE_ACCEL_* */
 	__u32 pad;
 };
 
 /* Counters of the sockmap acceleration (ae_accel_stats, per CPU). */
 struct accel_stats {
-	__u64 sockets;        /* sockets put into ae_accel */
+	__u64 sockets;        /* sockets put into ae_accel or ae_accel_rx */
 	__u64 insert_errors;  /* sockets the kernel refused (MPTCP, kTLS, table full): TCP */
-	__u64 redirecting;    /* ends whose peer was in ae_accel at their first send */
+	__u64 unpaired;       /* accepted sockets with no proven connecting end: TCP */
+	__u64 redirecting;    /* ends whose peer was in ae_accel_rx at their first send */
 	__u64 plain;          /* ends whose peer was not: TCP for good */
 	__u64 redirect_msgs;  /* sends handed to the peer socket */
 	__u64 redirect_bytes;
 	__u64 pass_msgs;      /* sends that went through TCP */
-	__u64 peer_gone;      /* sends whose peer had left ae_accel (closed): TCP */
+	__u64 peer_gone;      /* sends whose peer had left ae_accel_rx (closed): TCP */
 };
 
 #endif /* AMBIENT_COMMON_H */

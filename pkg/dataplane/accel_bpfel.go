@@ -23,16 +23,27 @@ type accelAccelKey struct {
 	Pad         uint32
 }
 
+type accelAccelPair struct {
+	_        structs.HostLayout
+	A_cookie uint64
+	B_cookie uint64
+	A_snd    uint32
+	A_rcv    uint32
+}
+
 type accelAccelSock struct {
-	_     structs.HostLayout
-	State uint32
-	Pad   uint32
+	_      structs.HostLayout
+	Cookie uint64
+	Peer   uint64
+	State  uint32
+	Pad    uint32
 }
 
 type accelAccelStats struct {
 	_             structs.HostLayout
 	Sockets       uint64
 	InsertErrors  uint64
+	Unpaired      uint64
 	Redirecting   uint64
 	Plain         uint64
 	RedirectMsgs  uint64
@@ -205,6 +216,7 @@ type accelSteerKey struct {
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	accelMapAeAccel         = "ae_accel"
+	accelMapAeAccelPair     = "ae_accel_pair"
 	accelMapAeAccelRx       = "ae_accel_rx"
 	accelMapAeAccelSk       = "ae_accel_sk"
 	accelMapAeAccelStats    = "ae_accel_stats"
@@ -278,6 +290,7 @@ type accelProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelMapSpecs struct {
 	AeAccel      *ebpf.MapSpec `ebpf:"ae_accel"`
+	AeAccelPair  *ebpf.MapSpec `ebpf:"ae_accel_pair"`
 	AeAccelRx    *ebpf.MapSpec `ebpf:"ae_accel_rx"`
 	AeAccelSk    *ebpf.MapSpec `ebpf:"ae_accel_sk"`
 	AeAccelStats *ebpf.MapSpec `ebpf:"ae_accel_stats"`
@@ -325,6 +338,7 @@ func (o *accelObjects) Close() error {
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelMaps struct {
 	AeAccel      *ebpf.Map `ebpf:"ae_accel"`
+	AeAccelPair  *ebpf.Map `ebpf:"ae_accel_pair"`
 	AeAccelRx    *ebpf.Map `ebpf:"ae_accel_rx"`
 	AeAccelSk    *ebpf.Map `ebpf:"ae_accel_sk"`
 	AeAccelStats *ebpf.Map `ebpf:"ae_accel_stats"`
@@ -346,6 +360,7 @@ type accelMaps struct {
 func (m *accelMaps) Close() error {
 	return _AccelClose(
 		m.AeAccel,
+		m.AeAccelPair,
 		m.AeAccelRx,
 		m.AeAccelSk,
 		m.AeAccelStats,

@@ -18,9 +18,11 @@ import (
 // The sockmap acceleration (Config.SockmapAccel, bpf/accel.c) adds to the
 // pinned layout:
 //
-//	maps/ae_accel        ends whose sends are redirected (sockhash)
-//	maps/ae_accel_rx     ends that are redirected to (sockhash)
-//	maps/ae_accel_sk     each sending end's decision (socket storage)
+//	maps/ae_accel        ends whose sends are redirected (sockhash, by cookie)
+//	maps/ae_accel_rx     ends that are redirected to (sockhash, by cookie)
+//	maps/ae_accel_pair   connections by their connecting end's 4-tuple:
+//	                     who the two ends are
+//	maps/ae_accel_sk     each end's cookie, peer and decision (socket storage)
 //	maps/ae_accel_stats  its counters (per CPU)
 //	links/accel_sockops  the sockops program that fills ae_accel, on the
 //	                     node's cgroup root beside links/sockops
@@ -29,7 +31,9 @@ import (
 //	                     holds it as long as the pinned map lives)
 //
 // Turning the flag off removes links/accel_sockops, so no new hop is
-// accelerated. Sockets already in ae_accel keep their program until they
+// accelerated (and the connections still open leave their ae_accel_pair
+// entries behind: their close no longer runs the program; the entries go
+// with the maps). Sockets already in ae_accel keep their program until they
 // close: taking a socket out of a sockhash would drop what was redirected
 // to it and not yet read. The map and the program go once it is empty
 // (checked at each start with the flag off).
@@ -39,7 +43,7 @@ const (
 )
 
 // accelMapPins are the pins of accel.c's own maps.
-var accelMapPins = []string{accelMapAeAccel, accelMapAeAccelRx, accelMapAeAccelSk, accelMapAeAccelStats}
+var accelMapPins = []string{accelMapAeAccel, accelMapAeAccelRx, accelMapAeAccelPair, accelMapAeAccelSk, accelMapAeAccelStats}
 
 // AccelStatus says whether the sockmap acceleration runs, and why not.
 type AccelStatus struct {
@@ -337,8 +341,9 @@ type AccelInfo struct {
 
 // AccelStats are the acceleration's counters, summed over CPUs.
 type AccelStats struct {
-	Sockets       uint64 `json:"sockets"`       // sockets put into ae_accel
+	Sockets       uint64 `json:"sockets"`       // sockets put into ae_accel or ae_accel_rx
 	InsertErrors  uint64 `json:"insertErrors"`  // sockets the kernel refused (MPTCP, kTLS, full)
+	Unpaired      uint64 `json:"unpaired"`      // accepted sockets with no proven connecting end
 	Redirecting   uint64 `json:"redirecting"`   // ends whose peer was in at their first send
 	Plain         uint64 `json:"plain"`         // ends whose peer was not: TCP for good
 	RedirectMsgs  uint64 `json:"redirectMsgs"`  // sends handed to the peer socket
@@ -377,6 +382,7 @@ func ReadAccel(bpffsDir string) (AccelInfo, error) {
 	for _, c := range perCPU {
 		info.Stats.Sockets += c.Sockets
 		info.Stats.InsertErrors += c.InsertErrors
+		info.Stats.Unpaired += c.Unpaired
 		info.Stats.Redirecting += c.Redirecting
 		info.Stats.Plain += c.Plain
 		info.Stats.RedirectMsgs += c.RedirectMsgs

@@ -17,6 +17,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/net/dns/dnsmessage"
@@ -113,6 +114,11 @@ type AppResponse struct {
 	Replies []DialResult `json:"replies,omitempty"`
 	// Echoed is how many bytes op bulk-tcp read back, all as sent.
 	Echoed int64 `json:"echoed,omitempty"`
+	// Op churn-tcp: connections that failed once connected, those that
+	// could not connect, and the first failure.
+	Failures        int64  `json:"failures,omitempty"`
+	ConnectFailures int64  `json:"connectFailures,omitempty"`
+	FirstError      string `json:"firstError,omitempty"`
 }
 
 // DialResult is one connection of op dial-many.
@@ -243,6 +249,8 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		return AppResponse{}, nil
 	case "bulk-tcp":
 		return bulk(a.ns, req)
+	case "churn-tcp":
+		return churn(a.ns, req), nil
 	case "dial-tcp", "dial-udp":
 		dst := req.Addr
 		if req.Mapped {
@@ -354,6 +362,62 @@ func bulk(ns *sockutil.Netns, req AppRequest) (AppResponse, error) {
 		return AppResponse{}, err
 	}
 	return AppResponse{Local: sockutil.AddrPort(c.LocalAddr()), Echoed: echoed}, nil
+}
+
+// churn runs req.Count short connections to an echo server, eight at a
+// time: each sends 64 bytes, half-closes, reads them back to EOF and
+// closes, so the server side closes second, as ztunnel's relay does. It
+// counts connections that failed once connected (Failures) apart from
+// those that could not connect.
+func churn(ns *sockutil.Netns, req AppRequest) AppResponse {
+	var failed, unconnected atomic.Int64
+	var first atomic.Value
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			msg := make([]byte, 64)
+			for next.Add(1) <= int64(req.Count) {
+				connected, err := churnOne(ns, req.Addr, msg)
+				if err == nil {
+					continue
+				}
+				if connected {
+					failed.Add(1)
+				} else {
+					unconnected.Add(1)
+				}
+				first.CompareAndSwap(nil, err.Error())
+			}
+		})
+	}
+	wg.Wait()
+	res := AppResponse{Failures: failed.Load(), ConnectFailures: unconnected.Load()}
+	res.FirstError, _ = first.Load().(string)
+	return res
+}
+
+func churnOne(ns *sockutil.Netns, dst netip.AddrPort, msg []byte) (connected bool, err error) {
+	c, err := ns.Dial(dst, sockutil.Opts{}, 5*time.Second)
+	if err != nil {
+		return false, err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write(msg); err != nil {
+		return true, fmt.Errorf("write: %w", err)
+	}
+	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+		return true, err
+	}
+	got, err := io.ReadAll(c)
+	if err != nil {
+		return true, fmt.Errorf("read the echo (%d bytes so far): %w", len(got), err)
+	}
+	if len(got) != len(msg) {
+		return true, fmt.Errorf("echoed %d bytes, sent %d", len(got), len(msg))
+	}
+	return true, nil
 }
 
 // dialMany holds Count connections open at once, then has each say hello.
