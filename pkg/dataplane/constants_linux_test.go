@@ -4,21 +4,23 @@
 package dataplane
 
 import (
-	"os"
 	"regexp"
 	"strconv"
 	"testing"
+
+	_ "embed"
 )
+
+// commonH is bpf/common.h as `make generate` copies it (gen.go).
+//
+//go:embed testdata/common.h
+var commonH string
 
 // The C side's #define constants are copied into Go by hand (bpf2go
 // generates types and enums, not macros); this holds the copies to
 // bpf/common.h, so a change on one side fails here instead of on a node.
 func TestConstantsMatchCommonH(t *testing.T) {
-	src, err := os.ReadFile("../../bpf/common.h")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defines := parseDefines(t, string(src))
+	defines := parseDefines(t, commonH)
 	for name, got := range map[string]uint64{
 		"AE_F_HAS_V4":                 flagHasV4,
 		"AE_F_HAS_V6":                 flagHasV6,

@@ -15,3 +15,7 @@ package dataplane
 // a map value (AE_LAYOUT_NEXT in bpf/common.h). No shipped binary has it.
 //go:generate go tool bpf2go -tags linux,ae_layout_next -output-stem sock_next -target bpfel -type ae_addr -type pod_info -type netns_info -type pod_meta -type pod_stats -type orig_key -type orig_dst -type probe_key -type probe_nat -type ae_event -type ae_reason sock ../../bpf/sock.c -- -I../../headers -I../../bpf -DAE_LAYOUT_NEXT
 //go:generate go tool bpf2go -tags linux,ae_layout_next -output-stem tc_next -target bpfel tc ../../bpf/tc.c -- -I../../headers -I../../bpf -DAE_LAYOUT_NEXT
+
+// A copy of the shared header for TestConstantsMatchCommonH, embedded so
+// the test also runs where the sources are not (the kernel suites' VMs).
+//go:generate cp ../../bpf/common.h testdata/common.h
