@@ -145,7 +145,7 @@ func TestBench(t *testing.T) {
 		"lean proxy":        "test/bench/leanproxy.go: one process in the node netns serving every lean pod (as ztunnel), one thread, level-triggered epoll, read/write relay; per pod listeners [::]:15001 and [::]:15006 with SO_MARK 0x539, SO_REUSEPORT, IP_TRANSPARENT; SO_ORIGINAL_DST on every accepted connection; upstream marked 0x539 and made in the pod's netns, inbound bound to the client's address; direct+proxy: the direct pods through the same proxy addressed explicitly (15101 -> 15106 -> server)",
 		"parts":             s.partList(),
 		"connection close":  map[bool]string{false: "client first; tcp_tw_reuse=1 in the pods, no TIME_WAIT in server pods (tcp_max_tw_buckets=0); ephemeral ports 32768-46999 in client pods, 47000-60999 in server pods (see below)", true: "server first, shared ephemeral port range (BENCH_EXPOSE_COLLISIONS=1)"}[s.exposeCollisions],
-		"ztunnel stand-in":  "test/ztunnel/standin (Go, io.Copy relay), one process serving both meshed paths",
+		"ztunnel stand-in":  "test/ztunnel/standin (Go, a read/write relay per direction: splice would miss bytes the sockmap acceleration redirects), one process serving both meshed paths",
 		"enrollment timing": "enroll_cni: exec of the CNI plugin (ebpf: cmd/ambient-ebpf-cni through the node agent; iptables: test/reference/iptables-cni) to its exit 0 and redirection in place; enroll_latency: ebpf: dataplane.Enroll in a process of its own, iptables: istio-cni's rules applied with iptables-restore, ip rule/route and ipset commands (test/reference)",
 		"node agent":        "cmd/ambient-ebpf-agent, standalone (pod file), its ZDS peer a client that acks every request at once",
 		"scale concurrency": fmt.Sprintf("%d CNI calls in flight", scaleConc),
