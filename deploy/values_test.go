@@ -94,6 +94,19 @@ func TestSockmapAccelValuesAreAgentModes(t *testing.T) {
 	}
 }
 
+// Every hand-back backend the schema lets through is one the agent takes.
+func TestIstioCNIHandBackValuesAreAgentBackends(t *testing.T) {
+	for _, b := range schemaEnum(t, "agent", "istioCNI", "handBack") {
+		fs, f := agentFlagSet()
+		if err := fs.Parse([]string{"--istio-cni-handback=" + b, "--cgroup-root=" + t.TempDir(), "--install-cni=false"}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Config(); err != nil {
+			t.Errorf("agent.istioCNI.handBack %q passes the schema, the agent refuses it: %v", b, err)
+		}
+	}
+}
+
 // The chart works as a subchart of an umbrella chart that sets Istio's
 // globals: Helm validates our schema against the values it passes down,
 // globals included.

@@ -40,10 +40,12 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/takeover"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
 
@@ -80,6 +82,10 @@ type agent struct {
 	zt       *zds.Server
 	serving  atomic.Bool
 	features map[string]bool // kernel features of the data path, for the CLI
+
+	istio    *istiocni.Inspector    // nil: neither takeover nor hand-back
+	takeover *takeover.Takeover     // nil: no takeover
+	rec      *reconciler.Reconciler // set once the data path is loaded
 }
 
 func (a *agent) ready() (bool, string) {
@@ -168,14 +174,41 @@ func (a *agent) run(parent context.Context) error {
 	}
 	a.metrics.bpf.setSource(dp)
 	a.metrics.decisions.setSource(dp)
-	rec, err = reconciler.New(reconciler.Config{
+	rcfg := reconciler.Config{
 		Enrollment: a.cfg.Enrollment, Dataplane: dp, Ztunnel: zsrv, Netns: podnetns.New(a.cfg.ProcRoot),
 		RepairInPlace: cmp.Or(a.cfg.Repair.Mode, kube.RepairInPlace) == kube.RepairInPlace,
 		Logger:        log.With("component", "reconciler"), Observer: a.metrics.observer(),
-	})
+	}
+	if a.cfg.IstioCNITakeover || a.cfg.IstioCNIHandBack != "" {
+		a.istio = istiocni.New()
+	}
+	if a.cfg.IstioCNITakeover {
+		if a.takeover, err = takeover.New(takeover.Config{
+			Inspector: a.istio, NodeNetns: cmp.Or(a.cfg.Dataplane.NodeNetns, "/proc/self/ns/net"),
+			Logger:     log.With("component", "takeover"),
+			OnResult:   func(r string) { a.metrics.takeovers.WithLabelValues(r).Inc() },
+			OnDraining: func(n int) { a.metrics.draining.Set(float64(n)) },
+			Failpoint:  a.cfg.Dataplane.Failpoint,
+		}); err != nil {
+			return stop(err)
+		}
+		rcfg.Takeover = a.takeover
+	}
+	rec, err = reconciler.New(rcfg)
 	if err != nil {
 		return stop(err)
 	}
+	a.rec = rec
+	countIstioCNI := func() int {
+		n := 0
+		for _, p := range rec.Pods() {
+			if p.IstioCNI {
+				n++
+			}
+		}
+		return n
+	}
+	a.metrics.istioCNIPods.Store(&countIstioCNI)
 	rec.Subscribe(listen.observe)
 	rec.Adopt(ctx, snap)
 
@@ -311,7 +344,8 @@ func (a *agent) shutdown(dp *dataplane.Dataplane, runErr error) error {
 }
 
 // uninstalling tells an uninstall from a restart or upgrade: the agent's
-// DaemonSet is gone or being deleted.
+// DaemonSet is gone, being deleted, or its nodeSelector no longer matches
+// this node's labels.
 func (a *agent) uninstalling(ctx context.Context) bool {
 	if a.cfg.UninstallOnExit {
 		return true
@@ -327,5 +361,25 @@ func (a *agent) uninstalling(ctx context.Context) bool {
 		a.log.Warn("cannot tell uninstall from upgrade; keeping state", "error", err)
 		return false
 	}
-	return ds.DeletionTimestamp != nil
+	if ds.DeletionTimestamp != nil {
+		return true
+	}
+	// Leaving one node (its label changed, for a node-by-node move to or
+	// from istio-cni) is an uninstall of that node.
+	sel := ds.Spec.Template.Spec.NodeSelector
+	if len(sel) == 0 || a.cfg.NodeName == "" {
+		return false
+	}
+	node, err := a.client.CoreV1().Nodes().Get(ctx, a.cfg.NodeName, metav1.GetOptions{})
+	if err != nil {
+		a.log.Warn("cannot tell whether the DaemonSet still selects this node; keeping state", "node", a.cfg.NodeName, "error", err)
+		return false
+	}
+	for k, v := range sel {
+		if node.Labels[k] != v {
+			a.log.Info("the DaemonSet no longer selects this node: uninstalling from it", "node", a.cfg.NodeName, "label", k, "want", v, "have", node.Labels[k])
+			return true
+		}
+	}
+	return false
 }

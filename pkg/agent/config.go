@@ -20,6 +20,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
@@ -66,6 +67,16 @@ type Config struct {
 	// UninstallOnExit removes everything on shutdown (standalone nodes and
 	// the demo, which have no DaemonSet).
 	UninstallOnExit bool
+
+	// IstioCNITakeover takes running pods over from istio-cni in place:
+	// a pod holding exactly istio-cni's rules is enrolled, then its rules
+	// go (pkg/takeover); one holding other rules stays on them.
+	IstioCNITakeover bool
+	// IstioCNIHandBack, when set, is the backend an uninstall writes
+	// istio-cni's exact rules in, for every pod the data path redirects,
+	// before the data path goes: the node goes back to istio-cni with no
+	// pod unredirected at any moment. Empty: an uninstall only removes.
+	IstioCNIHandBack istiocni.Backend
 
 	Logger *slog.Logger
 }

@@ -13,10 +13,12 @@ import (
 	"syscall"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/takeover"
 )
 
 // FailpointEnv names a data path step (dataplane.Steps, or
-// dataplane.MigrateSteps of a start that migrates the pins), optionally with
+// dataplane.MigrateSteps of a start that migrates the pins, or a takeover's
+// takeover.Steps), optionally with
 // "#N" for its Nth time, at which the agent kills itself with SIGKILL: no
 // cleanup, as a node's OOM killer or a power cut would. It exists for the
 // crash-injection tests; an agent without it never stops there.
@@ -38,7 +40,7 @@ func failpointFromEnv() (func(step string), error) {
 		}
 		want = n
 	}
-	steps := slices.Concat(dataplane.Steps, dataplane.MigrateSteps)
+	steps := slices.Concat(dataplane.Steps, dataplane.MigrateSteps, takeover.Steps)
 	if !slices.Contains(steps, step) {
 		return nil, fmt.Errorf("%s=%q: no such step (steps: %s)", FailpointEnv, spec, strings.Join(steps, ", "))
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 )
 
@@ -42,6 +43,8 @@ type Flags struct {
 	repairMode                                  string
 	dsNamespace, dsName                         string
 	uninstallOnExit                             bool
+	istioCNITakeover                            bool
+	istioCNIHandBack                            string
 	logLevel, logFormat                         string
 	version                                     bool
 	perPodMetrics                               bool
@@ -93,6 +96,8 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.dsNamespace, "daemonset-namespace", os.Getenv("POD_NAMESPACE"), "the agent's DaemonSet namespace (uninstall check)")
 	fs.StringVar(&f.dsName, "daemonset-name", "", "the agent's DaemonSet; while it exists, shutdown keeps all state")
 	fs.BoolVar(&f.uninstallOnExit, "uninstall-on-exit", false, "remove everything on shutdown (standalone nodes, the demo)")
+	fs.BoolVar(&f.istioCNITakeover, "istio-cni-takeover", true, "take running pods over from istio-cni in place: a pod holding exactly istio-cni's in-pod rules is enrolled in eBPF, then its rules (and the node's probe rule once no pod needs it) are removed; a pod holding other rules stays on them (needs the iptables and nft binaries)")
+	fs.StringVar(&f.istioCNIHandBack, "istio-cni-handback", "", "on uninstall, hand every pod back to istio-cni first: write istio-cni's exact rules in this backend (iptables-legacy, iptables-nft or nftables) before removing the data path; empty: an uninstall only removes")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&f.logFormat, "log-format", "text", "text (key=value) or json (one JSON object a line)")
 	fs.BoolVar(&f.version, "version", false, "print the version (from the binary's build information) and exit")
@@ -131,6 +136,13 @@ func (f *Flags) Config() (Config, error) {
 		HealthAddr: f.healthAddr, MetricsAddr: f.metricsAddr, PerPodMetrics: f.perPodMetrics,
 		TraceHistory:       f.traceHistory,
 		DaemonSetNamespace: f.dsNamespace, DaemonSetName: f.dsName, UninstallOnExit: f.uninstallOnExit,
+	}
+	c.IstioCNITakeover = f.istioCNITakeover
+	switch b := istiocni.Backend(f.istioCNIHandBack); b {
+	case "", istiocni.Legacy, istiocni.NftCompat, istiocni.Nftables:
+		c.IstioCNIHandBack = b
+	default:
+		return c, fmt.Errorf("--istio-cni-handback %q: want %s, %s or %s", f.istioCNIHandBack, istiocni.Legacy, istiocni.NftCompat, istiocni.Nftables)
 	}
 	if f.traceHistory < 0 {
 		return c, fmt.Errorf("--trace-history %s: want a duration of 0 or more", f.traceHistory)

@@ -4,9 +4,11 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 
 	"google.golang.org/grpc"
 
@@ -14,6 +16,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/takeover"
 )
 
 // DefaultInspectSocket is where the agent answers the CLI.
@@ -40,6 +43,17 @@ func (i *inspector) Status(context.Context, *inspectv1.StatusRequest) (*inspectv
 		resp.EnrolledPods++
 		if p.State == reconciler.Pending {
 			resp.PendingPods++
+		}
+	}
+	resp.IstioCniTakeover, resp.IstioCniHandback = i.a.takeover != nil, string(i.a.cfg.IstioCNIHandBack)
+	if i.a.takeover != nil {
+		states := i.a.takeover.States()
+		slices.SortFunc(states, func(a, b takeover.State) int {
+			return cmp.Compare(a.Namespace+"/"+a.Name, b.Namespace+"/"+b.Name)
+		})
+		for _, s := range states {
+			resp.IstioCni = append(resp.IstioCni, &inspectv1.IstioCNIPod{Namespace: s.Namespace, Name: s.Name, Uid: s.UID,
+				Phase: s.Phase, Flows: int32(s.Flows), Reason: s.Reason})
 		}
 	}
 	return resp, nil

@@ -6,6 +6,7 @@ package agent
 import (
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,6 +16,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/takeover"
 )
 
 // metrics uses istio-cni's names, labels and label values where Istio has
@@ -37,6 +39,11 @@ type metrics struct {
 	enrollSeconds   prometheus.Histogram
 	removeSeconds   prometheus.Histogram
 	dataplaneErrors *prometheus.CounterVec
+	takeovers       *prometheus.CounterVec
+	draining        prometheus.Gauge
+	leftOnIstioCNI  prometheus.GaugeFunc
+	istioCNIPods    atomic.Pointer[func() int] // counts them, once the reconciler exists
+	handbacks       *prometheus.CounterVec
 	bpf             *bpfCollector
 	decisions       *decisionCollector
 }
@@ -85,9 +92,23 @@ func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 			Help: "Time to remove a pod's redirection.", Buckets: latency}),
 		dataplaneErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ambient_ebpf_dataplane_errors_total",
 			Help: "Data path operations that failed, by operation (enroll, remove)."}, []string{"operation"}),
+		takeovers: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ambient_ebpf_istio_cni_takeovers_total",
+			Help: "Running pods taken over from istio-cni's rules, by result: taken_over (its rules are gone, eBPF redirects the pod), refused (rules not exactly istio-cni's: left on them), failed (a step failed; retried)."}, []string{"result"}),
+		draining: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ambient_ebpf_istio_cni_draining_pods",
+			Help: "Pods taken over from istio-cni whose connections istio-cni redirected still run (their conntrack drain is in place)."}),
+		handbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ambient_ebpf_istio_cni_handbacks_total",
+			Help: "Pods handed back to istio-cni's rules on uninstall, by result (handed_back, failed: left on eBPF)."}, []string{"result"}),
 		bpf:       newBPFCollector(perPod),
 		decisions: newDecisionCollector(),
 	}
+	m.leftOnIstioCNI = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ambient_ebpf_istio_cni_pods",
+		Help: "Pods istio-cni's rules still redirect (a takeover refused them, or has not inspected them yet); handed to ztunnel all the same."},
+		func() float64 {
+			if f := m.istioCNIPods.Load(); f != nil {
+				return float64((*f)())
+			}
+			return 0
+		})
 	for _, r := range install.Results() {
 		m.installs.WithLabelValues(r)
 	}
@@ -106,8 +127,15 @@ func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 	for _, op := range []string{"enroll", "remove"} {
 		m.dataplaneErrors.WithLabelValues(op)
 	}
+	for _, r := range []string{takeover.ResultTakenOver, takeover.ResultRefused, takeover.ResultFailed} {
+		m.takeovers.WithLabelValues(r)
+	}
+	for _, r := range []string{takeover.ResultHandedBack, takeover.ResultHandFailed} {
+		m.handbacks.WithLabelValues(r)
+	}
 	m.reg.MustRegister(m.installs, m.installReady, m.pluginRequests, m.repaired, m.reconcile, m.ztunnel,
-		m.delRequests, m.enrolled, m.enrollSeconds, m.removeSeconds, m.dataplaneErrors, m.bpf, m.decisions)
+		m.delRequests, m.enrolled, m.enrollSeconds, m.removeSeconds, m.dataplaneErrors,
+		m.takeovers, m.draining, m.leftOnIstioCNI, m.handbacks, m.bpf, m.decisions)
 	return m
 }
 

@@ -117,7 +117,7 @@ func TestStatusJSONHasTheAgentsFieldsInCamelCase(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &raw); err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}
-	want := []string{"bpffsDir", "enrolledPods", "features", "node", "notReadyReason", "pendingPods", "ready", "source", "ztunnelConnections"}
+	want := []string{"bpffsDir", "enrolledPods", "features", "istioCni", "istioCniHandback", "istioCniTakeover", "node", "notReadyReason", "pendingPods", "ready", "source", "ztunnelConnections"}
 	got := slices.Sorted(func(yield func(string) bool) {
 		for k := range raw.Agent {
 			if !yield(k) {

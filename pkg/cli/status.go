@@ -154,6 +154,21 @@ the agent does not answer, or it is not ready yet.`,
 					for _, f := range slices.Sorted(maps.Keys(a.Features)) {
 						fmt.Fprintf(w, "kernel feature %s\t%v\n", f, a.Features[f])
 					}
+					handback := a.IstioCniHandback
+					if handback == "" {
+						handback = "off"
+					}
+					fmt.Fprintf(w, "istio-cni takeover\t%v (hand-back on uninstall: %s)\n", a.IstioCniTakeover, handback)
+					for _, p := range a.IstioCni {
+						line := p.Phase
+						if p.Phase == "draining istio-cni's connections" {
+							line += fmt.Sprintf(" (%d left)", p.Flows)
+						}
+						if p.Reason != "" {
+							line += ": " + p.Reason
+						}
+						fmt.Fprintf(w, "istio-cni pod %s/%s\t%s\n", p.Namespace, p.Name, line)
+					}
 				} else {
 					fmt.Fprintf(w, "agent\t%s\n", st.AgentError)
 				}

@@ -65,8 +65,21 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 			continue
 		}
 		mb.netns = ns.Path
-		if a, pinned := adopted[uid]; pinned {
+		a, pinned := adopted[uid]
+		if pinned {
 			mb.iface = a.Interface
+		}
+		if r.cfg.Takeover != nil {
+			// Inspected by a worker, before anything else happens to the
+			// pod: one the data path does not have yet may be istio-cni's,
+			// and stays with it (handed to ztunnel all the same) until then.
+			mb.takeover = takeoverInspect
+			if !pinned {
+				mb.istioCNI = true
+				r.put(mb)
+				r.queue.Add(key)
+				continue
+			}
 		}
 		if err := r.enroll(ctx, dataplane.Pod{UID: uid, Namespace: pod.Namespace, Name: pod.Name, Netns: mb.netns,
 			Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts)}); err != nil {
@@ -86,6 +99,9 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 		}
 		mb := &member{uid: uid, namespace: p.Namespace, name: p.Name, iface: p.Interface, ips: p.IPs,
 			opts: enrollmentOptions(p.Options), state: Enabled, claimed: true}
+		if r.cfg.Takeover != nil {
+			mb.takeover = takeoverInspect // a takeover cut short finishes
+		}
 		if found, ok := netnsOf[types.UID(uid)]; ok {
 			mb.netns = found.Path
 		}

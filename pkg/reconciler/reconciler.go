@@ -154,6 +154,12 @@ type Config struct {
 	// (started before the agent, labelled later, state lost). Off, they
 	// are reported as Unredirected for the status writer to act on.
 	RepairInPlace bool
+	// Takeover, when set, takes running pods over from istio-cni in place
+	// before they are redirected (Takeover).
+	Takeover Takeover
+	// DrainRecheck is how often a draining takeover counts its flows
+	// again (default DefaultDrainRecheck).
+	DrainRecheck time.Duration
 	// Workers is the number of reconcile workers (default 2).
 	Workers int
 	// RateLimiter spaces each pod's retries; default: exponential per pod
@@ -189,6 +195,12 @@ type member struct {
 	state          State
 	// nacked: ztunnel refused the pod; the next reconcile sends it again.
 	nacked bool
+	// istioCNI: istio-cni's rules redirect the pod, not the data path (a
+	// takeover refused it, or has not inspected it yet): it is handed to
+	// ztunnel all the same, and its rules are never touched.
+	istioCNI bool
+	takeover takeoverStep
+	note     string // why the pod is left on istio-cni
 	// claimed: a source reported this pod, or it was adopted. Only a
 	// claimed member leaves when its name has no pod (or another one): a
 	// CNI ADD can come before the informers' first word of the pod, and
@@ -240,6 +252,9 @@ func New(cfg Config) (*Reconciler, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if cfg.DrainRecheck <= 0 {
+		cfg.DrainRecheck = DefaultDrainRecheck
 	}
 	if cfg.RateLimiter == nil {
 		cfg.RateLimiter = DefaultRateLimiter()
@@ -475,6 +490,17 @@ func (r *Reconciler) reconcile(ctx context.Context, key string) error {
 		mb.serviceAccount = pod.Spec.ServiceAccountName
 		r.update(mb.uid, func(m *member) { m.serviceAccount = mb.serviceAccount })
 	}
+	if mb.takeover != takeoverDone && r.cfg.Takeover != nil {
+		if err := r.takeOver(ctx, mb); err != nil {
+			r.publish(change)
+			return err
+		}
+		mb = r.member(mb.uid)
+		if mb == nil {
+			r.publish(change)
+			return nil
+		}
+	}
 	if err := r.applyOptions(ctx, mb, dec.Options); err != nil {
 		r.publish(change)
 		return err
@@ -508,7 +534,16 @@ func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment
 	if err == nil {
 		mb := &member{uid: string(pod.UID), namespace: pod.Namespace, name: pod.Name,
 			serviceAccount: pod.Spec.ServiceAccountName, netns: ns.Path, ips: podIPs(pod), opts: dec.Options, claimed: true}
-		retry, err = r.add(ctx, mb, false)
+		if err = r.planTakeover(ctx, mb); err == nil {
+			retry, err = r.add(ctx, mb, false)
+		}
+		if err == nil && mb.takeover != takeoverDone {
+			// Enrolled: istio-cni's state can go now (retried on failure).
+			if terr := r.takeOver(ctx, mb); terr != nil {
+				r.log.Warn("istio-cni takeover not finished; retrying", "pod", key, "error", terr)
+				retry = errors.Join(retry, terr)
+			}
+		}
 	} else {
 		err = fmt.Errorf("find netns of pod %s: %w", key, err)
 	}
@@ -517,6 +552,11 @@ func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment
 		change.Repair, change.Err = RepairFailed, err
 		r.publish(change)
 		return fmt.Errorf("repair: add running pod %s to the mesh: %w", key, err)
+	}
+	if mb := r.member(string(pod.UID)); mb != nil && mb.istioCNI {
+		r.log.Info("running pod left on istio-cni's rules, handed to ztunnel", "pod", key, "uid", pod.UID, "why", mb.note)
+		r.publish(change)
+		return retry
 	}
 	r.log.Info("repair: redirected running pod in place", "pod", key, "uid", pod.UID, "reason", dec.Reason)
 	change.Repair = RepairedInPlace
@@ -528,7 +568,8 @@ func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment
 // opts in place: the data path's Enroll is idempotent and changes only
 // what differs, so the pod keeps its links and its open connections.
 func (r *Reconciler) applyOptions(ctx context.Context, mb *member, opts enrollment.Options) error {
-	if optionsEqual(mb.opts, opts) {
+	if optionsEqual(mb.opts, opts) || mb.istioCNI {
+		// istio-cni's rules are not ours to change.
 		return nil
 	}
 	key := mb.key()
@@ -576,10 +617,17 @@ func (r *Reconciler) stateOf(uid string) State {
 // State reports the pod's redirection state.
 func (r *Reconciler) State(uid types.UID) State { return r.stateOf(string(uid)) }
 
-// Pod is a member as the inspector and the ZDS snapshot see it.
+// Pod is a member as the inspector and the hand-back see it.
 type Pod struct {
 	UID, Namespace, Name string
 	State                State
+	Netns                string // "" when not known
+	IPs                  []netip.Addr
+	Options              enrollment.Options
+	// IstioCNI: istio-cni's rules redirect the pod, not the data path;
+	// Note says why.
+	IstioCNI bool
+	Note     string
 }
 
 // Pods returns the pods the data path redirects, in no order.
@@ -588,7 +636,8 @@ func (r *Reconciler) Pods() []Pod {
 	defer r.mu.Unlock()
 	out := make([]Pod, 0, len(r.members))
 	for _, mb := range r.members {
-		out = append(out, Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, State: mb.state})
+		out = append(out, Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, State: mb.state,
+			Netns: mb.netns, IPs: slices.Clone(mb.ips), Options: mb.opts, IstioCNI: mb.istioCNI, Note: mb.note})
 	}
 	return out
 }
@@ -614,11 +663,13 @@ func (r *Reconciler) Snapshot() []zds.Workload {
 func (r *Reconciler) add(ctx context.Context, mb *member, strict bool) (retry, err error) {
 	start := time.Now()
 	key := mb.key()
-	err = r.enroll(ctx, dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: mb.netns,
-		Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts)})
-	if err != nil {
-		r.observeError("enroll")
-		return nil, fmt.Errorf("enroll pod %s in the dataplane: %w", key, err)
+	if !mb.istioCNI {
+		err = r.enroll(ctx, dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: mb.netns,
+			Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts)})
+		if err != nil {
+			r.observeError("enroll")
+			return nil, fmt.Errorf("enroll pod %s in the dataplane: %w", key, err)
+		}
 	}
 	mb.state = Pending
 	r.put(mb)
@@ -694,6 +745,9 @@ func (r *Reconciler) enroll(ctx context.Context, p dataplane.Pod) error {
 func (r *Reconciler) remove(ctx context.Context, mb *member) error {
 	start := time.Now()
 	r.forget(mb.uid)
+	if r.cfg.Takeover != nil {
+		r.cfg.Takeover.Forget(mb.uid)
+	}
 	if f := r.cfg.Observer.Removing; f != nil {
 		f(mb.uid)
 	}

@@ -32,6 +32,7 @@ type fakeDataplane struct {
 	enrolls  []dataplane.Pod
 	removes  int
 	fail     error
+	pinned   []dataplane.EnrolledPod // what List reports (a restart's pins)
 }
 
 func (f *fakeDataplane) Enroll(_ context.Context, p dataplane.Pod) error {
@@ -53,7 +54,7 @@ func (f *fakeDataplane) Remove(_ context.Context, uid string) error {
 	return nil
 }
 
-func (f *fakeDataplane) List() []dataplane.EnrolledPod { return nil }
+func (f *fakeDataplane) List() []dataplane.EnrolledPod { return f.pinned }
 
 func (f *fakeDataplane) has(uid string) bool {
 	f.mu.Lock()

@@ -19,6 +19,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
@@ -284,6 +285,41 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 	}
 	if p := r.pinned(); !p["old"] {
 		t.Errorf("state lost on an upgrade-style stop: %v", p)
+	}
+	// A DaemonSet that selects the node by label: a stop keeps everything
+	// while the label matches, and removes everything once it does not
+	// (the node left the DaemonSet: a node-by-node move to istio-cni).
+	const redirectorLabel = "ambient-ebpf.io/redirector"
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: r.nodeName, Labels: map[string]string{redirectorLabel: "ebpf"}}}
+	if _, err := c.Client.CoreV1().Nodes().Create(context.Background(), node, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Client.CoreV1().Nodes().Delete(context.Background(), r.nodeName, metav1.DeleteOptions{}) })
+	cur, err := c.Client.AppsV1().DaemonSets(ns.Name).Get(context.Background(), "ambient-ebpf", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cur.Spec.Template.Spec.NodeSelector = map[string]string{redirectorLabel: "ebpf"}
+	if _, err := c.Client.AppsV1().DaemonSets(ns.Name).Update(context.Background(), cur, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	r.start()
+	if !r.proc.Terminate(15 * time.Second) {
+		t.Errorf("agent did not stop cleanly:\n%s", r.proc.Output.String())
+	}
+	if p := r.pinned(); !p["old"] {
+		t.Errorf("state lost on a stop while the DaemonSet selects the node: %v", p)
+	}
+	r.start()
+	patch := []byte(`{"metadata":{"labels":{"` + redirectorLabel + `":null}}}`)
+	if _, err := c.Client.CoreV1().Nodes().Patch(context.Background(), r.nodeName, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if !r.proc.Terminate(15 * time.Second) {
+		t.Errorf("agent did not stop cleanly:\n%s", r.proc.Output.String())
+	}
+	if _, err := os.Stat(r.node.BPFFSDir); !os.IsNotExist(err) {
+		t.Errorf("pins left after the node left the DaemonSet: %v", err)
 	}
 	// Uninstall: the DaemonSet is gone; the next stop removes everything.
 	if err := c.Client.AppsV1().DaemonSets(ns.Name).Delete(context.Background(), "ambient-ebpf", metav1.DeleteOptions{}); err != nil {

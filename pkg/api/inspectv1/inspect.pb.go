@@ -85,7 +85,14 @@ type StatusResponse struct {
 	// features are the kernel features the data path probed, by name.
 	Features map[string]bool `protobuf:"bytes,8,rep,name=features,proto3" json:"features,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	// bpffs_dir is where the data path is pinned.
-	BpffsDir      string `protobuf:"bytes,9,opt,name=bpffs_dir,json=bpffsDir,proto3" json:"bpffs_dir,omitempty"`
+	BpffsDir string `protobuf:"bytes,9,opt,name=bpffs_dir,json=bpffsDir,proto3" json:"bpffs_dir,omitempty"`
+	// istio_cni_takeover: the agent takes pods over from istio-cni
+	// (--istio-cni-takeover); istio_cni_handback: the backend an uninstall
+	// hands pods back to istio-cni in (--istio-cni-handback), empty: none.
+	IstioCniTakeover bool   `protobuf:"varint,10,opt,name=istio_cni_takeover,json=istioCniTakeover,proto3" json:"istio_cni_takeover,omitempty"`
+	IstioCniHandback string `protobuf:"bytes,11,opt,name=istio_cni_handback,json=istioCniHandback,proto3" json:"istio_cni_handback,omitempty"`
+	// istio_cni lists the pods a takeover saw, by namespace/name.
+	IstioCni      []*IstioCNIPod `protobuf:"bytes,12,rep,name=istio_cni,json=istioCni,proto3" json:"istio_cni,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -183,6 +190,118 @@ func (x *StatusResponse) GetBpffsDir() string {
 	return ""
 }
 
+func (x *StatusResponse) GetIstioCniTakeover() bool {
+	if x != nil {
+		return x.IstioCniTakeover
+	}
+	return false
+}
+
+func (x *StatusResponse) GetIstioCniHandback() string {
+	if x != nil {
+		return x.IstioCniHandback
+	}
+	return ""
+}
+
+func (x *StatusResponse) GetIstioCni() []*IstioCNIPod {
+	if x != nil {
+		return x.IstioCni
+	}
+	return nil
+}
+
+// IstioCNIPod is one pod's takeover from istio-cni.
+type IstioCNIPod struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Name      string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	Uid       string                 `protobuf:"bytes,3,opt,name=uid,proto3" json:"uid,omitempty"`
+	// phase: "left on istio-cni" (its rules are not exactly istio-cni's:
+	// they redirect it, untouched), "removing istio-cni's rules" (enrolled
+	// in eBPF; istio-cni's state not all gone yet), "draining istio-cni's
+	// connections" (connections istio-cni redirected still run), "taken over".
+	Phase string `protobuf:"bytes,4,opt,name=phase,proto3" json:"phase,omitempty"`
+	// flows: while draining, the connections istio-cni redirected left.
+	Flows int32 `protobuf:"varint,5,opt,name=flows,proto3" json:"flows,omitempty"`
+	// reason: why it was left on istio-cni, or the last step's error.
+	Reason        string `protobuf:"bytes,6,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IstioCNIPod) Reset() {
+	*x = IstioCNIPod{}
+	mi := &file_inspectv1_inspect_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IstioCNIPod) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IstioCNIPod) ProtoMessage() {}
+
+func (x *IstioCNIPod) ProtoReflect() protoreflect.Message {
+	mi := &file_inspectv1_inspect_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IstioCNIPod.ProtoReflect.Descriptor instead.
+func (*IstioCNIPod) Descriptor() ([]byte, []int) {
+	return file_inspectv1_inspect_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *IstioCNIPod) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *IstioCNIPod) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *IstioCNIPod) GetUid() string {
+	if x != nil {
+		return x.Uid
+	}
+	return ""
+}
+
+func (x *IstioCNIPod) GetPhase() string {
+	if x != nil {
+		return x.Phase
+	}
+	return ""
+}
+
+func (x *IstioCNIPod) GetFlows() int32 {
+	if x != nil {
+		return x.Flows
+	}
+	return 0
+}
+
+func (x *IstioCNIPod) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
 type TraceRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// pod, when set (namespace/name), keeps only that pod's decisions.
@@ -197,7 +316,7 @@ type TraceRequest struct {
 
 func (x *TraceRequest) Reset() {
 	*x = TraceRequest{}
-	mi := &file_inspectv1_inspect_proto_msgTypes[2]
+	mi := &file_inspectv1_inspect_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -209,7 +328,7 @@ func (x *TraceRequest) String() string {
 func (*TraceRequest) ProtoMessage() {}
 
 func (x *TraceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_inspectv1_inspect_proto_msgTypes[2]
+	mi := &file_inspectv1_inspect_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -222,7 +341,7 @@ func (x *TraceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TraceRequest.ProtoReflect.Descriptor instead.
 func (*TraceRequest) Descriptor() ([]byte, []int) {
-	return file_inspectv1_inspect_proto_rawDescGZIP(), []int{2}
+	return file_inspectv1_inspect_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *TraceRequest) GetPod() string {
@@ -270,7 +389,7 @@ type TraceEvent struct {
 
 func (x *TraceEvent) Reset() {
 	*x = TraceEvent{}
-	mi := &file_inspectv1_inspect_proto_msgTypes[3]
+	mi := &file_inspectv1_inspect_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -282,7 +401,7 @@ func (x *TraceEvent) String() string {
 func (*TraceEvent) ProtoMessage() {}
 
 func (x *TraceEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_inspectv1_inspect_proto_msgTypes[3]
+	mi := &file_inspectv1_inspect_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -295,7 +414,7 @@ func (x *TraceEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TraceEvent.ProtoReflect.Descriptor instead.
 func (*TraceEvent) Descriptor() ([]byte, []int) {
-	return file_inspectv1_inspect_proto_rawDescGZIP(), []int{3}
+	return file_inspectv1_inspect_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *TraceEvent) GetTimeUnixNano() int64 {
@@ -387,7 +506,7 @@ var File_inspectv1_inspect_proto protoreflect.FileDescriptor
 const file_inspectv1_inspect_proto_rawDesc = "" +
 	"\n" +
 	"\x17inspectv1/inspect.proto\x12\x16ambientebpf.inspect.v1\"\x0f\n" +
-	"\rStatusRequest\"\xa1\x03\n" +
+	"\rStatusRequest\"\xbf\x04\n" +
 	"\x0eStatusResponse\x12\x14\n" +
 	"\x05ready\x18\x01 \x01(\bR\x05ready\x12(\n" +
 	"\x10not_ready_reason\x18\x02 \x01(\tR\x0enotReadyReason\x12/\n" +
@@ -397,10 +516,21 @@ const file_inspectv1_inspect_proto_rawDesc = "" +
 	"\x04node\x18\x06 \x01(\tR\x04node\x12\x16\n" +
 	"\x06source\x18\a \x01(\tR\x06source\x12P\n" +
 	"\bfeatures\x18\b \x03(\v24.ambientebpf.inspect.v1.StatusResponse.FeaturesEntryR\bfeatures\x12\x1b\n" +
-	"\tbpffs_dir\x18\t \x01(\tR\bbpffsDir\x1a;\n" +
+	"\tbpffs_dir\x18\t \x01(\tR\bbpffsDir\x12,\n" +
+	"\x12istio_cni_takeover\x18\n" +
+	" \x01(\bR\x10istioCniTakeover\x12,\n" +
+	"\x12istio_cni_handback\x18\v \x01(\tR\x10istioCniHandback\x12@\n" +
+	"\tistio_cni\x18\f \x03(\v2#.ambientebpf.inspect.v1.IstioCNIPodR\bistioCni\x1a;\n" +
 	"\rFeaturesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\bR\x05value:\x028\x01\"H\n" +
+	"\x05value\x18\x02 \x01(\bR\x05value:\x028\x01\"\x95\x01\n" +
+	"\vIstioCNIPod\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x10\n" +
+	"\x03uid\x18\x03 \x01(\tR\x03uid\x12\x14\n" +
+	"\x05phase\x18\x04 \x01(\tR\x05phase\x12\x14\n" +
+	"\x05flows\x18\x05 \x01(\x05R\x05flows\x12\x16\n" +
+	"\x06reason\x18\x06 \x01(\tR\x06reason\"H\n" +
 	"\fTraceRequest\x12\x10\n" +
 	"\x03pod\x18\x01 \x01(\tR\x03pod\x12&\n" +
 	"\x0fsince_unix_nano\x18\x02 \x01(\x03R\rsinceUnixNano\"\xba\x02\n" +
@@ -435,25 +565,27 @@ func file_inspectv1_inspect_proto_rawDescGZIP() []byte {
 	return file_inspectv1_inspect_proto_rawDescData
 }
 
-var file_inspectv1_inspect_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_inspectv1_inspect_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_inspectv1_inspect_proto_goTypes = []any{
 	(*StatusRequest)(nil),  // 0: ambientebpf.inspect.v1.StatusRequest
 	(*StatusResponse)(nil), // 1: ambientebpf.inspect.v1.StatusResponse
-	(*TraceRequest)(nil),   // 2: ambientebpf.inspect.v1.TraceRequest
-	(*TraceEvent)(nil),     // 3: ambientebpf.inspect.v1.TraceEvent
-	nil,                    // 4: ambientebpf.inspect.v1.StatusResponse.FeaturesEntry
+	(*IstioCNIPod)(nil),    // 2: ambientebpf.inspect.v1.IstioCNIPod
+	(*TraceRequest)(nil),   // 3: ambientebpf.inspect.v1.TraceRequest
+	(*TraceEvent)(nil),     // 4: ambientebpf.inspect.v1.TraceEvent
+	nil,                    // 5: ambientebpf.inspect.v1.StatusResponse.FeaturesEntry
 }
 var file_inspectv1_inspect_proto_depIdxs = []int32{
-	4, // 0: ambientebpf.inspect.v1.StatusResponse.features:type_name -> ambientebpf.inspect.v1.StatusResponse.FeaturesEntry
-	0, // 1: ambientebpf.inspect.v1.Inspect.Status:input_type -> ambientebpf.inspect.v1.StatusRequest
-	2, // 2: ambientebpf.inspect.v1.Inspect.Trace:input_type -> ambientebpf.inspect.v1.TraceRequest
-	1, // 3: ambientebpf.inspect.v1.Inspect.Status:output_type -> ambientebpf.inspect.v1.StatusResponse
-	3, // 4: ambientebpf.inspect.v1.Inspect.Trace:output_type -> ambientebpf.inspect.v1.TraceEvent
-	3, // [3:5] is the sub-list for method output_type
-	1, // [1:3] is the sub-list for method input_type
-	1, // [1:1] is the sub-list for extension type_name
-	1, // [1:1] is the sub-list for extension extendee
-	0, // [0:1] is the sub-list for field type_name
+	5, // 0: ambientebpf.inspect.v1.StatusResponse.features:type_name -> ambientebpf.inspect.v1.StatusResponse.FeaturesEntry
+	2, // 1: ambientebpf.inspect.v1.StatusResponse.istio_cni:type_name -> ambientebpf.inspect.v1.IstioCNIPod
+	0, // 2: ambientebpf.inspect.v1.Inspect.Status:input_type -> ambientebpf.inspect.v1.StatusRequest
+	3, // 3: ambientebpf.inspect.v1.Inspect.Trace:input_type -> ambientebpf.inspect.v1.TraceRequest
+	1, // 4: ambientebpf.inspect.v1.Inspect.Status:output_type -> ambientebpf.inspect.v1.StatusResponse
+	4, // 5: ambientebpf.inspect.v1.Inspect.Trace:output_type -> ambientebpf.inspect.v1.TraceEvent
+	4, // [4:6] is the sub-list for method output_type
+	2, // [2:4] is the sub-list for method input_type
+	2, // [2:2] is the sub-list for extension type_name
+	2, // [2:2] is the sub-list for extension extendee
+	0, // [0:2] is the sub-list for field type_name
 }
 
 func init() { file_inspectv1_inspect_proto_init() }
@@ -467,7 +599,7 @@ func file_inspectv1_inspect_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_inspectv1_inspect_proto_rawDesc), len(file_inspectv1_inspect_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   5,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
