@@ -148,8 +148,9 @@ fuzz: ## run each fuzzer of the repo for FUZZTIME (default 4s), one after anothe
 IMAGE ?= ghcr.io/ambient-ebpf/ambient-ebpf:dev
 
 .PHONY: image
-image: ## build the container image (needs docker; deploy/dockerfile_test.go checks the Dockerfile without it)
+image: ## build the container image and its -takeover flavor (needs docker; deploy/dockerfile_test.go checks the Dockerfile without it)
 	docker build --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t $(IMAGE) .
+	docker build --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) --target takeover -t $(IMAGE)-takeover .
 
 .PHONY: demo
 demo: deps build cni-plugins ## run a self-contained demo node (root): CNI chain, agent, ztunnel stand-in, real traffic

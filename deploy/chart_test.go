@@ -346,6 +346,22 @@ imagePullSecrets: [{name: registry-b}, registry-a]
 			},
 		},
 		{
+			name:   "image flavor takeover, with the hand-back backend",
+			values: "image: {flavor: takeover}\nagent: {istioCNI: {handBack: iptables-nft}}",
+			check: func(t *testing.T, r *rendered) {
+				c := r.agent(t)
+				if c.Image != "ghcr.io/ambient-ebpf/ambient-ebpf:0.1.0-takeover" {
+					t.Errorf("image %s, want the takeover flavor", c.Image)
+				}
+				if got := flag1(t, c, "istio-cni-handback"); got != "iptables-nft" {
+					t.Errorf("--istio-cni-handback=%s", got)
+				}
+				if got := flag1(t, c, "istio-cni-takeover"); got != "true" {
+					t.Errorf("--istio-cni-takeover=%s", got)
+				}
+			},
+		},
+		{
 			name:   "log format set over global.logAsJson",
 			values: "global: {logAsJson: true}\nagent: {logFormat: text}",
 			check: func(t *testing.T, r *rendered) {

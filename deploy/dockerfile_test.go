@@ -96,17 +96,18 @@ func TestDockerfile(t *testing.T) {
 		t.Fatal(err)
 	}
 	args, stages := parseDockerfile(t, string(raw))
-	if len(stages) != 2 {
-		t.Fatalf("%d stages, want a build stage and a final stage", len(stages))
+	if len(stages) != 3 {
+		t.Fatalf("%d stages, want a build stage, the takeover flavor and a final stage", len(stages))
 	}
-	build, final := stages[0], stages[1]
+	build, takeover, final := stages[0], stages[1], stages[2]
+	checkTakeoverStage(t, takeover, final, args)
 
 	// Build stage: Go 1.26 only, static binaries, no clang (the BPF
 	// objects are committed).
 	if from := expand(build.from, args); from != "golang:1.26" || build.name == "" {
 		t.Errorf("build stage FROM %s AS %q, want golang:1.26 with a name", from, build.name)
 	}
-	for _, st := range stages {
+	for _, st := range []stage{build, final} {
 		for _, in := range st.instrs {
 			for _, banned := range []string{"clang", "llvm", "apt-get", "go generate", "apk "} {
 				if strings.Contains(in.args, banned) {
@@ -218,6 +219,30 @@ func TestDockerfile(t *testing.T) {
 	}
 	if cmd := r.agent(t).Command; !slices.Equal(cmd, []string{"/usr/local/bin/" + imageBinaries[0]}) {
 		t.Errorf("chart runs %v, the image's agent is /usr/local/bin/%s", cmd, imageBinaries[0])
+	}
+}
+
+// checkTakeoverStage: the takeover flavor is the final stage's binaries
+// and entry point on Debian slim, plus only Debian's iptables and nftables.
+func checkTakeoverStage(t *testing.T, tk, final stage, args map[string]string) {
+	t.Helper()
+	if from := expand(tk.from, args); tk.name != "takeover" || !strings.HasPrefix(from, "debian:") || !strings.HasSuffix(from, "-slim") {
+		t.Errorf("takeover stage FROM %s AS %q, want debian:*-slim AS takeover", from, tk.name)
+	}
+	var runs, rest []instruction
+	for _, in := range tk.instrs {
+		if in.cmd == "RUN" {
+			runs = append(runs, in)
+		} else {
+			rest = append(rest, in)
+		}
+	}
+	want := "apt-get update && apt-get install -y --no-install-recommends iptables nftables && rm -rf /var/lib/apt/lists/*"
+	if len(runs) != 1 || runs[0].args != want {
+		t.Errorf("takeover stage RUN %v, want the one RUN %q", runs, want)
+	}
+	if !slices.Equal(rest, final.instrs) {
+		t.Errorf("takeover stage %v, want the final stage's instructions %v", rest, final.instrs)
 	}
 }
 

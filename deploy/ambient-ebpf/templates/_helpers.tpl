@@ -47,9 +47,14 @@ istio.io/rev: {{ .Values.revision | default "default" | quote }}
 The image: image.repository when set, else <hub>/<image.name> with hub from
 image.hub, global.hub, then ghcr.io/ambient-ebpf. The tag is image.tag or
 the chart's appVersion, never global.tag: Istio's release tags are not ours.
+image.flavor "takeover" appends -takeover: the image with the iptables and
+nft binaries a takeover from istio-cni needs (the Dockerfile's takeover target).
 */}}
 {{- define "ambient-ebpf.image" -}}
 {{- $tag := .Values.image.tag | default .Chart.AppVersion | toString }}
+{{- if eq .Values.image.flavor "takeover" }}
+{{- $tag = printf "%s-takeover" $tag }}
+{{- end }}
 {{- if .Values.image.repository }}
 {{- printf "%s:%s" .Values.image.repository $tag }}
 {{- else }}
