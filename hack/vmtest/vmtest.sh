@@ -6,9 +6,10 @@
 # $VMTEST_PKGS) on each KERNEL: "host" runs them here, 5.10 / 6.1 / 6.12
 # boot Debian's cloud kernel of that series under qemu (software
 # emulation) with an initramfs of busybox, the userland tools the suites
-# call (iptables, ipset, ip, nsenter) and the binaries. Each kernel's run
-# ends with "vmtest <release>: N passed, N failed, N skipped"; the script
-# fails when any kernel fails, hangs or panics (no exit marker).
+# call (iptables of both backends, nft, ipset, ip, nsenter) and the
+# binaries. Each kernel's run ends with "vmtest <release>: N passed,
+# N failed, N skipped"; the script fails when any kernel fails, hangs or
+# panics (no exit marker).
 #
 # A VMTEST_PKGS entry PKG:PATTERN runs only PKG's tests matching PATTERN
 # (a -test.run pattern). Packages whose tests run the real agent get
@@ -25,7 +26,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 GO=${GO:-go}
 CACHE=${CACHE:-$root/.cache}
-VMTEST_PKGS=${VMTEST_PKGS:-./pkg/features ./pkg/dataplane ./test/conformance ./test/agente2e:^(TestUpgradeFromTheLastRelease|TestDowngradeToTheLastRelease|TestMigrateToTheNextLayoutAndBack|TestAgentKilledDuringAMigrationFinishesIt)\$}
+VMTEST_PKGS=${VMTEST_PKGS:-./pkg/features ./pkg/dataplane ./pkg/istiocni ./test/conformance ./test/agente2e:^(TestUpgradeFromTheLastRelease|TestDowngradeToTheLastRelease|TestMigrateToTheNextLayoutAndBack|TestAgentKilledDuringAMigrationFinishesIt)\$}
 VMTEST_TIMEOUT=${VMTEST_TIMEOUT:-3600} # seconds per VM, boot to poweroff
 VMTEST_MEM=${VMTEST_MEM:-2G}         # the initramfs (binaries included) lives in it
 # vCPUs per guest, each a host thread (multi-threaded TCG): with one vCPU the
@@ -106,7 +107,7 @@ build_base() {
 	cp "$here/init" "$base/init"
 	cp "$work"/tests/* "$base/tests/"
 	[ ! -d "$work/bins" ] || cp -a "$work/bins" "$base/bins"
-	local tools="ip nsenter ipset xtables-nft-multi xtables-legacy-multi"
+	local tools="ip nsenter ipset nft xtables-nft-multi xtables-legacy-multi"
 	for bin in $tools; do
 		cp "$(command -v "$bin")" "$base/usr/sbin/$bin"
 		for lib in $(ldd "$(command -v "$bin")" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// && $1 !~ /:$/ {print $1}'); do
@@ -114,10 +115,11 @@ build_base() {
 			cp -L "$lib" "$base$lib"
 		done
 	done
-	for bin in iptables ip6tables iptables-restore ip6tables-restore iptables-save ip6tables-save iptables-nft-save ip6tables-nft-save; do
+	for bin in iptables ip6tables iptables-restore ip6tables-restore iptables-save ip6tables-save iptables-nft iptables-nft-save ip6tables-nft ip6tables-nft-save \
+		iptables-nft-restore ip6tables-nft-restore; do
 		ln -s xtables-nft-multi "$base/usr/sbin/$bin"
 	done
-	for bin in iptables-legacy iptables-legacy-save ip6tables-legacy ip6tables-legacy-save; do
+	for bin in iptables-legacy iptables-legacy-save iptables-legacy-restore ip6tables-legacy ip6tables-legacy-save ip6tables-legacy-restore; do
 		ln -s xtables-legacy-multi "$base/usr/sbin/$bin"
 	done
 	# iptables loads its matches and targets as plugins.
@@ -138,7 +140,8 @@ modules="veth sch_ingress cls_bpf act_bpf nf_tables nft_compat nft_chain_nat nft
 ip_tables ip6_tables iptable_nat iptable_mangle iptable_raw iptable_filter ip6table_nat ip6table_mangle
 ip6table_raw ip6table_filter nf_nat nf_conntrack xt_owner xt_set xt_mark xt_connmark xt_CT xt_REDIRECT
 xt_MASQUERADE xt_nat xt_tcpudp xt_comment ip_set ip_set_hash_ip ip_set_hash_net nf_defrag_ipv4 nf_defrag_ipv6
-nf_reject_ipv4 nf_reject_ipv6 xt_TPROXY nf_tproxy_ipv4 nf_tproxy_ipv6 xt_socket nf_socket_ipv4 nf_socket_ipv6"
+nf_reject_ipv4 nf_reject_ipv6 xt_TPROXY nf_tproxy_ipv4 nf_tproxy_ipv6 xt_socket nf_socket_ipv4 nf_socket_ipv6
+nf_conntrack_netlink nft_nat nft_redir nft_masq inet_diag tcp_diag"
 
 build_modules() {
 	local kdir=$1 rel=$2 out=$3 m f
@@ -154,7 +157,10 @@ build_modules() {
 	all="$modules $(find "$kdir/lib/modules/$rel/kernel/net" -name 'nft_*.ko*' -o -name 'xt_*.ko*' |
 		sed -E 's|.*/||; s|\.ko(\.[a-z]+)?$||' | sort)"
 	for m in $all; do
-		modprobe -d "$kdir" -S "$rel" --show-depends "$m" 2>/dev/null | awk '$1 == "insmod" {print $2}'
+		# A module this kernel lacks (or has built in) is reported, not
+		# fatal: the guest's init names the ones that did not load.
+		modprobe -d "$kdir" -S "$rel" --show-depends "$m" 2>/dev/null | awk '$1 == "insmod" {print $2}' ||
+			log "$rel: no module $m"
 	done | sort -u | while read -r f; do
 		local dst=$mroot${f#"$kdir"}
 		mkdir -p "$(dirname "$dst")"

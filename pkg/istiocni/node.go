@@ -204,16 +204,7 @@ func (in *Inspector) RemoveNode(ctx context.Context, path string) error {
 		if err := errors.Join(errs...); err != nil {
 			return err // an ipset a rule still names cannot go
 		}
-		h, err := netlink.NewHandle(unix.NETLINK_NETFILTER)
-		if err != nil {
-			return fmt.Errorf("netns %s: netlink: %w", path, err)
-		}
-		defer h.Close()
-		for _, set := range []string{ProbeSetV4, ProbeSetV6} {
-			if err := h.IpsetDestroy(set); err != nil && !errors.Is(err, unix.ENOENT) {
-				errs = append(errs, fmt.Errorf("netns %s: ipset destroy %s: %w", path, set, err))
-			}
-		}
+		errs = append(errs, destroyIPSets(path, []string{ProbeSetV4, ProbeSetV6}))
 		if in.nft != "" {
 			errs = append(errs, in.deleteNftTables(ctx, path, []string{NftNatTable}))
 		}
@@ -225,6 +216,29 @@ func (in *Inspector) RemoveNode(ctx context.Context, path string) error {
 // each only while its entry still names the pod (comment = uid), as
 // istio-cni does: once the pod is on eBPF its probes need no iptables SNAT.
 func (in *Inspector) RemoveProbeEntries(ctx context.Context, path, uid string, ips []netip.Addr) error {
+	return eachProbeSet(path, ips, func(h *netlink.Handle, set string, ip netip.Addr) error {
+		res, err := h.IpsetList(set)
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("netns %s: ipset list %s: %w", path, set, err)
+		}
+		var errs []error
+		for _, e := range res.Entries {
+			if a, ok := netip.AddrFromSlice(e.IP); ok && a.Unmap() == ip && e.Comment == uid {
+				if err := h.IpsetDel(set, &netlink.IPSetEntry{IP: e.IP}); err != nil && !errors.Is(err, unix.ENOENT) {
+					errs = append(errs, fmt.Errorf("netns %s: ipset del %s %s: %w", path, set, ip, err))
+				}
+			}
+		}
+		return errors.Join(errs...)
+	})
+}
+
+// eachProbeSet calls fn in the node netns at path for each IP (unmapped)
+// with the probe ipset of its family.
+func eachProbeSet(path string, ips []netip.Addr, fn func(h *netlink.Handle, set string, ip netip.Addr) error) error {
 	return inNetns(path, func() error {
 		h, err := netlink.NewHandle(unix.NETLINK_NETFILTER)
 		if err != nil {
@@ -233,25 +247,12 @@ func (in *Inspector) RemoveProbeEntries(ctx context.Context, path, uid string, i
 		defer h.Close()
 		var errs []error
 		for _, ip := range ips {
+			ip = ip.Unmap()
 			set := ProbeSetV4
-			if ip.Unmap().Is6() {
+			if ip.Is6() {
 				set = ProbeSetV6
 			}
-			res, err := h.IpsetList(set)
-			if errors.Is(err, unix.ENOENT) {
-				continue
-			}
-			if err != nil {
-				errs = append(errs, fmt.Errorf("netns %s: ipset list %s: %w", path, set, err))
-				continue
-			}
-			for _, e := range res.Entries {
-				if a, ok := netip.AddrFromSlice(e.IP); ok && a.Unmap() == ip.Unmap() && e.Comment == uid {
-					if err := h.IpsetDel(set, &netlink.IPSetEntry{IP: e.IP}); err != nil && !errors.Is(err, unix.ENOENT) {
-						errs = append(errs, fmt.Errorf("netns %s: ipset del %s %s: %w", path, set, ip, err))
-					}
-				}
-			}
+			errs = append(errs, fn(h, set, ip))
 		}
 		return errors.Join(errs...)
 	})
