@@ -331,6 +331,18 @@ func (a *agent) shutdown(dp *dataplane.Dataplane, runErr error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if a.uninstalling(ctx) {
+		if a.cfg.IstioCNIHandBack != "" && a.rec != nil {
+			if err := a.handBack(dp); err != nil {
+				// The pods not handed back keep their eBPF redirection (and
+				// its pins) rather than go unredirected.
+				a.log.Error("uninstalling: hand-back to istio-cni incomplete; the data path stays for the pods it could not hand back", "error", err)
+				var errs []error
+				if a.inst != nil {
+					errs = append(errs, a.inst.Cleanup())
+				}
+				return errors.Join(runErr, err, errors.Join(errs...), dp.Close())
+			}
+		}
 		a.log.Info("uninstalling: removing the CNI plugin and all data path state")
 		var errs []error
 		if a.inst != nil {
@@ -342,6 +354,31 @@ func (a *agent) shutdown(dp *dataplane.Dataplane, runErr error) error {
 	a.log.Info("stopping; redirection stays in place for the next agent")
 	return errors.Join(runErr, dp.Close())
 }
+
+// handBack writes istio-cni's rules into every pod the data path
+// redirects and takes out the pods handed back; an error means some
+// were not, and still are redirected by the data path.
+func (a *agent) handBack(dp *dataplane.Dataplane) error {
+	// Its own time: a pod's rules take tens of milliseconds to write.
+	ctx, cancel := context.WithTimeout(context.Background(), HandBackTimeout)
+	defer cancel()
+	pods := a.rec.Pods()
+	a.log.Info("uninstalling: handing the pods back to istio-cni first", "pods", len(pods), "backend", a.cfg.IstioCNIHandBack)
+	handed, err := takeover.HandBack(ctx, a.istio, cmp.Or(a.cfg.Dataplane.NodeNetns, "/proc/self/ns/net"), a.cfg.IstioCNIHandBack, pods,
+		a.log.With("component", "takeover"), func(r string) { a.metrics.handbacks.WithLabelValues(r).Inc() })
+	if err == nil {
+		return nil
+	}
+	for _, uid := range handed {
+		if rerr := dp.Remove(ctx, uid); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("remove pod uid %s handed back to istio-cni from the data path: %w", uid, rerr))
+		}
+	}
+	return err
+}
+
+// HandBackTimeout bounds an uninstall's hand-back to istio-cni.
+const HandBackTimeout = 2 * time.Minute
 
 // uninstalling tells an uninstall from a restart or upgrade: the agent's
 // DaemonSet is gone, being deleted, or its nodeSelector no longer matches

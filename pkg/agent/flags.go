@@ -97,7 +97,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.dsName, "daemonset-name", "", "the agent's DaemonSet; while it exists, shutdown keeps all state")
 	fs.BoolVar(&f.uninstallOnExit, "uninstall-on-exit", false, "remove everything on shutdown (standalone nodes, the demo)")
 	fs.BoolVar(&f.istioCNITakeover, "istio-cni-takeover", true, "take running pods over from istio-cni in place: a pod holding exactly istio-cni's in-pod rules is enrolled in eBPF, then its rules (and the node's probe rule once no pod needs it) are removed; a pod holding other rules stays on them (needs the iptables and nft binaries)")
-	fs.StringVar(&f.istioCNIHandBack, "istio-cni-handback", "", "on uninstall, hand every pod back to istio-cni first: write istio-cni's exact rules in this backend (iptables-legacy, iptables-nft or nftables) before removing the data path; empty: an uninstall only removes")
+	fs.StringVar(&f.istioCNIHandBack, "istio-cni-handback", "", "on uninstall, hand every pod back to istio-cni first: write istio-cni's exact rules in this backend (iptables-legacy or iptables-nft) before removing the data path; empty: an uninstall only removes")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&f.logFormat, "log-format", "text", "text (key=value) or json (one JSON object a line)")
 	fs.BoolVar(&f.version, "version", false, "print the version (from the binary's build information) and exit")
@@ -139,10 +139,14 @@ func (f *Flags) Config() (Config, error) {
 	}
 	c.IstioCNITakeover = f.istioCNITakeover
 	switch b := istiocni.Backend(f.istioCNIHandBack); b {
-	case "", istiocni.Legacy, istiocni.NftCompat, istiocni.Nftables:
+	case "", istiocni.Legacy, istiocni.NftCompat:
 		c.IstioCNIHandBack = b
+	case istiocni.Nftables:
+		// Its node table (the host probe rule in nftables) is not
+		// rendered: a hand-back would leave kubelet's probes unSNATed.
+		return c, fmt.Errorf("--istio-cni-handback %q: istio-cni's native nftables mode is taken over, not handed back to; want %s or %s", b, istiocni.Legacy, istiocni.NftCompat)
 	default:
-		return c, fmt.Errorf("--istio-cni-handback %q: want %s, %s or %s", f.istioCNIHandBack, istiocni.Legacy, istiocni.NftCompat, istiocni.Nftables)
+		return c, fmt.Errorf("--istio-cni-handback %q: want %s or %s", f.istioCNIHandBack, istiocni.Legacy, istiocni.NftCompat)
 	}
 	if f.traceHistory < 0 {
 		return c, fmt.Errorf("--trace-history %s: want a duration of 0 or more", f.traceHistory)
