@@ -14,19 +14,22 @@
 //     handed to ztunnel, and never touched. A pod holding the drain table
 //     is one whose takeover began and was cut short: it is finished,
 //     whatever is left of istio-cni's rules.
+//     A pod to take over gets the drain (istiocni.InstallDrain) at once,
+//     before anything else changes: it holds conntrack for the connections
+//     istio-cni redirected, and it is the record that the takeover began.
 //  2. The reconciler enrols the pod in eBPF (both redirect now: the same
 //     ztunnel listeners, the same marks).
-//  3. Finish: the drain (istiocni.InstallDrain) holds conntrack for the
-//     connections istio-cni redirected, then istio-cni's rules go (its
-//     return-path rule and routes stay: the eBPF enrolment uses the very
-//     same ones), then the pod's IPs leave istio-cni's probe ipsets on the
-//     node, and the node's probe rule and sets once they are empty. Until
-//     the last redirected flow closes, Finish reports the pod draining and
-//     the reconciler calls it again; then the drain goes.
+//  3. Finish: istio-cni's rules go (its return-path rule and routes stay:
+//     the eBPF enrolment uses the very same ones), then the pod's IPs
+//     leave istio-cni's probe ipsets on the node, and the node's probe rule
+//     and sets once they are empty. Until the last redirected flow closes,
+//     Finish reports the pod draining and the reconciler calls it again;
+//     then the drain goes.
 //
 // The kernel state is the record: nothing is written elsewhere, so an
-// agent killed at any step finds on restart what it needs to go on (the
-// drain table says a takeover began; the pins say eBPF has the pod).
+// agent killed at any step finds on restart what it needs to go on: the
+// drain table says a takeover began, whatever is left of istio-cni's
+// rules and whether or not the pins say eBPF has the pod yet.
 package takeover
 
 import (
@@ -44,13 +47,13 @@ import (
 
 // The failpoints of a takeover (Config.Failpoint), in order.
 const (
-	StepEnrolled = "takeover-after-enroll" // the pod is enrolled, istio-cni's state untouched
-	StepDrained  = "takeover-after-drain"  // the drain holds conntrack, istio-cni's rules still there
+	StepDrained  = "takeover-after-drain"  // the drain holds conntrack; the pod is not enrolled yet
+	StepEnrolled = "takeover-after-enroll" // the pod is enrolled, istio-cni's rules still there
 	StepRemoved  = "takeover-after-remove" // istio-cni's pod rules are gone, the node's probe entries not yet
 )
 
-// Steps lists the failpoints.
-var Steps = []string{StepEnrolled, StepDrained, StepRemoved}
+// Steps lists the failpoints, in order.
+var Steps = []string{StepDrained, StepEnrolled, StepRemoved}
 
 // Results of a pod's takeover (Config.OnResult, the metric's label).
 const (
@@ -206,7 +209,13 @@ func (t *Takeover) Inspect(ctx context.Context, p reconciler.TakeoverPod) (recon
 		// annotations changed since. A new pod would get want, so does this one.
 		log.Info("istio-cni takeover: the pod's rules express other options than its annotations ask for; enrolling with the annotations'", "rules", ip.Options.String(), "annotations", want.String())
 	}
-	log.Info("istio-cni takeover: the pod holds istio-cni's rules; enrolling it in eBPF first", "backends", ip.Backends())
+	// The drain first: the record that the takeover began, for an agent
+	// killed before it ends (the pod may be enrolled by then or not).
+	if err := t.cfg.Drain.Install(ctx, p.Netns); err != nil {
+		return reconciler.TakeoverPlan{}, fmt.Errorf("istio-cni takeover of pod %s/%s: %w", p.Namespace, p.Name, err)
+	}
+	t.failpoint(StepDrained)
+	log.Info("istio-cni takeover: the pod holds istio-cni's rules; drain in place, enrolling it in eBPF first", "backends", ip.Backends())
 	t.set(p, PhaseRemoving, 0, "")
 	return reconciler.TakeoverPlan{Action: reconciler.TakeoverProceed}, nil
 }
@@ -223,12 +232,9 @@ func (t *Takeover) Finish(ctx context.Context, p reconciler.TakeoverPod) (draini
 	log := t.log.With("pod", key, "uid", p.UID, "netns", p.Netns)
 	if t.phase(p.UID) == PhaseRemoving {
 		t.failpoint(StepEnrolled)
-		// The drain first, so that removing istio-cni's rules does not
-		// turn conntrack off under its connections (istiocni.DrainTable).
-		if err := t.cfg.Drain.Install(ctx, p.Netns); err != nil {
-			return false, fmt.Errorf("istio-cni takeover of pod %s: %w", key, err)
-		}
-		t.failpoint(StepDrained)
+		// The drain is in place since Inspect: removing istio-cni's rules
+		// does not turn conntrack off under its connections
+		// (istiocni.DrainTable).
 		if err := t.cfg.Inspector.RemovePod(ctx, p.Netns, istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
 			return false, fmt.Errorf("istio-cni takeover of pod %s: remove istio-cni's rules: %w", key, err)
 		}
