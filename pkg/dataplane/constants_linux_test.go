@@ -27,6 +27,7 @@ func TestConstantsMatchCommonH(t *testing.T) {
 		"AE_F_BYPASS_INBOUND":         flagBypassInbound,
 		"AE_F_DNS_CAPTURE":            flagDNSCapture,
 		"AE_MAX_PODS":                 maxPods,
+		"AE_LISTENER_SLOTS":           listenerSlots,
 		"AE_CFG_NETNS_COOKIE_SOCKOPS": flagNetnsCookieSockops,
 		"AE_CFG_NETNS_COOKIE_SOCKOPT": flagNetnsCookieSockopt,
 		"AE_CFG_SK_ASSIGN_REUSEPORT":  flagSkAssignReuseport,

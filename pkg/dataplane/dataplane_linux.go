@@ -33,6 +33,7 @@ type Dataplane struct {
 	netnsCookie     func() (uint64, error) // of the calling thread's netns
 	bpfFlags        uint32                 // ae_cfg.flags
 	nsQuery         link.Link              // ae_netns_query, where SO_NETNS_COOKIE is missing
+	listenerIter    *ebpf.Program          // ae_file_listeners, in the sk_lookup mode
 
 	// migration is what New found of the pins' layout; used from load
 	// until the links run the new programs, nil afterwards.
@@ -123,6 +124,10 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 	if err := d.load(); err != nil {
 		return nil, err
 	}
+	if err := d.loadListenerIterator(); err != nil {
+		d.closeObjects()
+		return nil, err
+	}
 	if err := d.attachNetnsQuery(); err != nil {
 		d.closeObjects()
 		return nil, err
@@ -192,6 +197,9 @@ const (
 	flagSkAssignReuseport  = 1 << 2
 	flagSkLookupIfindex    = 1 << 3
 )
+
+// listenerSlots is AE_LISTENER_SLOTS: ae_listeners' slots per pod and port.
+const listenerSlots = 4
 
 // attachNetnsQuery attaches ae_netns_query to the agent's own cgroup where
 // the kernel lacks SO_NETNS_COOKIE; the link lives as long as the agent.
@@ -322,6 +330,10 @@ func (d *Dataplane) closeObjects() {
 	if d.nsQuery != nil {
 		d.nsQuery.Close()
 		d.nsQuery = nil
+	}
+	if d.listenerIter != nil {
+		d.listenerIter.Close()
+		d.listenerIter = nil
 	}
 	d.sock.Close()
 	d.tc.Close()

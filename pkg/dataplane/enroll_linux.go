@@ -134,7 +134,13 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		d.cfg.failpoint(StepEnrollAttached)
 	}
 
-	if err := d.writePodMaps(st); err != nil {
+	err = d.writePodMaps(st)
+	if err == nil {
+		// After the pod's entries: a listener opened from now on is filed
+		// by sockops, one opened before by this.
+		err = d.fileExistingListeners(pod.Netns, ns.cookie)
+	}
+	if err != nil {
 		rollback()
 		if old != nil {
 			_ = d.writePodMaps(old) // put the previous state back

@@ -7,6 +7,9 @@ package dataplane
 // and the outputs are committed; `make check-generated` keeps them honest.
 //go:generate go tool bpf2go -tags linux,!ae_layout_next -target bpfel -type ae_addr -type pod_info -type netns_info -type pod_meta -type pod_stats -type orig_key -type orig_dst -type probe_key -type probe_nat -type ae_event -type ae_reason sock ../../bpf/sock.c -- -I../../headers -I../../bpf
 //go:generate go tool bpf2go -tags linux,!ae_layout_next -target bpfel tc ../../bpf/tc.c -- -I../../headers -I../../bpf
+// The iterator that files listeners ztunnel opened before the enrolment
+// (sk_lookup mode, Linux 5.17); loaded unpinned, next to the sock object.
+//go:generate go tool bpf2go -tags linux -target bpfel listeners ../../bpf/listeners.c -- -I../../headers -I../../bpf
 // The sockmap acceleration loads only where its Linux 5.15 helpers are.
 //go:generate go tool bpf2go -tags linux -target bpfel -type accel_key -type accel_stats accel ../../bpf/accel.c -- -I../../headers -I../../bpf
 
