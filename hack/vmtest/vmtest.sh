@@ -114,10 +114,10 @@ build_base() {
 			cp -L "$lib" "$base$lib"
 		done
 	done
-	for bin in iptables ip6tables iptables-restore ip6tables-restore iptables-save ip6tables-save iptables-nft-save ip6tables-nft-save; do
+	for bin in iptables ip6tables iptables-restore ip6tables-restore iptables-save ip6tables-save iptables-nft ip6tables-nft iptables-nft-save ip6tables-nft-save iptables-nft-restore ip6tables-nft-restore; do
 		ln -s xtables-nft-multi "$base/usr/sbin/$bin"
 	done
-	for bin in iptables-legacy iptables-legacy-save ip6tables-legacy ip6tables-legacy-save; do
+	for bin in iptables-legacy iptables-legacy-save iptables-legacy-restore ip6tables-legacy ip6tables-legacy-save ip6tables-legacy-restore; do
 		ln -s xtables-legacy-multi "$base/usr/sbin/$bin"
 	done
 	# iptables loads its matches and targets as plugins.
