@@ -398,15 +398,15 @@ func (s *scenario) openStreams(st *streams, prefix string) {
 	}
 }
 
-// closeStreams closes the streams whose name starts with prefix, after a
-// last echo of each.
-func (st *streams) closeStreams(prefix string) {
+// closeStreams closes the streams whose name starts with one of the
+// prefixes, after a last echo of each.
+func (st *streams) closeStreams(prefixes ...string) {
 	st.t.Helper()
 	st.echoAll("last")
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	for name, app := range st.open {
-		if !strings.HasPrefix(name, prefix) {
+		if !slices.ContainsFunc(prefixes, func(p string) bool { return strings.HasPrefix(name, p) }) {
 			continue
 		}
 		if _, err := app.Do(simnode.AppRequest{Op: "stream-close", Name: name}); err != nil {

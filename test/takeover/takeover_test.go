@@ -117,7 +117,9 @@ func (s *scenario) checkUnrelated(t *testing.T, phase string, before map[string]
 // rules in the legacy and the nft backend, the node's probe rule in
 // legacy, someone else's rules in the node and a pod) is taken over by the
 // agent with live streams both ways and both families and a sampler of new
-// connections running throughout; then handed back on uninstall. No stream
+// connections running throughout; then handed back on uninstall, with
+// streams opened under eBPF and, in one pod, streams istio-cni redirected
+// before the takeover (under the agent's drain until then). No stream
 // breaks, no sampled connection goes unredirected, istio-cni's rules are
 // gone after the takeover and exactly back after the hand-back, nothing of
 // ours is left, and the unrelated rules never change.
@@ -146,9 +148,14 @@ func TestTakeoverAndHandBack(t *testing.T) {
 	sm.check(t, "across the takeover")
 	logStatus(t, s)
 
-	// The old connections end; so does the drain.
-	st.closeStreams("pre-")
-	waitDrained(t, s.pods...)
+	// The old connections of one pod end; so does its drain. The other
+	// pod's live on across the hand-back, under its drain.
+	legacy, nft := s.pods[0], s.pods[1]
+	st.closeStreams("pre-out-legacy", "pre-in-legacy")
+	waitDrained(t, legacy)
+	if !hasDrain(t, nft) {
+		t.Errorf("%s: the drain table went while istio-cni's connections are open", nft.Name)
+	}
 	s.openStreams(st, "mid") // under eBPF, to live across the hand-back
 	sm.waitSamples(t, 50)
 
@@ -180,7 +187,7 @@ func TestTakeoverAndHandBack(t *testing.T) {
 		t.Errorf("pins left after the hand-back: %v", err)
 	}
 	s.checkUnrelated(t, "after the hand-back", unrelated)
-	st.check("mid-")
+	st.check("mid-", "pre-out-nft", "pre-in-nft")
 	sm.check(t, "across the hand-back")
 }
 
