@@ -127,11 +127,14 @@ func (n *Node) WaitZtunnel(t *testing.T) {
 	})
 }
 
-// PodEntry is a pod of the pod file: the simulated pod, and its
-// annotations (nil: none).
+// PodEntry is a pod of the pod file: the simulated pod, its annotations
+// (nil: none), and whether its status has its IPs (a running pod's, as
+// the API server has them; without, the agent learns them from the CNI
+// plugin's ADD).
 type PodEntry struct {
 	*simnode.Pod
 	Annotations map[string]string
+	StatusIPs   bool
 }
 
 // PodFile renders a pod file: the ambient namespace "default" and the
@@ -153,6 +156,9 @@ func PodFile(pods ...PodEntry) string {
 		}
 		fmt.Fprintf(&b, "---\napiVersion: v1\nkind: Pod\nmetadata: {name: %s, namespace: default, %suid: %s}\nspec: {nodeName: %s, serviceAccountName: %s-sa}\n",
 			p.Name, meta, p.UID, NodeName, p.Name)
+		if p.StatusIPs {
+			fmt.Fprintf(&b, "status: {podIP: %s, podIPs: [{ip: %s}, {ip: %s}]}\n", p.V4, p.V4, p.V6)
+		}
 	}
 	return b.String()
 }
@@ -185,13 +191,22 @@ func PinnedPods(t *testing.T, dir string) []dataplane.EnrolledPod {
 // WaitFor polls cond until it holds, failing the test after a minute.
 func WaitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(time.Minute)
+	if !Eventually(time.Minute, cond) {
+		t.Fatalf("timed out waiting for %s", what)
+	}
+}
+
+// Eventually polls cond until it holds or d passed, and says whether it
+// held.
+func Eventually(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
+			return false
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+	return true
 }
 
 // WaitExit waits up to d for the process to exit and says whether it did.

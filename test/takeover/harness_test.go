@@ -103,7 +103,8 @@ func newScenario(t *testing.T, specs ...podSpec) *scenario {
 		}
 		s.pods = append(s.pods, p)
 		// istio-cni wrote the annotation once ztunnel had the pod.
-		entries = append(entries, agentrun.PodEntry{Pod: p.Pod, Annotations: map[string]string{"ambient.istio.io/redirection": "enabled"}})
+		entries = append(entries, agentrun.PodEntry{Pod: p.Pod, StatusIPs: true,
+			Annotations: map[string]string{"ambient.istio.io/redirection": "enabled"}})
 	}
 	if err := os.WriteFile(s.PodFile, []byte(agentrun.PodFile(entries...)), 0o644); err != nil {
 		t.Fatal(err)

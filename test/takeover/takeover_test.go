@@ -44,7 +44,7 @@ func (s *scenario) waitTakenOver(t *testing.T, pods ...*tpod) {
 	for _, p := range pods {
 		names = append(names, p.Name)
 	}
-	agentrun.WaitFor(t, "the takeover of "+strings.Join(names, ", "), func() bool {
+	done := agentrun.Eventually(2*time.Minute, func() bool {
 		if s.Agent.Exited() {
 			t.Fatalf("the agent exited during the takeover:\n%s", s.Agent.Output.String())
 		}
@@ -55,6 +55,13 @@ func (s *scenario) waitTakenOver(t *testing.T, pods ...*tpod) {
 		}
 		return true
 	})
+	if !done {
+		for _, p := range pods {
+			r := inspect(t, p.Pod)
+			t.Logf("%s: pinned %v, istio-cni's rules in %v (Equivalent %v %q)", p.Name, s.pinned(t, p.Pod), r.Backends(), r.Equivalent, r.Reasons)
+		}
+		t.Fatalf("timed out waiting for the takeover of %s; agent:\n%s", strings.Join(names, ", "), s.Agent.Output.String())
+	}
 }
 
 // takeOver starts the agent with the takeover on and waits until it took
