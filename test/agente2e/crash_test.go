@@ -20,6 +20,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -32,7 +33,7 @@ func TestAgentKilledAtEveryStepConverges(t *testing.T) {
 	n := newAgentNode(t, "app")
 	a := n.pods["app"]
 	n.Sysctl(a.NS, "net/ipv4/tcp_fwmark_accept", "0")
-	n.StartZtunnelFor(n.zds)
+	n.StartZtunnelFor(n.ZDS)
 	// Enough for every enrolment's programs on any kernel.
 	const maxPrograms = 5
 	for _, step := range dataplane.Steps {
@@ -52,35 +53,35 @@ func TestAgentKilledAtEveryStepConverges(t *testing.T) {
 					}
 					_ = n.tryPodDel(a)
 				}
-				died := waitExit(n.agent, 5*time.Second)
+				died := agentrun.WaitExit(n.Agent, 5*time.Second)
 				t.Setenv(agent.FailpointEnv, "")
 				if !died {
 					// This kernel has fewer programs per pod than nth:
 					// the step was never reached. Clean up and move on.
-					n.agent.Kill()
+					n.Agent.Kill()
 					n.startConnectedAgent(t)
 					_ = n.tryPodDel(a)
 					n.checkUntouched(t, a)
-					n.agent.Terminate(5 * time.Second)
+					n.Agent.Terminate(5 * time.Second)
 					return
 				}
 				n.startConnectedAgent(t)
 				if step == dataplane.StepEnrollDone {
-					if got := pinnedPods(t, n.BPFFSDir); len(got) != 1 {
+					if got := agentrun.PinnedPods(t, n.BPFFSDir); len(got) != 1 {
 						t.Errorf("killed after enrolling: pins hold %+v, want the pod", got)
 					}
 				} else {
 					n.checkUntouched(t, a)
 				}
 				if resp, err := n.podAdd(t, a); err != nil || !resp.GetEnrolled() {
-					t.Fatalf("retried ADD: %+v, %v\n%s", resp, err, n.agent.Output.String())
+					t.Fatalf("retried ADD: %+v, %v\n%s", resp, err, n.Agent.Output.String())
 				}
 				if got := fwmarkAccept(t, a); got != "1" {
 					t.Errorf("tcp_fwmark_accept = %s while enrolled", got)
 				}
 				n.podDel(t, a)
 				n.checkUntouched(t, a)
-				n.agent.Terminate(5 * time.Second)
+				n.Agent.Terminate(5 * time.Second)
 			})
 		}
 	}
@@ -96,7 +97,7 @@ func TestAgentKilledDuringABurstConverges(t *testing.T) {
 		names[i] = fmt.Sprintf("p%d", i)
 	}
 	n := newAgentNode(t, names...)
-	n.StartZtunnelFor(n.zds)
+	n.StartZtunnelFor(n.ZDS)
 	n.startConnectedAgent(t)
 	pods := make([]*simnode.Pod, len(names))
 	for i, name := range names {
@@ -115,7 +116,7 @@ func TestAgentKilledDuringABurstConverges(t *testing.T) {
 		go func() { defer wg.Done(); _, _ = n.tryPodAdd(coming[i]) }()
 	}
 	time.Sleep(3 * time.Millisecond)
-	n.agent.Kill()
+	n.Agent.Kill()
 	wg.Wait()
 
 	n.startConnectedAgent(t)
@@ -128,7 +129,7 @@ func TestAgentKilledDuringABurstConverges(t *testing.T) {
 		}
 	}
 	got := map[string]bool{}
-	for _, p := range pinnedPods(t, n.BPFFSDir) {
+	for _, p := range agentrun.PinnedPods(t, n.BPFFSDir) {
 		got[p.Name] = true
 	}
 	for _, p := range coming {
@@ -148,26 +149,16 @@ func TestAgentKilledDuringABurstConverges(t *testing.T) {
 	}
 }
 
-// waitZtunnel waits until ztunnel (started by the test) is connected to
-// the agent, as a CNI ADD needs.
-func (n *agentNode) waitZtunnel(t *testing.T) {
-	t.Helper()
-	waitFor(t, "ztunnel connected", func() bool {
-		_, body := n.get("/metrics")
-		return strings.Contains(body, "\nztunnel_connected 1\n")
-	})
-}
-
 // startConnectedAgent starts the agent and waits until ztunnel (started
 // by the test) is connected to it.
 func (n *agentNode) startConnectedAgent(t *testing.T) {
 	t.Helper()
-	n.startAgent(t)
-	n.waitZtunnel(t)
+	n.StartReadyAgent(t)
+	n.WaitZtunnel(t)
 }
 
 func (n *agentNode) tryPodAdd(p *simnode.Pod) (*cniv1.PodAddResponse, error) {
-	c, err := events.NewClient(n.cni)
+	c, err := events.NewClient(n.CNI)
 	if err != nil {
 		return nil, err
 	}
@@ -188,7 +179,7 @@ func (n *agentNode) tryPodDel(p *simnode.Pod) error {
 // pin directory, its own tcp_fwmark_accept (0), no return-path rule.
 func (n *agentNode) checkUntouched(t *testing.T, p *simnode.Pod) {
 	t.Helper()
-	for _, e := range pinnedPods(t, n.BPFFSDir) {
+	for _, e := range agentrun.PinnedPods(t, n.BPFFSDir) {
 		if e.UID == p.UID {
 			t.Errorf("%s still pinned", p.Name)
 		}
@@ -231,15 +222,4 @@ func fwmarkAccept(t *testing.T, p *simnode.Pod) string {
 		t.Fatal(err)
 	}
 	return strings.TrimSpace(string(v))
-}
-
-func waitExit(p *simnode.Process, d time.Duration) bool {
-	deadline := time.Now().Add(d)
-	for time.Now().Before(deadline) {
-		if p.Exited() {
-			return true
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return false
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 )
 
 // pinDirs lists the entries of a bpffs subdirectory.
@@ -37,11 +38,11 @@ func TestAgentPinsUnderSafeUIDsAndDelsWithoutUID(t *testing.T) {
 	app := n.pods["app"]
 	bare := n.AddPod("bare")
 	file := podFile(app) + "---\napiVersion: v1\nkind: Pod\nmetadata: {name: bare, namespace: default}\nspec: {nodeName: node-1}\n"
-	if err := os.WriteFile(n.podFile, []byte(file), 0o644); err != nil {
+	if err := os.WriteFile(n.PodFile, []byte(file), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	n.startAgent(t, "--uninstall-on-exit")
-	n.StartZtunnelFor(n.zds)
+	n.StartReadyAgent(t, "--uninstall-on-exit")
+	n.StartZtunnelFor(n.ZDS)
 	links := filepath.Join(n.BPFFSDir, "links")
 	linksBefore := pinDirs(t, links)
 
@@ -50,17 +51,17 @@ func TestAgentPinsUnderSafeUIDsAndDelsWithoutUID(t *testing.T) {
 	if _, err := n.podAdd(t, &traversal); err == nil || !strings.Contains(err.Error(), "invalid pod uid") {
 		t.Errorf("ADD with uid ../../links = %v; want it refused", err)
 	}
-	waitFor(t, "ztunnel connected", func() bool {
-		_, body := n.get("/metrics")
+	agentrun.WaitFor(t, "ztunnel connected", func() bool {
+		_, body := n.Get("/metrics")
 		return strings.Contains(body, "ztunnel_connected 1")
 	})
 	if _, err := n.podAdd(t, app); err != nil {
-		t.Fatalf("ADD app: %v; agent:\n%s", err, n.agent.Output.String())
+		t.Fatalf("ADD app: %v; agent:\n%s", err, n.Agent.Output.String())
 	}
 	bareNoUID := *bare
 	bareNoUID.UID = ""
 	if _, err := n.podAdd(t, &bareNoUID); err != nil {
-		t.Fatalf("ADD bare: %v; agent:\n%s", err, n.agent.Output.String())
+		t.Fatalf("ADD bare: %v; agent:\n%s", err, n.Agent.Output.String())
 	}
 	want := []string{app.UID, identity.StandaloneUID("default", "bare")}
 	slices.Sort(want)
@@ -73,7 +74,7 @@ func TestAgentPinsUnderSafeUIDsAndDelsWithoutUID(t *testing.T) {
 
 	n.del(t, &cniv1.Pod{ContainerId: "sandbox-app", Netns: "/var/run/netns/gone"})
 	n.del(t, &cniv1.Pod{Namespace: "default", Name: "bare", ContainerId: "sandbox-bare"})
-	if got := pinnedPods(t, n.BPFFSDir); len(got) != 0 {
+	if got := agentrun.PinnedPods(t, n.BPFFSDir); len(got) != 0 {
 		t.Errorf("pinned pods after DELs without uid = %+v", got)
 	}
 	if got := pinDirs(t, links); !slices.Equal(got, linksBefore) {

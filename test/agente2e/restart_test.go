@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -19,9 +20,9 @@ import (
 func TestAgentSIGKILLKeepsRedirection(t *testing.T) {
 	n := newAgentNode(t, "app")
 	a := n.pods["app"]
-	n.startAgent(t)
-	zt := n.StartZtunnelFor(n.zds)
-	n.waitZtunnel(t)
+	n.StartReadyAgent(t)
+	zt := n.StartZtunnelFor(n.ZDS)
+	n.WaitZtunnel(t)
 	if resp, err := n.podAdd(t, a); err != nil || !resp.GetEnrolled() {
 		t.Fatalf("ADD: %+v, %v", resp, err)
 	}
@@ -37,9 +38,9 @@ func TestAgentSIGKILLKeepsRedirection(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond)
-	n.agent.Kill()
+	n.Agent.Kill()
 	time.Sleep(time.Second) // no agent at all
-	n.startAgent(t)
+	n.StartReadyAgent(t)
 	time.Sleep(500 * time.Millisecond)
 	conns, failures := probe.Stop()
 	if len(failures) > 0 {
@@ -48,12 +49,12 @@ func TestAgentSIGKILLKeepsRedirection(t *testing.T) {
 	if conns < 10 {
 		t.Errorf("only %d connections were tried", conns)
 	}
-	if got := pinnedPods(t, n.BPFFSDir); len(got) != 1 || got[0].UID != a.UID {
+	if got := agentrun.PinnedPods(t, n.BPFFSDir); len(got) != 1 || got[0].UID != a.UID {
 		t.Errorf("after the restart the pins hold %+v", got)
 	}
 	// The restarted agent knows the pod: its removal works end to end.
 	n.podDel(t, a)
-	if got := pinnedPods(t, n.BPFFSDir); len(got) != 0 {
+	if got := agentrun.PinnedPods(t, n.BPFFSDir); len(got) != 0 {
 		t.Errorf("after DEL the pins hold %+v", got)
 	}
 }

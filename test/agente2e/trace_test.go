@@ -11,7 +11,6 @@ import (
 	"errors"
 	"io"
 	"net/netip"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -24,6 +23,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -36,16 +36,16 @@ import (
 func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 	n := newAgentNode(t, "app")
 	a := n.pods["app"]
-	n.startAgent(t, "--uninstall-on-exit")
-	n.StartZtunnelFor(n.zds)
-	n.waitZtunnel(t)
+	n.StartReadyAgent(t, "--uninstall-on-exit")
+	n.StartZtunnelFor(n.ZDS)
+	n.WaitZtunnel(t)
 	if resp, err := n.podAdd(t, a); err != nil || !resp.GetEnrolled() {
 		t.Fatalf("ADD: %+v, %v", resp, err)
 	}
 	out := n.StartOutsideApp()
 	out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
 	app := n.StartApp(a)
-	inspect := filepath.Join(n.dir, "inspect.sock")
+	inspect := n.Inspect
 	base := []string{"--bpffs", n.BPFFSDir, "--inspect-socket", inspect}
 
 	// Client 1: the CLI, through the agent, one pod's events as JSON.
@@ -137,7 +137,7 @@ func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 		}
 	}
 
-	_, metrics := n.get("/metrics")
+	_, metrics := n.Get("/metrics")
 	re := regexp.MustCompile(`ambient_ebpf_decisions_total\{decision="captured",reason="outbound",row="R1"\} (\d+)`)
 	if m := re.FindStringSubmatch(metrics); m == nil {
 		t.Errorf("metrics lack the outbound decisions:\n%s", metrics)
@@ -156,7 +156,7 @@ func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 	if err := <-cliDone; err != nil {
 		t.Errorf("trace through the agent: %v", err)
 	}
-	waitFor(t, "the agent to let go of the trace", func() bool {
+	agentrun.WaitFor(t, "the agent to let go of the trace", func() bool {
 		tr, err := dataplane.OpenTracer(n.BPFFSDir)
 		if err == nil {
 			tr.Close()
@@ -172,20 +172,20 @@ func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 func TestTraceSinceReplaysTheAgentsHistory(t *testing.T) {
 	n := newAgentNode(t, "app")
 	a := n.pods["app"]
-	n.startAgent(t, "--uninstall-on-exit", "--trace-history=1m")
-	n.StartZtunnelFor(n.zds)
-	n.waitZtunnel(t)
+	n.StartReadyAgent(t, "--uninstall-on-exit", "--trace-history=1m")
+	n.StartZtunnelFor(n.ZDS)
+	n.WaitZtunnel(t)
 	if resp, err := n.podAdd(t, a); err != nil || !resp.GetEnrolled() {
 		t.Fatalf("ADD: %+v, %v", resp, err)
 	}
 	out := n.StartOutsideApp()
 	out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
 	app := n.StartApp(a)
-	base := []string{"--bpffs", n.BPFFSDir, "--inspect-socket", filepath.Join(n.dir, "inspect.sock")}
+	base := []string{"--bpffs", n.BPFFSDir, "--inspect-socket", n.Inspect}
 	dst := netip.AddrPortFrom(simnode.OutsideV4, 8080)
 
 	// The agent holds the reader from the start, with no client.
-	waitFor(t, "the agent to trace for its history", func() bool {
+	agentrun.WaitFor(t, "the agent to trace for its history", func() bool {
 		tr, err := dataplane.OpenTracer(n.BPFFSDir)
 		if err == nil {
 			tr.Close()

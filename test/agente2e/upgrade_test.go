@@ -20,6 +20,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testbin"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -63,14 +64,14 @@ func releaseBuild(t *testing.T) build {
 }
 
 func headBuild(n *agentNode) build {
-	return build{name: "HEAD", bin: n.bin, layout: dataplane.BuildLayout(), recorded: true}
+	return build{name: "HEAD", bin: n.Bin, layout: dataplane.BuildLayout(), recorded: true}
 }
 
 // nextBuild is HEAD with the test-only next layout (build tag
 // ae_layout_next: a field more in ae_pods' value).
 func nextBuild(t *testing.T, n *agentNode) build {
 	t.Helper()
-	return build{name: "HEAD next layout", bin: simnode.BuildBinary(t, n.dir, agentPkg, "ae_layout_next"),
+	return build{name: "HEAD next layout", bin: simnode.BuildBinary(t, n.Dir, agentPkg, "ae_layout_next"),
 		layout: dataplane.BuildLayout() + 1, recorded: true}
 }
 
@@ -131,12 +132,12 @@ func TestAgentKilledDuringAMigrationFinishesIt(t *testing.T) {
 func (n *agentNode) replaceAgent(t *testing.T, builds []build, crashAt ...string) {
 	t.Helper()
 	a, b, c := n.pods["a"], n.pods["b"], n.pods["c"]
-	zt := n.StartZtunnelFor(n.zds)
-	n.bin = builds[0].bin
+	zt := n.StartZtunnelFor(n.ZDS)
+	n.Bin = builds[0].bin
 	n.startConnectedAgent(t)
 	for _, p := range []*simnode.Pod{a, b} {
 		if resp, err := n.podAdd(t, p); err != nil || !resp.GetEnrolled() {
-			t.Fatalf("ADD %s with %s: %+v, %v\n%s", p.Name, builds[0].name, resp, err, n.agent.Output.String())
+			t.Fatalf("ADD %s with %s: %+v, %v\n%s", p.Name, builds[0].name, resp, err, n.Agent.Output.String())
 		}
 	}
 	n.checkBuild(t, builds[0], []*simnode.Pod{a, b}, nil)
@@ -144,22 +145,22 @@ func (n *agentNode) replaceAgent(t *testing.T, builds []build, crashAt ...string
 
 	for i, next := range builds[1:] {
 		before := n.attachedPrograms(t)
-		if crashed := n.agent.Exited(); !crashed && !n.agent.Terminate(10*time.Second) {
-			t.Errorf("%s did not stop on SIGTERM:\n%s", builds[i].name, n.agent.Output.String())
+		if crashed := n.Agent.Exited(); !crashed && !n.Agent.Terminate(10*time.Second) {
+			t.Errorf("%s did not stop on SIGTERM:\n%s", builds[i].name, n.Agent.Output.String())
 		}
 		time.Sleep(200 * time.Millisecond) // no agent at all
 		if i == 0 && len(crashAt) > 0 {
-			n.bin = next.bin
+			n.Bin = next.bin
 			n.crashAgent(t, crashAt[0])
 			time.Sleep(200 * time.Millisecond)
 			continue
 		}
-		n.bin = next.bin
+		n.Bin = next.bin
 		n.startConnectedAgent(t)
 		time.Sleep(300 * time.Millisecond)
 		n.checkBuild(t, next, []*simnode.Pod{a, b}, before)
 		if prev := builds[i]; prev.layout != next.layout || len(crashAt) > 0 {
-			if out := n.agent.Output.String(); !strings.Contains(out, "migrated the pinned data path") {
+			if out := n.Agent.Output.String(); !strings.Contains(out, "migrated the pinned data path") {
 				t.Errorf("%s did not migrate the pins of %s:\n%s", next.name, prev.name, out)
 			}
 		}
@@ -179,22 +180,22 @@ func (n *agentNode) replaceAgent(t *testing.T, builds []build, crashAt ...string
 		n.podDel(t, p)
 		n.checkUntouched(t, p)
 	}
-	n.agent.Terminate(10 * time.Second)
+	n.Agent.Terminate(10 * time.Second)
 }
 
-// crashAgent starts n.bin with a failpoint at step and waits for it to
+// crashAgent starts n.Bin with a failpoint at step and waits for it to
 // die there.
 func (n *agentNode) crashAgent(t *testing.T, step string) {
 	t.Helper()
 	t.Setenv(agent.FailpointEnv, step)
-	n.agent = simnode.StartProcess(t, n.NodeNS, "", n.agentArgs()...)
+	n.Agent = simnode.StartProcess(t, n.NodeNS, "", n.AgentArgs()...)
 	t.Setenv(agent.FailpointEnv, "")
-	if !waitExit(n.agent, 20*time.Second) {
-		n.agent.Kill()
-		t.Fatalf("the agent did not reach %s:\n%s", step, n.agent.Output.String())
+	if !agentrun.WaitExit(n.Agent, 20*time.Second) {
+		n.Agent.Kill()
+		t.Fatalf("the agent did not reach %s:\n%s", step, n.Agent.Output.String())
 	}
-	if !strings.Contains(n.agent.Output.String(), "migrating the pinned data path") {
-		t.Fatalf("the agent did not migrate:\n%s", n.agent.Output.String())
+	if !strings.Contains(n.Agent.Output.String(), "migrating the pinned data path") {
+		t.Fatalf("the agent did not migrate:\n%s", n.Agent.Output.String())
 	}
 }
 
@@ -214,7 +215,7 @@ func (n *agentNode) checkBuild(t *testing.T, b build, pods []*simnode.Pod, befor
 			t.Errorf("after %s: layout record %+v, want layout %d, stable", b.name, l, b.layout)
 		}
 	}
-	_, metrics := n.get("/metrics")
+	_, metrics := n.Get("/metrics")
 	if want := fmt.Sprintf("\nambient_ebpf_enrolled_pods %d\n", len(pods)); !strings.Contains(metrics, want) {
 		t.Errorf("after %s: metrics lack %q", b.name, strings.TrimSpace(want))
 	}
@@ -224,7 +225,7 @@ func (n *agentNode) checkBuild(t *testing.T, b build, pods []*simnode.Pod, befor
 		}
 	}
 	if b.layout == dataplane.BuildLayout() {
-		if got := pinnedPods(t, n.BPFFSDir); len(got) != len(pods) {
+		if got := agentrun.PinnedPods(t, n.BPFFSDir); len(got) != len(pods) {
 			t.Errorf("after %s: the journal holds %+v, want %d pods", b.name, got, len(pods))
 		}
 	}
@@ -428,7 +429,7 @@ func (n *agentNode) startTraffic(t *testing.T, zt *simnode.Ztunnel, pods ...*sim
 func (tr *traffic) check(t *testing.T) {
 	t.Helper()
 	const enough = 5
-	waitFor(t, "connections", func() bool {
+	agentrun.WaitFor(t, "connections", func() bool {
 		tr.mu.Lock()
 		in := tr.inbound
 		tr.mu.Unlock()

@@ -25,7 +25,7 @@ func TestReferenceAppliesAndRemovesOnlyIstioCNIsRules(t *testing.T) {
 	// istio-cni's: kube-proxy's and the primary CNI's kind.
 	for _, ns := range []string{pod, node} {
 		for _, tool := range []string{"iptables", "ip6tables"} {
-			run(t, ns, "*nat\n:KUBE-SERVICES - [0:0]\n-A OUTPUT -j KUBE-SERVICES\n-A POSTROUTING -j RETURN\nCOMMIT\n"+
+			Run(t, ns, "*nat\n:KUBE-SERVICES - [0:0]\n-A OUTPUT -j KUBE-SERVICES\n-A POSTROUTING -j RETURN\nCOMMIT\n"+
 				"*mangle\n:CNI-MARK - [0:0]\n-A PREROUTING -j CNI-MARK\nCOMMIT\n", tool+"-restore", "--noflush")
 		}
 	}
@@ -33,7 +33,7 @@ func TestReferenceAppliesAndRemovesOnlyIstioCNIsRules(t *testing.T) {
 		var b strings.Builder
 		for _, tool := range []string{"iptables-save", "ip6tables-save"} {
 			// Counters and comments change; rules do not.
-			out := run(t, ns, "", tool)
+			out := Run(t, ns, "", tool)
 			out = regexp.MustCompile(`(?m)^#.*\n`).ReplaceAllString(out, "")
 			out = regexp.MustCompile(`\[\d+:\d+\]`).ReplaceAllString(out, "[0:0]")
 			// A table someone used once stays listed, empty: not a rule.
@@ -46,7 +46,7 @@ func TestReferenceAppliesAndRemovesOnlyIstioCNIsRules(t *testing.T) {
 		return b.String()
 	}
 	podBefore, nodeBefore := save(pod), save(node)
-	rulesV4 := run(t, pod, "", "ip", "-4", "rule", "show")
+	rulesV4 := Run(t, pod, "", "ip", "-4", "rule", "show")
 
 	var b Iptables
 	b.Setup(t, n)
@@ -70,11 +70,11 @@ func TestReferenceAppliesAndRemovesOnlyIstioCNIsRules(t *testing.T) {
 		}
 	}
 	for _, set := range []string{rules.IpsetV4, rules.IpsetV6} {
-		if list := run(t, node, "", "ipset", "list", set); !strings.Contains(list, `comment "`+p.UID+`"`) {
+		if list := Run(t, node, "", "ipset", "list", set); !strings.Contains(list, `comment "`+p.UID+`"`) {
 			t.Errorf("ipset %s lacks the pod:\n%s", set, list)
 		}
 	}
-	if routes := run(t, pod, "", "ip", "-4", "route", "show", "table", "100"); strings.Count(routes, "local default dev lo") != 1 {
+	if routes := Run(t, pod, "", "ip", "-4", "route", "show", "table", "100"); strings.Count(routes, "local default dev lo") != 1 {
 		t.Errorf("table 100 after two enrolments: %q, want one local default route", routes)
 	}
 
@@ -82,15 +82,15 @@ func TestReferenceAppliesAndRemovesOnlyIstioCNIsRules(t *testing.T) {
 	if got := save(pod); got != podBefore {
 		t.Errorf("pod rules after removal differ from before enrolment:\n got: %s\nwant: %s", got, podBefore)
 	}
-	if got := run(t, pod, "", "ip", "-4", "rule", "show"); got != rulesV4 {
+	if got := Run(t, pod, "", "ip", "-4", "rule", "show"); got != rulesV4 {
 		t.Errorf("pod policy rules after removal:\n got: %s\nwant: %s", got, rulesV4)
 	}
-	if routes := run(t, pod, "", "ip", "-4", "route", "show", "table", "100"); strings.TrimSpace(routes) != "" {
+	if routes := Run(t, pod, "", "ip", "-4", "route", "show", "table", "100"); strings.TrimSpace(routes) != "" {
 		t.Errorf("table 100 after removal: %q", routes)
 	}
 	for _, tool := range []string{"iptables", "ip6tables"} {
 		for _, args := range rules.HostCleanup() {
-			run(t, node, "", append([]string{tool}, args...)...)
+			Run(t, node, "", append([]string{tool}, args...)...)
 		}
 	}
 	if got := save(node); got != nodeBefore {

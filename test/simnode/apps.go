@@ -4,7 +4,7 @@
 package simnode
 
 import (
-	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -14,6 +14,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -108,11 +109,19 @@ func (a *App) Do(req AppRequest) (AppResponse, error) {
 // the test process that plays the node agent's part.
 type Ztunnel struct {
 	*Proc
-	t       TB
-	records string
-	zds     *zds.Server
-	mu      sync.Mutex
-	pods    map[string]zds.Workload
+	t          TB
+	records    string
+	zds        *zds.Server
+	stopServer func()
+	mu         sync.Mutex
+	pods       map[string]zds.Workload
+
+	// What of the records file is read so far: the records, and the
+	// first of each client's.
+	recMu   sync.Mutex
+	recRead int64
+	recAll  []standin.Record
+	recPeer map[netip.AddrPort]standin.Record
 }
 
 // StartZtunnel starts the stand-in in the node netns, in its own cgroup
@@ -120,9 +129,16 @@ type Ztunnel struct {
 // over ZDS to a server this test runs.
 func (n *Node) StartZtunnel() *Ztunnel {
 	n.t.Helper()
-	dir := n.t.TempDir()
-	z := &Ztunnel{t: n.t, records: filepath.Join(dir, "ztunnel-records.jsonl"), pods: map[string]zds.Workload{}}
-	sock := filepath.Join(dir, "ztunnel.sock")
+	return n.StartZtunnelServedAt(filepath.Join(n.t.TempDir(), "ztunnel.sock"))
+}
+
+// StartZtunnelServedAt is StartZtunnel with the test's ZDS server at
+// socketPath, where a node agent may take over later: StopServer ends the
+// test's server (the stand-in keeps its pods and reconnects, as ztunnel
+// does when its node agent is replaced).
+func (n *Node) StartZtunnelServedAt(sock string) *Ztunnel {
+	n.t.Helper()
+	z := &Ztunnel{t: n.t, records: filepath.Join(n.t.TempDir(), "ztunnel-records.jsonl"), pods: map[string]zds.Workload{}}
 	srv, err := zds.NewServer(zds.Config{SocketPath: sock, Snapshot: z.snapshot})
 	if err != nil {
 		n.t.Fatal(err)
@@ -131,7 +147,9 @@ func (n *Node) StartZtunnel() *Ztunnel {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = srv.Run(ctx) }()
-	n.t.Cleanup(func() { cancel(); <-done })
+	var once sync.Once
+	z.stopServer = func() { once.Do(func() { cancel(); <-done }) }
+	n.t.Cleanup(z.stopServer)
 	select {
 	case <-srv.Ready():
 	case <-time.After(5 * time.Second):
@@ -146,6 +164,14 @@ func (n *Node) StartZtunnel() *Ztunnel {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return z
+}
+
+// StopServer ends the test's ZDS server (StartZtunnelServedAt): its
+// connection closes and its socket file goes; Add and Del fail after.
+func (z *Ztunnel) StopServer() {
+	if z.stopServer != nil {
+		z.stopServer()
+	}
 }
 
 // StartZtunnelFor starts the stand-in against an agent's ZDS socket: the
@@ -204,10 +230,12 @@ func (z *Ztunnel) Del(p *Pod) {
 func (z *Ztunnel) RecordFor(peer netip.AddrPort) (standin.Record, bool) {
 	deadline := time.Now().Add(50 * time.Millisecond)
 	for {
-		for _, r := range z.Records() {
-			if r.Peer == peer {
-				return r, true
-			}
+		z.readRecords()
+		z.recMu.Lock()
+		r, ok := z.recPeer[peer]
+		z.recMu.Unlock()
+		if ok {
+			return r, true
 		}
 		if time.Now().After(deadline) {
 			return standin.Record{}, false
@@ -218,20 +246,42 @@ func (z *Ztunnel) RecordFor(peer netip.AddrPort) (standin.Record, bool) {
 
 // Records returns every record so far.
 func (z *Ztunnel) Records() []standin.Record {
+	z.readRecords()
+	z.recMu.Lock()
+	defer z.recMu.Unlock()
+	return slices.Clone(z.recAll)
+}
+
+// readRecords reads the records written since the last call: suites that
+// sample for minutes look up thousands of connections.
+func (z *Ztunnel) readRecords() {
+	z.recMu.Lock()
+	defer z.recMu.Unlock()
 	f, err := os.Open(z.records)
 	if err != nil {
-		return nil
+		return
 	}
 	defer f.Close()
-	var out []standin.Record
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
+	b, err := io.ReadAll(io.NewSectionReader(f, z.recRead, 1<<62))
+	if err != nil {
+		return
+	}
+	// A line being written is left for the next call.
+	b = b[:bytes.LastIndexByte(b, '\n')+1]
+	z.recRead += int64(len(b))
+	if z.recPeer == nil {
+		z.recPeer = map[netip.AddrPort]standin.Record{}
+	}
+	for line := range bytes.Lines(b) {
 		var r standin.Record
-		if json.Unmarshal(sc.Bytes(), &r) == nil {
-			out = append(out, r)
+		if json.Unmarshal(line, &r) != nil {
+			continue
+		}
+		z.recAll = append(z.recAll, r)
+		if _, seen := z.recPeer[r.Peer]; !seen {
+			z.recPeer[r.Peer] = r
 		}
 	}
-	return out
 }
 
 // HTTPGet fetches url from inside netns ns (for an agent's health and
