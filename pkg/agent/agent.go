@@ -364,8 +364,11 @@ func (a *agent) handBack(dp *dataplane.Dataplane) error {
 	defer cancel()
 	pods := a.rec.Pods()
 	a.log.Info("uninstalling: handing the pods back to istio-cni first", "pods", len(pods), "backend", a.cfg.IstioCNIHandBack)
-	handed, err := takeover.HandBack(ctx, a.istio, cmp.Or(a.cfg.Dataplane.NodeNetns, "/proc/self/ns/net"), a.cfg.IstioCNIHandBack, pods,
+	handed, err := takeover.HandBack(ctx, a.istio, takeover.KernelDrain{}, cmp.Or(a.cfg.Dataplane.NodeNetns, "/proc/self/ns/net"), a.cfg.IstioCNIHandBack, pods,
 		a.log.With("component", "takeover"), func(r string) { a.metrics.handbacks.WithLabelValues(r).Inc() })
+	// istio-cni's rules of the pods handed back use the very return paths
+	// their eBPF enrolment installed: they stay.
+	dp.LeaveReturnPaths()
 	if err == nil {
 		return nil
 	}

@@ -204,9 +204,10 @@ func addReturnPath(h *netlink.Handle, hasV6 bool) error {
 	return nil
 }
 
-// teardownPodNetns undoes setupPodNetns. A pod whose netns is gone needs
+// teardownPodNetns undoes setupPodNetns (keepReturnPath: but for the
+// return-path rule and routes, which someone else's rules use now). A pod whose netns is gone needs
 // nothing undone.
-func teardownPodNetns(procRoot, path string, savedFwmarkAccept uint32) error {
+func teardownPodNetns(procRoot, path string, savedFwmarkAccept uint32, keepReturnPath bool) error {
 	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
@@ -218,6 +219,9 @@ func teardownPodNetns(procRoot, path string, savedFwmarkAccept uint32) error {
 		defer h.Close()
 		var errs []error
 		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+			if keepReturnPath {
+				break
+			}
 			if err := h.RuleDel(returnRule(fam)); err != nil && !errors.Is(err, unix.ENOENT) {
 				errs = append(errs, fmt.Errorf("delete return-path rule: %w", err))
 			}

@@ -44,6 +44,8 @@ type Dataplane struct {
 	tc        tcObjects
 	nodeLinks []link.Link
 	pods      map[string]*podState // by UID
+	// leaveReturnPaths: removals keep the pods' return paths (LeaveReturnPaths).
+	leaveReturnPaths bool
 	slots     slotAllocator
 	// The sockmap acceleration (accel_linux.go): nil unless it runs.
 	accel       *accelState

@@ -108,7 +108,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		if err := d.sock.AeStats.Put(st.Slot, make([]sockPodStats, ebpf.MustPossibleCPU())); err != nil {
 			return fail(fmt.Errorf("reset ae_stats: %w", err))
 		}
-		undo = append(undo, func() { _ = teardownPodNetns(d.cfg.ProcRoot, pod.Netns, st.savedFwmark) })
+		undo = append(undo, func() { _ = teardownPodNetns(d.cfg.ProcRoot, pod.Netns, st.savedFwmark, false) })
 		// The pin directory the attachments create goes with them (it
 		// is empty by then: each undone attachment removes its pin).
 		undo = append(undo, func() { _ = os.Remove(podDir(d.cfg, pod.UID)) })
@@ -167,7 +167,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 			d.slots.release(old.Slot)
 		}
 		if !samePod {
-			_ = teardownPodNetns(d.cfg.ProcRoot, old.netnsPath, old.savedFwmark)
+			_ = teardownPodNetns(d.cfg.ProcRoot, old.netnsPath, old.savedFwmark, false)
 		}
 	}
 	st.journal = metaEnrolled
@@ -280,6 +280,15 @@ func (d *Dataplane) Remove(ctx context.Context, uid string) error {
 	return err
 }
 
+// LeaveReturnPaths makes every removal from now on (Remove, Uninstall)
+// leave the pods' return-path rule and routes (R10) in their netns: after
+// a hand-back, istio-cni's rules use the very same ones.
+func (d *Dataplane) LeaveReturnPaths() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.leaveReturnPaths = true
+}
+
 // detachPod takes everything of the pod away: the journal says "removing"
 // first, then outbound capture goes (ae_netns), its other entries, its
 // programs and pins, the return path in its netns, and last the journal
@@ -307,7 +316,7 @@ func (d *Dataplane) detachPod(st *podState) error {
 	}
 	d.cfg.failpoint(StepRemoveDetached)
 	if st.netnsPath != "" {
-		if err := teardownPodNetns(d.cfg.ProcRoot, st.netnsPath, st.savedFwmark); err != nil {
+		if err := teardownPodNetns(d.cfg.ProcRoot, st.netnsPath, st.savedFwmark, d.leaveReturnPaths); err != nil {
 			errs = append(errs, fmt.Errorf("pod %s/%s: %w", st.Namespace, st.Name, err))
 		}
 	}

@@ -31,8 +31,9 @@ type Writer interface {
 // redirects the pod at every moment) and its probe entries. It returns the
 // UIDs handed back, for the caller to remove from the data path; a pod
 // that failed is not among them and must stay on eBPF (err says which).
-// Pods istio-cni's rules redirect already count as handed back.
-func HandBack(ctx context.Context, w Writer, nodeNetns string, b istiocni.Backend, pods []reconciler.Pod, log *slog.Logger, onResult func(string)) ([]string, error) {
+// Pods istio-cni's rules redirect already count as handed back. A drain
+// left from a takeover goes too: istio-cni's rules hold conntrack again.
+func HandBack(ctx context.Context, w Writer, drain Drain, nodeNetns string, b istiocni.Backend, pods []reconciler.Pod, log *slog.Logger, onResult func(string)) ([]string, error) {
 	if log == nil {
 		log = slog.Default()
 	}
@@ -55,7 +56,7 @@ func HandBack(ctx context.Context, w Writer, nodeNetns string, b istiocni.Backen
 			handed = append(handed, p.UID)
 			continue
 		}
-		err := handBackPod(ctx, w, nodeNetns, b, p)
+		err := handBackPod(ctx, w, drain, nodeNetns, b, p)
 		if err != nil {
 			log.Error("hand back to istio-cni failed; the pod stays on eBPF", "pod", key, "uid", p.UID, "error", err)
 			errs = append(errs, err)
@@ -69,7 +70,7 @@ func HandBack(ctx context.Context, w Writer, nodeNetns string, b istiocni.Backen
 	return handed, errors.Join(errs...)
 }
 
-func handBackPod(ctx context.Context, w Writer, nodeNetns string, b istiocni.Backend, p reconciler.Pod) error {
+func handBackPod(ctx context.Context, w Writer, drain Drain, nodeNetns string, b istiocni.Backend, p reconciler.Pod) error {
 	key := p.Namespace + "/" + p.Name
 	if p.Netns == "" {
 		return fmt.Errorf("hand back pod %s to istio-cni: its netns is not known", key)
@@ -80,6 +81,9 @@ func handBackPod(ctx context.Context, w Writer, nodeNetns string, b istiocni.Bac
 	}
 	if err := w.AddProbeEntries(ctx, nodeNetns, p.UID, p.IPs); err != nil {
 		return fmt.Errorf("hand back pod %s to istio-cni: probe entries: %w", key, err)
+	}
+	if err := drain.Remove(ctx, p.Netns); err != nil {
+		return fmt.Errorf("hand back pod %s to istio-cni: %w", key, err)
 	}
 	return nil
 }

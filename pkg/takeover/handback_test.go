@@ -52,7 +52,8 @@ func TestHandBack(t *testing.T) {
 		{UID: "d", Namespace: "ns", Name: "d"}, // netns not known
 	}
 	var results []string
-	handed, err := HandBack(context.Background(), w, "/node", istiocni.NftCompat, pods, slog.New(slog.DiscardHandler), func(r string) { results = append(results, r) })
+	drain := &fakes{}
+	handed, err := HandBack(context.Background(), w, drain, "/node", istiocni.NftCompat, pods, slog.New(slog.DiscardHandler), func(r string) { results = append(results, r) })
 	if err == nil || !strings.Contains(err.Error(), "ns/b") || !strings.Contains(err.Error(), "ns/d") {
 		t.Errorf("error %v, want ns/b's and ns/d's failures", err)
 	}
@@ -62,6 +63,9 @@ func TestHandBack(t *testing.T) {
 	want := []string{"node /node iptables-nft", "pod /ns/a iptables-nft", "probes a", "pod /ns/b iptables-nft"}
 	if !slices.Equal(w.calls, want) {
 		t.Errorf("calls %v, want %v", w.calls, want)
+	}
+	if !slices.Equal(drain.calls, []string{"remove-drain"}) {
+		t.Errorf("drain calls %v, want a's drain removed", drain.calls)
 	}
 	if o := w.opts["/ns/a"]; !o.DNS || o.IngressMode || !slices.Equal(o.Reroute, []string{"wg0"}) {
 		t.Errorf("options of a: %+v", o)

@@ -196,6 +196,9 @@ func TestTakeoverAndHandBack(t *testing.T) {
 	s.checkUnrelated(t, "after the hand-back", unrelated)
 	st.check("mid-", "pre-out-nft", "pre-in-nft")
 	sm.check(t, "across the hand-back")
+	if t.Failed() {
+		t.Logf("the hand-back agent's output:\n%s", s.Agent.Output.String())
+	}
 }
 
 // checkNodeHandedBack asserts istio-cni's host state is back on the node:
