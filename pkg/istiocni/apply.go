@@ -12,10 +12,12 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"time"
 
 	mdnetlink "github.com/mdlayher/netlink"
 	"github.com/ti-mo/conntrack"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 )
 
@@ -442,7 +444,7 @@ func (in *Inspector) applyNode(ctx context.Context, path string, ts []tools, n *
 			created = append(created, set)
 		}
 	}
-	*undo = append(*undo, func() error { return destroyIPSets(path, created) })
+	*undo = append(*undo, func() error { return destroyIPSets(cleanup, path, created) })
 	if err := createProbeSets(); err != nil {
 		return err
 	}
@@ -458,8 +460,21 @@ func (in *Inspector) applyNode(ctx context.Context, path string, ts []tools, n *
 	return nil
 }
 
-// destroyIPSets destroys the named ipsets of the thread's netns.
-func destroyIPSets(where string, sets []string) error {
+// ipsetReleaseWait bounds how long destroyIPSets waits for a set the
+// rules just deleted still hold.
+const ipsetReleaseWait = 5 * time.Second
+
+// ipsetBusy says whether ipset refused for a set still referenced.
+func ipsetBusy(err error) bool {
+	return errors.Is(err, nl.IPSetError(nl.IPSET_ERR_BUSY)) || errors.Is(err, unix.EBUSY)
+}
+
+// destroyIPSets destroys the named ipsets of the thread's netns. A set an
+// iptables-nft rule named stays referenced for a moment after the rule is
+// deleted on older kernels (5.10: nf_tables releases the rule's xt_set
+// match from a work queue after the commit), so "busy" is retried for a
+// while.
+func destroyIPSets(ctx context.Context, where string, sets []string) error {
 	if len(sets) == 0 {
 		return nil
 	}
@@ -470,7 +485,11 @@ func destroyIPSets(where string, sets []string) error {
 	defer h.Close()
 	var errs []error
 	for _, set := range sets {
-		if err := h.IpsetDestroy(set); err != nil && !errors.Is(err, unix.ENOENT) {
+		err := h.IpsetDestroy(set)
+		for deadline := time.Now().Add(ipsetReleaseWait); ipsetBusy(err) && time.Now().Before(deadline) && ctx.Err() == nil; err = h.IpsetDestroy(set) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		if err != nil && !errors.Is(err, unix.ENOENT) {
 			errs = append(errs, fmt.Errorf("netns %s: ipset destroy %s: %w", where, set, err))
 		}
 	}

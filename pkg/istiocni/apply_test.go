@@ -11,7 +11,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -120,10 +119,7 @@ func applyPodLive(t *testing.T, b istiocni.Backend) {
 			if err != nil {
 				t.Fatalf("%s: %v", s.name, err)
 			}
-			r, ok := zt.RecordFor(resp.Local)
-			for deadline := time.Now().Add(3 * time.Second); !ok && time.Now().Before(deadline); r, ok = zt.RecordFor(resp.Local) {
-				time.Sleep(20 * time.Millisecond) // the stand-in writes its record as it accepts
-			}
+			r, ok := awaitRecord(zt, resp.Local)
 			if !ok || r.Listener != s.port || r.OrigDst != s.addr {
 				t.Errorf("%s: not redirected to ztunnel's %d: %v %+v", s.name, s.port, ok, r)
 			}

@@ -83,7 +83,7 @@ func handBackMidStream(t *testing.T, b istiocni.Backend, mode string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if r, ok := zt.RecordFor(resp.Local); !ok || r.Listener != 15006 {
+		if r, ok := awaitRecord(zt, resp.Local); !ok || r.Listener != 15006 {
 			t.Errorf("%s: a new inbound connection was not redirected to 15006: %+v", fam, r)
 		}
 		if _, err := out.Do(simnode.AppRequest{Op: "stream-echo", Name: fam + "-new", DNSName: "new"}); err != nil {

@@ -204,7 +204,7 @@ func (in *Inspector) RemoveNode(ctx context.Context, path string) error {
 		if err := errors.Join(errs...); err != nil {
 			return err // an ipset a rule still names cannot go
 		}
-		errs = append(errs, destroyIPSets(path, []string{ProbeSetV4, ProbeSetV6}))
+		errs = append(errs, destroyIPSets(ctx, path, []string{ProbeSetV4, ProbeSetV6}))
 		if in.nft != "" {
 			errs = append(errs, in.deleteNftTables(ctx, path, []string{NftNatTable}))
 		}

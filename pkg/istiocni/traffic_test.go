@@ -56,10 +56,7 @@ func drainTakeover(t *testing.T, b istiocni.Backend, drain bool) {
 		if err != nil {
 			t.Fatalf("%s: open the stream: %v", s.name, err)
 		}
-		r, ok := zt.RecordFor(resp.Local)
-		for deadline := time.Now().Add(3 * time.Second); !ok && time.Now().Before(deadline); r, ok = zt.RecordFor(resp.Local) {
-			time.Sleep(20 * time.Millisecond) // the stand-in writes its record as it accepts
-		}
+		r, ok := awaitRecord(zt, resp.Local)
 		if !ok || r.OrigDst != addr || r.Listener != s.port || r.Error != "" {
 			t.Fatalf("%s: the stream did not go through ztunnel's %d: %+v", s.name, s.port, r)
 		}
@@ -147,6 +144,17 @@ func drainTakeover(t *testing.T, b istiocni.Backend, drain bool) {
 	if has, err := istiocni.HasDrain(ctx, p.NetnsPath()); err != nil || has {
 		t.Errorf("HasDrain after RemoveDrain: %v %v", has, err)
 	}
+}
+
+// awaitRecord is ztunnel's record of the connection from peer, waited
+// for: the stand-in writes it as it accepts, after the client's connect
+// has returned.
+func awaitRecord(zt *simnode.Ztunnel, peer netip.AddrPort) (standin.Record, bool) {
+	r, ok := zt.RecordFor(peer)
+	for deadline := time.Now().Add(5 * time.Second); !ok && time.Now().Before(deadline); r, ok = zt.RecordFor(peer) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	return r, ok
 }
 
 func flows(t *testing.T, p *simnode.Pod, want int) {
