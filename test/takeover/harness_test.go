@@ -495,6 +495,7 @@ func (sm *sampler) run(zt *simnode.Ztunnel, app *simnode.App, what string, port 
 			}
 			f := fams[i%len(fams)]
 			addr := dst(f)
+			start := time.Now()
 			resp, err := app.Dial("tcp", simnode.AppRequest{Addr: addr})
 			sm.conns.Add(1)
 			key, at := what+" "+f.name, time.Now().Format("15:04:05.000")
@@ -505,7 +506,13 @@ func (sm *sampler) run(zt *simnode.Ztunnel, app *simnode.App, what string, port 
 				sm.fail(key, "%s %s #%d: %v", at, key, i, err)
 				continue
 			}
+			// The client's port comes back for other pods: a record of
+			// an older connection from it is not this one's, which may be
+			// written a little later (slowly, under emulation).
 			r, ok := zt.RecordFor(resp.Local)
+			for deadline := time.Now().Add(3 * time.Second); (!ok || r.Time.Before(start.Add(-time.Second)) || r.OrigDst != addr) && time.Now().Before(deadline); r, ok = zt.RecordFor(resp.Local) {
+				time.Sleep(20 * time.Millisecond)
+			}
 			switch {
 			case !ok:
 				sm.fail(key, "%s %s #%d from %s to %s: not redirected (no record of the stand-in)", at, key, i, resp.Local, addr)
