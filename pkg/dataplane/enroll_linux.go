@@ -135,7 +135,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 	}
 
 	err = d.writePodMaps(st)
-	if err == nil {
+	if err == nil && pod.Running {
 		// After the pod's entries: a listener opened from now on is filed
 		// by sockops, one opened before by this.
 		err = d.fileExistingListeners(pod.Netns, ns.cookie)

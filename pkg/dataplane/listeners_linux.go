@@ -42,7 +42,8 @@ func (d *Dataplane) loadListenerIterator() error {
 }
 
 // fileExistingListeners files the inbound listeners ztunnel already has
-// in the pod's netns (path, cookie), when none of the pod's is filed:
+// in the pod's netns (path, cookie), when none of the pod's is filed (the
+// caller runs it for a running pod only: Pod.Running):
 // sockops files a listener only as it starts listening, and ztunnel
 // listened before this enrolment when it took the pod from istio-cni (a
 // takeover) or the pins were lost while it ran. Without the entry the

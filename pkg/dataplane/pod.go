@@ -29,6 +29,12 @@ type Pod struct {
 	// outbound redirection, all of them for inbound.
 	IPs     []netip.Addr
 	Options Options
+	// Running: the pod's containers run already (adopted, repaired or
+	// taken over in place, not a CNI ADD), so ztunnel may be listening in
+	// its netns before this enrolment: Enroll then files those listeners
+	// (bpf/listeners.c), which walks the node's TCP tables, a few
+	// milliseconds a pod.
+	Running bool
 }
 
 // Options are the per-pod switches (rows R12-R14).

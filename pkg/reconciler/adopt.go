@@ -82,7 +82,7 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 			}
 		}
 		if err := r.enroll(ctx, dataplane.Pod{UID: uid, Namespace: pod.Namespace, Name: pod.Name, Netns: mb.netns,
-			Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts)}); err != nil {
+			Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts), Running: true}); err != nil {
 			r.log.Error("re-enrolling snapshot pod failed", "pod", key, "error", err)
 			a, pinned := adopted[uid]
 			if !pinned {

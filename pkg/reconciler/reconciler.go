@@ -582,7 +582,7 @@ func (r *Reconciler) applyOptions(ctx context.Context, mb *member, opts enrollme
 		netns = ns.Path
 	}
 	p := dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: netns, Interface: mb.iface,
-		IPs: mb.ips, Options: dpOptions(opts)}
+		IPs: mb.ips, Options: dpOptions(opts), Running: true}
 	if err := r.enroll(ctx, p); err != nil {
 		r.observeError("enroll")
 		return fmt.Errorf("update options of pod %s: %w", key, err)
@@ -664,8 +664,9 @@ func (r *Reconciler) add(ctx context.Context, mb *member, strict bool) (retry, e
 	start := time.Now()
 	key := mb.key()
 	if !mb.istioCNI {
+		// Only the CNI path (strict) enrolls a pod before it runs.
 		err = r.enroll(ctx, dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: mb.netns,
-			Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts)})
+			Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts), Running: !strict})
 		if err != nil {
 			r.observeError("enroll")
 			return nil, fmt.Errorf("enroll pod %s in the dataplane: %w", key, err)

@@ -137,7 +137,7 @@ func (r *Reconciler) enrollMember(ctx context.Context, mb *member) error {
 		return nil
 	}
 	p := dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: mb.netns,
-		Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts)}
+		Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts), Running: true}
 	if err := r.enroll(ctx, p); err != nil {
 		r.observeError("enroll")
 		return fmt.Errorf("istio-cni takeover of pod %s: enroll in the dataplane: %w", mb.key(), err)

@@ -30,7 +30,7 @@ func TestInboundReachesAListenerOpenedBeforeTheDataPath(t *testing.T) {
 		t.Fatalf("New: %v", err)
 	}
 	t.Cleanup(func() { _ = d.Uninstall() })
-	if err := d.Enroll(context.Background(), dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs()}); err != nil {
+	if err := d.Enroll(context.Background(), dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(), Running: true}); err != nil {
 		t.Fatal(err)
 	}
 	for fam, a := range map[string]netip.Addr{"ipv4": p.V4, "ipv6": p.V6} {
