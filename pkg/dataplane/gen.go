@@ -9,6 +9,11 @@ package dataplane
 //go:generate go tool bpf2go -tags linux,!ae_layout_next -target bpfel tc ../../bpf/tc.c -- -I../../headers -I../../bpf
 // The iterator that files listeners ztunnel opened before the enrolment
 // (sk_lookup mode, Linux 5.17); loaded unpinned, next to the sock object.
+// Its BTF (struct sock's whole type graph) comes out of clang-19 in an
+// order that depends on the length of the directory it is built in: the
+// committed object is the one `make check-generated` builds (a
+// /tmp/tmp.XXXXXXXXXX copy), so a `go generate` elsewhere may differ in
+// .BTF alone.
 //go:generate go tool bpf2go -tags linux -target bpfel listeners ../../bpf/listeners.c -- -I../../headers -I../../bpf
 // The sockmap acceleration loads only where its Linux 5.15 helpers are.
 //go:generate go tool bpf2go -tags linux -target bpfel -type accel_key -type accel_stats accel ../../bpf/accel.c -- -I../../headers -I../../bpf
