@@ -46,7 +46,7 @@ type Dataplane struct {
 	pods      map[string]*podState // by UID
 	// leaveReturnPaths: removals keep the pods' return paths (LeaveReturnPaths).
 	leaveReturnPaths bool
-	slots     slotAllocator
+	slots            slotAllocator
 	// The sockmap acceleration (accel_linux.go): nil unless it runs.
 	accel       *accelState
 	accelStatus AccelStatus
