@@ -72,6 +72,14 @@ func ParseDockerfile(text string) (*DockerBuild, error) {
 	}
 	b := &DockerBuild{}
 	args := map[string]string{"TARGETOS": "linux", "TARGETARCH": runtime.GOARCH}
+	// The build stage is the first, the image the last (the takeover
+	// flavor's stage in between is not the default image).
+	last := 0
+	for _, in := range instrs {
+		if in[0] == "FROM" {
+			last++
+		}
+	}
 	stages := 0
 	for _, in := range instrs {
 		cmd, rest := in[0], in[1]
@@ -102,7 +110,7 @@ func ParseDockerfile(text string) (*DockerBuild, error) {
 					b.Flags = append(b.Flags, w)
 				}
 			}
-		case cmd == "COPY" && stages == 2:
+		case cmd == "COPY" && stages == last && last > 1:
 			f := strings.Fields(rest)
 			if len(f) < 3 || !strings.HasPrefix(f[0], "--from=") {
 				return nil, fmt.Errorf("final stage COPY %s: want --from=<build stage> SRC... DEST", rest)
@@ -110,16 +118,16 @@ func ParseDockerfile(text string) (*DockerBuild, error) {
 			for _, src := range f[1 : len(f)-1] {
 				b.Files = append(b.Files, path.Join(f[len(f)-1], path.Base(src)))
 			}
-		case cmd == "ENTRYPOINT" && stages == 2:
+		case cmd == "ENTRYPOINT" && stages == last && last > 1:
 			if err := json.Unmarshal([]byte(rest), &b.Entrypoint); err != nil {
 				return nil, fmt.Errorf("ENTRYPOINT %s: want the exec form: %w", rest, err)
 			}
-		case cmd == "USER" && stages == 2:
+		case cmd == "USER" && stages == last && last > 1:
 			b.User = rest
 		}
 	}
-	if stages != 2 || len(b.Targets) == 0 || len(b.Files) == 0 || len(b.Entrypoint) == 0 {
-		return nil, fmt.Errorf("Dockerfile: %d stages, build targets %v, files %v, entry point %v: want two stages, a go build, a COPY and an ENTRYPOINT",
+	if stages < 2 || len(b.Targets) == 0 || len(b.Files) == 0 || len(b.Entrypoint) == 0 {
+		return nil, fmt.Errorf("Dockerfile: %d stages, build targets %v, files %v, entry point %v: want a build stage and a final stage, a go build, a COPY and an ENTRYPOINT",
 			stages, b.Targets, b.Files, b.Entrypoint)
 	}
 	return b, nil

@@ -6,6 +6,7 @@ package takeover
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
@@ -62,6 +63,19 @@ func TestHarnessUnderIstioCNI(t *testing.T) {
 	victim := s.pods[0]
 	s.ref.WithBackend(victim.spec.backend).Remove(t, victim.Pod)
 	sm.waitSamples(t, 100)
+	// Unredirected inbound dials hang until their deadline and slow the
+	// sampler down (under load, or emulation): sample until it saw each
+	// of the victim's outbound families fail, or 30 s went by.
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		by := sm.failuresBy()
+		seen := true
+		for _, f := range families(victim.Pod) {
+			seen = seen && by[victim.Name+" outbound "+f.name] > 0
+		}
+		if seen {
+			break
+		}
+	}
 	sm.halt()
 	conns, n, first := sm.result()
 	by := sm.failuresBy()
