@@ -197,6 +197,38 @@ static __always_inline bool owned_by_socket(struct __sk_buff *skb, struct flow *
 }
 
 /*
+ * Whether a segment no socket owns belongs to a connection istio-cni's
+ * iptables redirected before a takeover (pkg/istiocni, the drain): its
+ * REDIRECT gave ztunnel's accepted socket the tuple pod:15006 <-> client,
+ * and tc runs before conntrack undoes the translation, so the segment
+ * still carries the original destination port. Assigning it to the
+ * listener would reset a connection that the drain keeps alive. Asked only
+ * for segments other than a SYN whose own tuple no socket owns, which are
+ * rare once a pod is enrolled, so the hot path never pays for it. The
+ * address stays the pod's: REDIRECT sends an inbound flow to the primary
+ * address of the interface it came in on.
+ */
+static __always_inline bool redirected_by_iptables(struct __sk_buff *skb, const struct flow *f)
+{
+	struct bpf_sock_tuple t = f->tuple;
+	struct bpf_sock *sk;
+	bool owned;
+
+	if (f->v6) {
+		t.ipv6.dport = bpf_htons(ae_cfg.inbound_port);
+		sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+	} else {
+		t.ipv4.dport = bpf_htons(ae_cfg.inbound_port);
+		sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+	}
+	if (!sk)
+		return false;
+	owned = sk->state != BPF_TCP_LISTEN;
+	bpf_sk_release(sk);
+	return owned;
+}
+
+/*
  * Before 6.5, tc's bpf_sk_assign refuses reuseport listeners, and all of
  * ztunnel's are. The flow is filed in ae_steer instead, for the pod's
  * sk_lookup program, which runs when the SYN looks for a listener and
@@ -265,6 +297,8 @@ static __always_inline int capture_inbound(struct __sk_buff *skb)
 		return TCX_NEXT;
 	}
 	if (owned_by_socket(skb, &f))
+		return TCX_NEXT;
+	if (!f.syn && redirected_by_iptables(skb, &f))
 		return TCX_NEXT;
 
 	st = pod_stats(pod->slot);

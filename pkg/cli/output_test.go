@@ -134,6 +134,34 @@ func TestStatusJSONHasTheAgentsFieldsInCamelCase(t *testing.T) {
 	}
 }
 
+// The table names the takeover's settings and each pod a takeover saw,
+// with what is left of it: connections still draining, or why a pod stays
+// on istio-cni.
+func TestStatusTableShowsTheIstioCNITakeover(t *testing.T) {
+	socket := fakeAgent(t, &inspectv1.StatusResponse{Ready: true, Node: "n1", IstioCniTakeover: true, IstioCniHandback: "iptables-nft",
+		IstioCni: []*inspectv1.IstioCNIPod{
+			{Namespace: "shop", Name: "web", Phase: "draining istio-cni's connections", Flows: 3},
+			{Namespace: "shop", Name: "db", Phase: "left on istio-cni", Reason: "an extra rule in ISTIO_PRERT"},
+			{Namespace: "shop", Name: "cart", Phase: "taken over"},
+		}})
+	out := run(t, "--bpffs", filepath.Join(t.TempDir(), "none"), "--inspect-socket", socket, "status")
+	for _, want := range []string{
+		`istio-cni takeover\s+true \(hand-back on uninstall: iptables-nft\)`,
+		`istio-cni pod shop/web\s+draining istio-cni's connections \(3 left\)\n`,
+		`istio-cni pod shop/db\s+left on istio-cni: an extra rule in ISTIO_PRERT\n`,
+		`istio-cni pod shop/cart\s+taken over\n`,
+	} {
+		if !regexp.MustCompile(want).MatchString(out) {
+			t.Errorf("status does not match %q:\n%s", want, out)
+		}
+	}
+	off := fakeAgent(t, &inspectv1.StatusResponse{Ready: true, Node: "n1"})
+	if out := run(t, "--bpffs", filepath.Join(t.TempDir(), "none"), "--inspect-socket", off, "status"); !regexp.MustCompile(`istio-cni takeover\s+false \(hand-back on uninstall: off\)`).MatchString(out) ||
+		strings.Contains(out, "istio-cni pod") {
+		t.Errorf("status with the takeover off:\n%s", out)
+	}
+}
+
 // jsonCase is how TestEveryCommandsJSON runs a command: with args, and
 // whether the command may exit non-zero (doctor, on a test node without
 // a CNI configuration of the runtime's) as long as its JSON is right.

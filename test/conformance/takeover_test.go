@@ -1,0 +1,152 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package conformance
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
+	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
+)
+
+// The data path's part of a takeover from istio-cni (pkg/takeover does it
+// in this order): connections istio-cni's iptables redirected to ztunnel
+// before the pod was enrolled, inbound to :15006 and outbound to :15001 in
+// both families, keep flowing through the drain, the eBPF enrolment and the
+// removal of istio-cni's rules, and new ones go through the eBPF
+// redirection. Before 5.17 a tc program on the pod's interface captures
+// inbound flows; it must leave the old ones, whose segments still carry the
+// destination port conntrack translates after tc, to the stack. Once the
+// old ones closed the drain has nothing left to hold.
+func TestIstioCNIConnectionsLiveOnUnderTheDataPath(t *testing.T) {
+	ctx := context.Background()
+	n := simnode.New(t)
+	ref := &reference.Iptables{Backend: reference.NftCompat}
+	ref.Setup(t, n)
+	p := n.AddPod("taken-over")
+	ref.Enroll(t, p, reference.Opts{DNS: true})
+	zt := n.StartZtunnel()
+	zt.Add(p)
+	app := n.StartApp(p)
+	out := n.StartOutsideApp()
+
+	type stream struct {
+		name     string
+		app      *simnode.App
+		addr     netip.AddrPort
+		listener int
+	}
+	// open opens a stream and asserts it went through the ztunnel listener
+	// given.
+	open := func(s stream) {
+		t.Helper()
+		resp, err := s.app.Do(simnode.AppRequest{Op: "stream-open", Name: s.name, Addr: s.addr})
+		if err != nil {
+			t.Fatalf("%s: open: %v", s.name, err)
+		}
+		if _, err := s.app.Do(simnode.AppRequest{Op: "stream-echo", Name: s.name, DNSName: "first"}); err != nil {
+			t.Fatalf("%s: echo: %v", s.name, err)
+		}
+		r, ok := zt.RecordFor(resp.Local)
+		for end := time.Now().Add(5 * time.Second); !ok && time.Now().Before(end); r, ok = zt.RecordFor(resp.Local) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		if !ok || r.Listener != s.listener || r.OrigDst != s.addr || r.Error != "" {
+			t.Fatalf("%s: not through ztunnel's :%d to %s: record %+v (found %v)", s.name, s.listener, s.addr, r, ok)
+		}
+	}
+	streams := func(prefix string) []stream {
+		var ss []stream
+		for fam, a := range map[string][2]netip.Addr{"ipv4": {simnode.OutsideV4, p.V4}, "ipv6": {simnode.OutsideV6, p.V6}} {
+			ss = append(ss,
+				stream{prefix + "-outbound-" + fam, app, netip.AddrPortFrom(a[0], 7011), standin.OutboundPort},
+				stream{prefix + "-inbound-" + fam, out, netip.AddrPortFrom(a[1], 7012), standin.InboundPort})
+		}
+		return ss
+	}
+	for fam, a := range map[string][2]netip.Addr{"ipv4": {simnode.OutsideV4, p.V4}, "ipv6": {simnode.OutsideV6, p.V6}} {
+		if _, err := out.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(a[0], 7011)}); err != nil {
+			t.Fatalf("%s: %v", fam, err)
+		}
+		if _, err := app.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(a[1], 7012)}); err != nil {
+			t.Fatalf("%s: %v", fam, err)
+		}
+	}
+	old := streams("istio-cni")
+	for _, s := range old {
+		open(s)
+	}
+	redirected := func() int {
+		t.Helper()
+		got, err := istiocni.RedirectedFlows(ctx, p.NetnsPath())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	if got := redirected(); got != len(old) {
+		t.Fatalf("RedirectedFlows = %d under istio-cni, want %d", got, len(old))
+	}
+
+	if err := istiocni.InstallDrain(ctx, p.NetnsPath()); err != nil {
+		t.Fatal(err)
+	}
+	d, err := dataplane.New(ebpfConfig(n))
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	if err := d.Enroll(ctx, dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
+		Options: dataplane.Options{DNSCapture: true}, Running: true}); err != nil {
+		t.Fatal(err)
+	}
+	echo := func(phase string, ss []stream) {
+		t.Helper()
+		for _, s := range ss {
+			for i := range 3 {
+				if _, err := s.app.Do(simnode.AppRequest{Op: "stream-echo", Name: s.name, DNSName: fmt.Sprintf("%s-%d", phase, i)}); err != nil {
+					t.Errorf("%s: %s: %v", s.name, phase, err)
+					break
+				}
+			}
+		}
+	}
+	echo("enrolled", old)
+	if err := istiocni.New().RemovePod(ctx, p.NetnsPath(), istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
+		t.Fatal(err)
+	}
+	echo("istio-cni-removed", old)
+
+	fresh := streams("ebpf")
+	for _, s := range fresh {
+		open(s)
+	}
+	if got := redirected(); got != len(old) {
+		t.Errorf("RedirectedFlows = %d after the takeover, want istio-cni's %d only", got, len(old))
+	}
+	for _, s := range old {
+		if _, err := s.app.Do(simnode.AppRequest{Op: "stream-close", Name: s.name}); err != nil {
+			t.Errorf("%s: close: %v", s.name, err)
+		}
+	}
+	// The FIN exchange goes through ztunnel's relay before conntrack leaves
+	// ESTABLISHED.
+	for end := time.Now().Add(10 * time.Second); redirected() != 0 && time.Now().Before(end); {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if got := redirected(); got != 0 {
+		t.Errorf("RedirectedFlows = %d once istio-cni's connections closed, want 0", got)
+	}
+	if err := istiocni.RemoveDrain(ctx, p.NetnsPath()); err != nil {
+		t.Fatal(err)
+	}
+	echo("drain-removed", fresh)
+}
