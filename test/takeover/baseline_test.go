@@ -64,9 +64,11 @@ func TestHarnessUnderIstioCNI(t *testing.T) {
 	s.ref.WithBackend(victim.spec.backend).Remove(t, victim.Pod)
 	sm.waitSamples(t, 100)
 	// Unredirected inbound dials hang until their deadline and slow the
-	// sampler down (under load, or emulation): sample until it saw each
-	// of the victim's outbound families fail, or 30 s went by.
-	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+	// sampler down (under load, or emulation), and a connection with no
+	// record fails only after recordGrace: sample until the sampler saw
+	// each of the victim's outbound families fail, or 60 s went by.
+	for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		sm.settle(false)
 		by := sm.failuresBy()
 		seen := true
 		for _, f := range families(victim.Pod) {
@@ -77,6 +79,7 @@ func TestHarnessUnderIstioCNI(t *testing.T) {
 		}
 	}
 	sm.halt()
+	sm.settle(true)
 	conns, n, first := sm.result()
 	by := sm.failuresBy()
 	t.Logf("sampler after removing %s's rules: %d connections, %d failures %v; first: %q", victim.Name, conns, n, by, first[:min(3, len(first))])

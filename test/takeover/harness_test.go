@@ -373,12 +373,13 @@ func (st *streams) echoAll(msg string) {
 // stand-in's listener port.
 func (st *streams) openVia(zt *simnode.Ztunnel, app *simnode.App, name string, dst netip.AddrPort, port int) {
 	st.t.Helper()
+	start := time.Now()
 	resp := do(st.t, app, simnode.AppRequest{Op: "stream-open", Name: name, Addr: dst})
-	r, ok := zt.RecordFor(resp.Local)
-	for deadline := time.Now().Add(3 * time.Second); !ok && time.Now().Before(deadline); r, ok = zt.RecordFor(resp.Local) {
+	r, ok := recordOf(zt.Records(), resp.Local, dst, start)
+	for deadline := time.Now().Add(recordGrace); !ok && time.Now().Before(deadline); r, ok = recordOf(zt.Records(), resp.Local, dst, start) {
 		time.Sleep(20 * time.Millisecond) // the stand-in writes its record as it accepts
 	}
-	if !ok || r.OrigDst != dst || r.Listener != port || r.Error != "" {
+	if !ok || r.Listener != port || r.Error != "" {
 		st.t.Fatalf("stream %s did not go through ztunnel's %d: %+v", name, port, r)
 	}
 	st.mu.Lock()
@@ -456,25 +457,40 @@ func families(p *simnode.Pod) []family {
 // the stand-in's listener for its direction to its original destination:
 // no moment without redirection.
 type sampler struct {
-	conns  atomic.Int64
-	mu     sync.Mutex
-	fails  []string
-	nfail  int
-	byWhat map[string]int // failures by pod, direction and family
-	tries  map[string]int // connections by pod, direction and family
-	stop   chan struct{}
-	wg     sync.WaitGroup
+	zt      *simnode.Ztunnel
+	conns   atomic.Int64
+	mu      sync.Mutex
+	fails   []string
+	nfail   int
+	byWhat  map[string]int // failures by pod, direction and family
+	tries   map[string]int // connections by pod, direction and family
+	pending []sample       // connected, not yet matched to the stand-in's record
+	stop    chan struct{}
+	wg      sync.WaitGroup
+}
+
+// sample is one sampled connection that connected: it was redirected if
+// the stand-in recorded a connection from its client address to its
+// original destination on the listener of its direction, at or after it
+// was made.
+type sample struct {
+	key, at string
+	i       int
+	local   netip.AddrPort // the client's end, the stand-in's peer
+	dst     netip.AddrPort
+	port    int
+	start   time.Time
 }
 
 const sampleEvery = 20 * time.Millisecond
 
 func (s *scenario) startSampler(t *testing.T) *sampler {
-	sm := &sampler{stop: make(chan struct{}), byWhat: map[string]int{}, tries: map[string]int{}}
+	sm := &sampler{zt: s.zt, stop: make(chan struct{}), byWhat: map[string]int{}, tries: map[string]int{}}
 	for _, p := range s.pods {
-		sm.run(s.zt, p.sampler, p.Name+" outbound", standin.OutboundPort, func(f family) netip.AddrPort {
+		sm.run(p.sampler, p.Name+" outbound", standin.OutboundPort, func(f family) netip.AddrPort {
 			return netip.AddrPortFrom(f.outside, outsideReplyPort)
 		}, p.Pod)
-		sm.run(s.zt, p.outSampler, p.Name+" inbound", standin.InboundPort, func(f family) netip.AddrPort {
+		sm.run(p.outSampler, p.Name+" inbound", standin.InboundPort, func(f family) netip.AddrPort {
 			return netip.AddrPortFrom(f.pod, podReplyPort)
 		}, p.Pod)
 	}
@@ -482,7 +498,7 @@ func (s *scenario) startSampler(t *testing.T) *sampler {
 	return sm
 }
 
-func (sm *sampler) run(zt *simnode.Ztunnel, app *simnode.App, what string, port int, dst func(family) netip.AddrPort, p *simnode.Pod) {
+func (sm *sampler) run(app *simnode.App, what string, port int, dst func(family) netip.AddrPort, p *simnode.Pod) {
 	sm.wg.Go(func() {
 		tick := time.NewTicker(sampleEvery)
 		defer tick.Stop()
@@ -501,26 +517,72 @@ func (sm *sampler) run(zt *simnode.Ztunnel, app *simnode.App, what string, port 
 			key, at := what+" "+f.name, time.Now().Format("15:04:05.000")
 			sm.mu.Lock()
 			sm.tries[key]++
+			if err == nil {
+				sm.pending = append(sm.pending, sample{key: key, at: at, i: i, local: resp.Local, dst: addr, port: port, start: start})
+			}
 			sm.mu.Unlock()
 			if err != nil {
 				sm.fail(key, "%s %s #%d: %v", at, key, i, err)
-				continue
-			}
-			// The client's port comes back for other pods: a record of
-			// an older connection from it is not this one's, which may be
-			// written a little later (slowly, under emulation).
-			r, ok := zt.RecordFor(resp.Local)
-			for deadline := time.Now().Add(3 * time.Second); (!ok || r.Time.Before(start.Add(-time.Second)) || r.OrigDst != addr) && time.Now().Before(deadline); r, ok = zt.RecordFor(resp.Local) {
-				time.Sleep(20 * time.Millisecond)
-			}
-			switch {
-			case !ok:
-				sm.fail(key, "%s %s #%d from %s to %s: not redirected (no record of the stand-in)", at, key, i, resp.Local, addr)
-			case r.Listener != port || r.OrigDst != addr || r.Error != "":
-				sm.fail(key, "%s %s #%d from %s to %s: not redirected to :%d with its original destination: %+v", at, key, i, resp.Local, addr, port, r)
 			}
 		}
 	})
+}
+
+// recordGrace is how long a sampled connection may wait for the
+// stand-in's record of it: under emulation the stand-in can write one
+// seconds after its accept.
+const recordGrace = 10 * time.Second
+
+// recordOf finds the stand-in's record of a connection made at start from
+// local to the original destination dst: made at or after it, within
+// recordGrace. Matching the client address alone is not enough: client
+// ports come back, for other pods and other destinations too.
+func recordOf(recs []standin.Record, local, dst netip.AddrPort, start time.Time) (standin.Record, bool) {
+	i := slices.IndexFunc(recs, func(r standin.Record) bool {
+		return r.Peer == local && r.OrigDst == dst && !r.Time.Before(start.Add(-time.Second)) && r.Time.Before(start.Add(recordGrace))
+	})
+	if i < 0 {
+		return standin.Record{}, false
+	}
+	return recs[i], true
+}
+
+// settle matches the connections sampled so far to the stand-in's records
+// (recordOf): one on the wrong listener failed, and so did one still without a
+// record once it is older than recordGrace. With wait, settle returns only
+// when every connection so far is matched or failed; without, the rest stay
+// pending.
+func (sm *sampler) settle(wait bool) {
+	sm.mu.Lock()
+	todo := sm.pending
+	sm.pending = nil
+	sm.mu.Unlock()
+	for {
+		byPeer := map[netip.AddrPort][]standin.Record{}
+		for _, r := range sm.zt.Records() {
+			byPeer[r.Peer] = append(byPeer[r.Peer], r)
+		}
+		var left []sample
+		for _, c := range todo {
+			r, ok := recordOf(byPeer[c.local], c.local, c.dst, c.start)
+			switch {
+			case ok && (r.Listener != c.port || r.Error != ""):
+				sm.fail(c.key, "%s %s #%d from %s to %s: not redirected to :%d with its original destination: %+v", c.at, c.key, c.i, c.local, c.dst, c.port, r)
+			case !ok && time.Since(c.start) > recordGrace:
+				sm.fail(c.key, "%s %s #%d from %s to %s: not redirected (no record of the stand-in)", c.at, c.key, c.i, c.local, c.dst)
+			case !ok:
+				left = append(left, c)
+			}
+		}
+		todo = left
+		if !wait || len(todo) == 0 {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	sm.mu.Lock()
+	sm.pending = append(todo, sm.pending...)
+	sm.mu.Unlock()
 }
 
 func (sm *sampler) fail(key, format string, args ...any) {
@@ -562,6 +624,7 @@ func (sm *sampler) failuresBy() map[string]int {
 // unredirected so far, and logs the count.
 func (sm *sampler) check(t *testing.T, phase string) {
 	t.Helper()
+	sm.settle(true)
 	conns, n, first := sm.result()
 	sm.mu.Lock()
 	t.Logf("sampler %s: %d connections (%v), %d failures", phase, conns, sm.tries, n)
