@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"sync/atomic"
 	"time"
 
@@ -157,7 +158,24 @@ func (a *agent) run(parent context.Context) error {
 	// The features are probed by dataplane.New, after it lifted
 	// RLIMIT_MEMLOCK (kernels before 5.11 charge the probes to it), and
 	// logged whether it loaded or not.
-	dp, err := dataplane.New(a.cfg.Dataplane)
+	dpcfg := a.cfg.Dataplane
+	if a.cfg.IstioCNITakeover {
+		// A pod under a takeover has a drain table from before its
+		// enrolment until istio-cni's connections are gone; they use
+		// the same return path as the eBPF redirection.
+		dpcfg.SharedReturnPath = func(netns string) bool {
+			if _, err := os.Stat(netns); err != nil {
+				return false // the pod is gone, and its return path with it
+			}
+			has, err := istiocni.HasDrain(ctx, netns)
+			if err != nil {
+				log.Warn("look for a takeover's drain table; the return path stays", "netns", netns, "error", err)
+				return true
+			}
+			return has
+		}
+	}
+	dp, err := dataplane.New(dpcfg)
 	features.Log(log)
 	a.features = map[string]bool{}
 	for _, f := range features.Report() {

@@ -54,7 +54,14 @@ type Config struct {
 	// the hop stays on TCP. Changed or turned off after it was on,
 	// connections already accelerated keep what they had until they close.
 	SockmapAccel AccelMode
-	Logger       *slog.Logger
+	// SharedReturnPath, when set, says whether the return path in the pod
+	// netns at the path given is someone else's too: istio-cni's, while a
+	// takeover from it is under way (its redirected connections' replies
+	// take the same policy rule). Undoing a half-done enrolment, in a
+	// rollback or after a crash, and removing a pod then leave the return
+	// path in place, or those replies would leave the pod. Unset: never.
+	SharedReturnPath func(netns string) bool `json:"-"`
+	Logger           *slog.Logger
 	// Failpoint, when set, is called at each step of enrolment and
 	// removal with the step's name (see Steps). The crash-injection tests
 	// kill the process there; nothing else sets it.

@@ -163,6 +163,54 @@ func TestCrashAtEveryStepConverges(t *testing.T) {
 	}
 }
 
+// A return path someone else's redirection uses too (istio-cni's, while a
+// takeover from it is under way: Config.SharedReturnPath) outlives the
+// undo of an enrolment an agent was killed in, and a removal; only the
+// rest of the enrolment goes. Without it, istio-cni's redirected inbound
+// connections' replies would leave the pod until the next enrolment.
+func TestSharedReturnPathOutlivesAnUndoneEnrolment(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	if err := simnode.InNetns(p.NS, func() error {
+		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+		if err != nil {
+			return err
+		}
+		defer h.Close()
+		return addReturnPath(h, true) // as istio-cni left it
+	}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS),
+		SharedReturnPath: func(netns string) bool { return netns == p.NetnsPath() }}
+	pod := podOf(p)
+	runCrash(t, crashJob{BPFFSDir: cfg.BPFFSDir, CgroupRoot: cfg.CgroupRoot, NodeNetns: cfg.NodeNetns, Pod: pod, Step: StepEnrollAttached, Nth: 1})
+	d, err := New(cfg)
+	if err != nil {
+		t.Fatalf("restart after the crash: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	if got := d.List(); len(got) != 0 {
+		t.Errorf("pods after the undo: %+v", got)
+	}
+	if got := returnRules(t, p); got != 2 {
+		t.Errorf("%d return-path rules after the undo, want the 2 of before", got)
+	}
+	if err := d.Enroll(context.Background(), pod); err != nil {
+		t.Fatalf("enroll after the crash: %v", err)
+	}
+	checkEnrolled(t, d, p)
+	if err := d.Remove(context.Background(), p.UID); err != nil {
+		t.Fatalf("Remove: %v", err)
+	}
+	if got := returnRules(t, p); got != 2 {
+		t.Errorf("%d return-path rules after Remove, want the 2 of before", got)
+	}
+	if got := skLookupPrograms(t, p); got != 0 {
+		t.Errorf("%d sk_lookup programs left after Remove", got)
+	}
+}
+
 // An agent killed at any step of an options update (R12-R14 changed on an
 // enrolled pod, which Enroll applies in place) leaves the pod enrolled, with
 // the old options or the new ones; the next agent adopts it, the same

