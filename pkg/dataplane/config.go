@@ -58,8 +58,9 @@ type Config struct {
 	// netns at the path given is someone else's too: istio-cni's, while a
 	// takeover from it is under way (its redirected connections' replies
 	// take the same policy rule). Undoing a half-done enrolment, in a
-	// rollback or after a crash, and removing a pod then leave the return
-	// path in place, or those replies would leave the pod. Unset: never.
+	// rollback or after a crash, then leaves the return path in place, or
+	// those replies would leave the pod while it is enrolled again. A
+	// removal takes it, as istio-cni's own removal would. Unset: never.
 	SharedReturnPath func(netns string) bool `json:"-"`
 	Logger           *slog.Logger
 	// Failpoint, when set, is called at each step of enrolment and

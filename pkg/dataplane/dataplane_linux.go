@@ -449,7 +449,7 @@ func (d *Dataplane) Uninstall() error {
 	d.mu.Lock()
 	var errs []error
 	for uid, p := range d.pods {
-		if err := d.detachPod(p); err != nil {
+		if err := d.detachPod(p, false); err != nil {
 			errs = append(errs, err)
 		}
 		delete(d.pods, uid)

@@ -274,7 +274,7 @@ func (d *Dataplane) Remove(ctx context.Context, uid string) error {
 	if !ok {
 		return nil
 	}
-	err := d.detachPod(st)
+	err := d.detachPod(st, false)
 	delete(d.pods, uid)
 	d.slots.release(st.Slot)
 	return err
@@ -300,7 +300,10 @@ func (d *Dataplane) sharedReturnPath(path string) bool {
 // programs and pins, the return path in its netns, and last the journal
 // slot. An agent that dies part way leaves "removing" for the next one,
 // which finishes the job.
-func (d *Dataplane) detachPod(st *podState) error {
+//
+// undo says the pod's enrolment was left half done by a dead agent: a
+// return path someone else shares (Config.SharedReturnPath) stays then.
+func (d *Dataplane) detachPod(st *podState, undo bool) error {
 	if err := d.writeMeta(st, metaRemoving); err != nil {
 		d.log.Warn("journal pod removal", "pod", st.Namespace+"/"+st.Name, "error", err)
 	}
@@ -322,7 +325,7 @@ func (d *Dataplane) detachPod(st *podState) error {
 	}
 	d.cfg.failpoint(StepRemoveDetached)
 	if st.netnsPath != "" {
-		if err := teardownPodNetns(d.cfg.ProcRoot, st.netnsPath, st.savedFwmark, d.leaveReturnPaths || d.sharedReturnPath(st.netnsPath)); err != nil {
+		if err := teardownPodNetns(d.cfg.ProcRoot, st.netnsPath, st.savedFwmark, d.leaveReturnPaths || undo && d.sharedReturnPath(st.netnsPath)); err != nil {
 			errs = append(errs, fmt.Errorf("pod %s/%s: %w", st.Namespace, st.Name, err))
 		}
 	}
@@ -394,7 +397,7 @@ func (d *Dataplane) adoptPods() error {
 			d.log.Info("undoing what a stopped agent left part way", "pod", st.Namespace+"/"+st.Name, "uid", st.UID,
 				"state", journalName(st.journal), "netns", st.netnsPath)
 			st.links = d.pinnedAttachments(st)
-			if err := d.detachPod(st); err != nil {
+			if err := d.detachPod(st, true); err != nil {
 				d.log.Warn("undo a partial enrolment", "pod", st.Namespace+"/"+st.Name, "error", err)
 			}
 			d.slots.release(st.Slot)
