@@ -190,7 +190,10 @@ func (n *agentNode) crashAgent(t *testing.T, step string) {
 	t.Setenv(agent.FailpointEnv, step)
 	n.Agent = simnode.StartProcess(t, n.NodeNS, "", n.AgentArgs()...)
 	t.Setenv(agent.FailpointEnv, "")
-	if !agentrun.WaitExit(n.Agent, 20*time.Second) {
+	// Generous: under emulation (hack/vmtest) a migration's steps take
+	// seconds each; 20 s was too little for migrate/switched on 5.10 and
+	// 6.1.
+	if !agentrun.WaitExit(n.Agent, 2*time.Minute) {
 		n.Agent.Kill()
 		t.Fatalf("the agent did not reach %s:\n%s", step, n.Agent.Output.String())
 	}
