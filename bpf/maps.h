@@ -112,7 +112,9 @@ struct {
 
 /* ztunnel's connections to the app of its own pod (R10: it delivers
  * inbound traffic from the client's address over lo), filed by sockops
- * before the SYN leaves and removed when the socket closes. sk_lookup sees
+ * before the SYN leaves (or, for a connect the pod's enrolment overtook,
+ * by the pod's lo program as the SYN arrives) and removed when the socket
+ * closes. sk_lookup sees
  * the SYN with the pod interface's index (the route to a local address
  * names the device that owns it) and a foreign source, exactly like
  * traffic from outside: this is how it tells them apart. Key as sk_lookup

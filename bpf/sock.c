@@ -663,6 +663,28 @@ static __always_inline void on_listen(struct bpf_sock_ops *skops)
 	bpf_sock_hash_update(skops, &ae_listeners, &key, BPF_ANY);
 }
 
+/*
+ * ztunnel's connection to the app of its pod is established. One that
+ * connected before the pod was enrolled was filed in ae_local_flows by the
+ * pod's lo program (file_overtaken_delivery in bpf/tc.c), not by
+ * on_connect, and so has no state callback yet: ask for it now, so that
+ * on_close removes the entry with the socket. Every other socket returns
+ * at the mark or the flag test.
+ */
+static __always_inline void on_active_established(struct bpf_sock_ops *skops)
+{
+	struct bpf_sock *sk = skops->sk;
+	struct steer_key key;
+
+	if (!sk || !mark_is_ztunnel(sk->mark) || (skops->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG))
+		return;
+	if (!(ae_cfg.flags & AE_CFG_SK_LOOKUP_IFINDEX) || !(ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPS))
+		return;
+	local_flow_key(skops, &key);
+	if (bpf_map_lookup_elem(&ae_local_flows, &key))
+		bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+}
+
 /* sockops: TCP socket events below the node's cgroup root. */
 SEC("sockops")
 int ae_sockops(struct bpf_sock_ops *skops)
@@ -670,6 +692,9 @@ int ae_sockops(struct bpf_sock_ops *skops)
 	switch (skops->op) {
 	case BPF_SOCK_OPS_TCP_CONNECT_CB:
 		on_connect(skops);
+		break;
+	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
+		on_active_established(skops);
 		break;
 	case BPF_SOCK_OPS_TCP_LISTEN_CB:
 		on_listen(skops);

@@ -324,6 +324,48 @@ int ae_pod_ingress(struct __sk_buff *skb)
 }
 
 /*
+ * R10, a delivery the enrolment overtook. sockops files ztunnel's
+ * connections to the app in ae_local_flows as they connect, but only to an
+ * enrolled pod: a connect made just before the enrolment (a takeover from
+ * istio-cni enrols pods ztunnel is already serving) is not filed, and if
+ * its SYN is looked up after it (a SYN delayed, or retransmitted), the
+ * pod's sk_lookup program takes it for inbound traffic and hands it to
+ * ztunnel's own :15006 listener, whose request socket then owns the tuple:
+ * the delivery hangs until it times out. Here, on lo, the SYN still
+ * carries ztunnel's mark, which sk_lookup cannot see, and this runs before
+ * that lookup: the flow is filed if it is not yet. Only the pod's address
+ * from a foreign one (the client's, kept by ztunnel), only where sk_lookup
+ * captures inbound. sockops removes the entry when the socket closes (it
+ * asks for the state callback once the connection is established,
+ * on_active_established in bpf/sock.c).
+ */
+static __always_inline void file_overtaken_delivery(const struct flow *f)
+{
+	struct steer_key key = {};
+	struct pod_info *pod;
+	__u32 one = 1;
+
+	if (!(ae_cfg.flags & AE_CFG_SK_LOOKUP_IFINDEX) || addr_eq(&f->saddr, &f->daddr))
+		return;
+	pod = bpf_map_lookup_elem(&ae_pods, &f->daddr);
+	if (!pod)
+		return;
+	key.saddr = f->saddr;
+	key.daddr = f->daddr;
+	key.sport = f->sport;
+	key.dport = f->dport;
+	if (bpf_map_lookup_elem(&ae_local_flows, &key))
+		return;
+	if (bpf_map_update_elem(&ae_local_flows, &key, &one, BPF_NOEXIST) && !bpf_map_lookup_elem(&ae_local_flows, &key)) {
+		struct pod_stats *st = pod_stats(pod->slot);
+
+		if (st)
+			st->orig_dst_errors++;
+		count_decision(AE_R_LOCAL_FLOW_FULL);
+	}
+}
+
+/*
  * R10: ztunnel delivers inbound traffic from the client's own address
  * (a transparent socket bound to a non-local IP). The app's replies to
  * that address must come back to ztunnel, not leave the pod. ztunnel's
@@ -337,8 +379,10 @@ static __always_inline int mark_ztunnel_delivery(struct __sk_buff *skb)
 {
 	struct flow f = {};
 
-	if (parse_tcp(skb, &f) == 0 && f.syn && mark_is_ztunnel(skb->mark))
+	if (parse_tcp(skb, &f) == 0 && f.syn && mark_is_ztunnel(skb->mark)) {
+		file_overtaken_delivery(&f);
 		skb->mark = (skb->mark & ~ae_cfg.mark_mask) | ae_cfg.return_mark;
+	}
 	return TCX_NEXT;
 }
 

@@ -30,6 +30,7 @@ import (
 const crashEnv = "AMBIENT_EBPF_DATAPLANE_CRASH"
 
 func TestMain(m *testing.M) {
+	simnode.RunHelper() // the apps some tests start (simnode.StartApp)
 	if job := os.Getenv(crashEnv); job != "" {
 		os.Exit(runCrashChild(job))
 	}

@@ -408,7 +408,7 @@ func (w *why) inbound(p *podState, src netip.Addr, dst netip.AddrPort, delivery 
 		}
 		l.pass("R4", "from outside the pod")
 		if delivery {
-			return l.decide(ReasonZtunnelDelivery, netip.AddrPort{}, "ztunnel's connection to the app, filed by sockops in ae_local_flows")
+			return l.decide(ReasonZtunnelDelivery, netip.AddrPort{}, "ztunnel's connection to the app, filed in ae_local_flows")
 		}
 		l.pass("R10", "not one of ztunnel's deliveries to the app")
 	}

@@ -78,6 +78,12 @@ type AppRequest struct {
 	Mark   int            `json:"mark,omitempty"`
 	Mapped bool           `json:"mapped,omitempty"` // dial from AF_INET6 to ::ffff:a.b.c.d
 	Bind   netip.AddrPort `json:"bind,omitempty"`
+	// Transparent makes ops dial-tcp and dial-udp bind to Bind's address
+	// whether or not it is local (IP_TRANSPARENT and IP_FREEBIND), as
+	// ztunnel does to deliver from the client's address.
+	Transparent bool `json:"transparent,omitempty"`
+	// Timeout bounds the connect of op stream-open (default 5 s).
+	Timeout time.Duration `json:"timeout,omitempty"`
 	// DNS: the name to query (op dns) or the address every query is
 	// answered with (op dns-server); Proto udp or tcp; Connected uses a
 	// connected UDP socket.
@@ -181,7 +187,7 @@ func (a *app) handle(line []byte) any {
 }
 
 func (a *app) do(req AppRequest) (AppResponse, error) {
-	opts := sockutil.Opts{Mark: req.Mark, Bind: req.Bind}
+	opts := sockutil.Opts{Mark: req.Mark, Bind: req.Bind, Transparent: req.Transparent, FreeBind: req.Transparent}
 	switch req.Op {
 	case "listen-tcp":
 		l, err := a.ns.Listen(req.Addr, sockutil.Opts{ReusePort: true})
@@ -213,7 +219,11 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		go serveEcho(l, req.ReadWrite)
 		return AppResponse{Local: sockutil.AddrPort(l.Addr())}, nil
 	case "stream-open":
-		c, err := a.ns.Dial(req.Addr, sockutil.Opts{}, 5*time.Second)
+		timeout := 5 * time.Second
+		if req.Timeout > 0 {
+			timeout = req.Timeout
+		}
+		c, err := a.ns.Dial(req.Addr, opts, timeout)
 		if err != nil {
 			return AppResponse{}, err
 		}
