@@ -26,7 +26,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 GO=${GO:-go}
 CACHE=${CACHE:-$root/.cache}
-VMTEST_PKGS=${VMTEST_PKGS:-./pkg/features ./pkg/dataplane ./test/conformance ./test/takeover:^TestTakeoverAndHandBack\$}
+VMTEST_PKGS=${VMTEST_PKGS:-./pkg/features ./pkg/dataplane ./test/conformance}
 VMTEST_TIMEOUT=${VMTEST_TIMEOUT:-3600} # seconds per VM, boot to poweroff
 VMTEST_MEM=${VMTEST_MEM:-2G}         # the initramfs (binaries included) lives in it
 # vCPUs per guest, each a host thread (multi-threaded TCG): with one vCPU the
