@@ -108,6 +108,7 @@ vet: ## go vet and gofmt
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt needed"; exit 1; }
 	$(GO) vet ./...
 	$(GO) vet -tags bench ./test/bench
+	$(GO) vet -tags takeovercrash ./test/takeover
 
 .PHONY: kube-bins
 kube-bins: $(KUBE_BINS)/kube-apiserver $(KUBE_BINS)/etcd $(KUBE_BINS)/kubelet ## build kube-apiserver, etcd and kubelet into .cache/kube/<version> once (cold: ~15 min, kubelet ~5 min more)
@@ -165,6 +166,10 @@ demo: deps build cni-plugins ## run a self-contained demo node (root): CNI chain
 # Knobs: BENCH_REPS, BENCH_DURATION, BENCH_CONC, BENCH_RTTS, BENCH_ENROLL_PODS,
 # BENCH_SCALE_PODS (see test/bench/bench_test.go). bench/results.json is
 # committed with the docs/BENCHMARKS.md that quotes it; it names its commit.
+.PHONY: test-takeover-crash
+test-takeover-crash: deps ## the takeover's crash tests (test/takeover, tag takeovercrash): out of make test while they fail now and then (issue 17)
+	$(GO) test $(GOTESTFLAGS) -tags takeovercrash -run '^TestTakeoverKilledMidwayFinishesOnRestart$$' -v ./test/takeover
+
 .PHONY: bench
 bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json, bench/chart.svg and docs/BENCHMARKS.md
 	@mkdir -p bench

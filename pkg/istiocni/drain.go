@@ -154,8 +154,16 @@ func HasDrain(ctx context.Context, path string) (bool, error) {
 
 // RedirectedFlows counts the live connections of the pod netns at path
 // that istio-cni redirected to ztunnel: conntrack entries with destination
-// NAT whose reply comes from 15001, 15006 or 15053, TCP ones not yet in
-// TIME_WAIT or CLOSE. Once it is 0 the drain has nothing left to hold.
+// NAT whose reply comes from 15001, 15006 or 15053 and that saw a reply,
+// TCP ones not yet in TIME_WAIT or CLOSE. Once it is 0 the drain has
+// nothing left to hold.
+//
+// An entry that never saw a reply holds no connection: a SYN nobody
+// answered (a client port that came back onto a tuple in use, a listener
+// gone) stays in SYN_SENT for up to two minutes, refreshed by each
+// retransmission, and waiting for it would hold the drain, and the
+// takeover's end, that long for nothing; its next retransmission is a new
+// connection for the eBPF redirection.
 func RedirectedFlows(ctx context.Context, path string) (int, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
@@ -184,7 +192,7 @@ func RedirectedFlows(ctx context.Context, path string) (int, error) {
 }
 
 func redirected(f conntrack.Flow) bool {
-	if !f.Status.DstNAT() {
+	if !f.Status.DstNAT() || !f.Status.SeenReply() {
 		return false
 	}
 	port := f.TupleReply.Proto.SourcePort

@@ -574,7 +574,7 @@ func (sm *sampler) settle(wait bool) {
 			case ok && (r.Listener != c.port || r.Error != ""):
 				sm.fail(c.key, "%s %s #%d from %s to %s: not redirected to :%d with its original destination: %+v", c.at, c.key, c.i, c.local, c.dst, c.port, r)
 			case !ok && time.Since(c.start) > recordGrace:
-				sm.fail(c.key, "%s %s #%d from %s to %s: not redirected (no record of the stand-in)", c.at, c.key, c.i, c.local, c.dst)
+				sm.fail(c.key, "%s %s #%d from %s to %s: not redirected (no record of the stand-in; its records to %s from %s then: %v)", c.at, c.key, c.i, c.local, c.dst, c.dst, c.local.Addr(), nearRecords(sm.zt.Records(), c))
 			case !ok:
 				left = append(left, c)
 			}
@@ -588,6 +588,19 @@ func (sm *sampler) settle(wait bool) {
 	sm.mu.Lock()
 	sm.pending = append(todo, sm.pending...)
 	sm.mu.Unlock()
+}
+
+// nearRecords lists the stand-in's records to c's original destination
+// from c's client address, any port, around c's time: for a failure's
+// message (a client port NAT remapped shows here).
+func nearRecords(recs []standin.Record, c sample) []string {
+	var out []string
+	for _, r := range recs {
+		if r.Peer.Addr() == c.local.Addr() && r.OrigDst == c.dst && r.Time.After(c.start.Add(-time.Second)) && r.Time.Before(c.start.Add(recordGrace)) {
+			out = append(out, fmt.Sprintf("%s peer %s on :%d", r.Time.Format("15:04:05.000"), r.Peer, r.Listener))
+		}
+	}
+	return out
 }
 
 func (sm *sampler) fail(key, format string, args ...any) {

@@ -15,6 +15,8 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	mdnetlink "github.com/mdlayher/netlink"
+	"github.com/ti-mo/conntrack"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -74,15 +76,50 @@ func (s *scenario) takeOver(t *testing.T, sm *sampler) {
 }
 
 // waitDrained waits until the agent removed its drain table from every
-// pod given.
-func waitDrained(t *testing.T, pods ...*tpod) {
+// pod given. On a timeout it shows what held the drain: the pod's
+// conntrack entries and the agent's output.
+func (s *scenario) waitDrained(t *testing.T, pods ...*tpod) {
 	t.Helper()
 	for _, p := range pods {
-		agentrun.WaitFor(t, "the drain table of "+p.Name+" to go", func() bool {
+		if !agentrun.Eventually(time.Minute, func() bool {
 			has, err := istiocni.HasDrain(context.Background(), p.NetnsPath())
 			return err == nil && !has
-		})
+		}) {
+			t.Fatalf("timed out waiting for the drain table of %s to go; its conntrack entries:\n%s\nthe agent:\n%s", p.Name, conntrackDump(p.NetnsPath()), s.Agent.Output.String())
+		}
 	}
+}
+
+// conntrackDump lists the conntrack entries of the netns at path, one per
+// line, for a failure's message.
+func conntrackDump(path string) string {
+	ns, err := os.Open(path)
+	if err != nil {
+		return err.Error()
+	}
+	defer ns.Close()
+	c, err := conntrack.Dial(&mdnetlink.Config{NetNS: int(ns.Fd())})
+	if err != nil {
+		return err.Error()
+	}
+	defer c.Close()
+	flows, err := c.Dump(nil)
+	if err != nil {
+		return err.Error()
+	}
+	var b strings.Builder
+	for _, f := range flows {
+		state := ""
+		if f.ProtoInfo.TCP != nil {
+			state = fmt.Sprintf(" tcp-state=%d", f.ProtoInfo.TCP.State)
+		}
+		fmt.Fprintf(&b, "proto=%d orig %s:%d->%s:%d reply %s:%d->%s:%d status=%#x mark=%#x timeout=%ds%s\n",
+			f.TupleOrig.Proto.Protocol,
+			f.TupleOrig.IP.SourceAddress, f.TupleOrig.Proto.SourcePort, f.TupleOrig.IP.DestinationAddress, f.TupleOrig.Proto.DestinationPort,
+			f.TupleReply.IP.SourceAddress, f.TupleReply.Proto.SourcePort, f.TupleReply.IP.DestinationAddress, f.TupleReply.Proto.DestinationPort,
+			uint32(f.Status), f.Mark, f.Timeout, state)
+	}
+	return b.String()
 }
 
 func hasDrain(t *testing.T, p *tpod) bool {
@@ -153,7 +190,7 @@ func TestTakeoverAndHandBack(t *testing.T) {
 	// pod's live on across the hand-back, under its drain.
 	legacy, nft := s.pods[0], s.pods[1]
 	st.closeStreams("pre-out-legacy", "pre-in-legacy")
-	waitDrained(t, legacy)
+	s.waitDrained(t, legacy)
 	if !hasDrain(t, nft) {
 		t.Errorf("%s: the drain table went while istio-cni's connections are open", nft.Name)
 	}
