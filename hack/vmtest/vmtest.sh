@@ -192,6 +192,12 @@ run_vm() {
 		-append "console=ttyS0 panic=-1 quiet loglevel=4 CI=${CI:-} VMTEST_RUN=${VMTEST_RUN:-} AMBIENT_EBPF_TEST_BINS=$bins" \
 		-serial "file:$console" -serial "file:$results" </dev/null || log "$rel: qemu exited with $?"
 	if ! summarize "$rel" <"$results"; then
+		# A panic's cause is the first oops, which the last lines of a
+		# cascade of them do not show.
+		if grep -qE 'BUG:|Oops|WARNING:|Kernel panic' "$console"; then
+			log "$rel: the guest kernel's first report:"
+			grep -m1 -A50 -E 'BUG:|Oops|WARNING:|Kernel panic' "$console" >&2
+		fi
 		log "$rel: last console lines:"
 		tail -n 30 "$console" >&2
 		return 1

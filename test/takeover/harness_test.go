@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/google/nftables"
+	"github.com/ti-mo/conntrack"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
@@ -370,14 +371,17 @@ func (st *streams) echoAll(msg string) {
 }
 
 // openVia opens a stream from app to dst and checks it went through the
-// stand-in's listener port.
-func (st *streams) openVia(zt *simnode.Ztunnel, app *simnode.App, name string, dst netip.AddrPort, port int) {
+// stand-in's listener port; netns is the pod's, whose NAT it went through.
+func (st *streams) openVia(zt *simnode.Ztunnel, app *simnode.App, netns, name string, dst netip.AddrPort, port int) {
 	st.t.Helper()
 	start := time.Now()
 	resp := do(st.t, app, simnode.AppRequest{Op: "stream-open", Name: name, Addr: dst})
 	r, ok := recordOf(zt.Records(), resp.Local, dst, start)
 	for deadline := time.Now().Add(recordGrace); !ok && time.Now().Before(deadline); r, ok = recordOf(zt.Records(), resp.Local, dst, start) {
 		time.Sleep(20 * time.Millisecond) // the stand-in writes its record as it accepts
+	}
+	if !ok {
+		r, ok = remappedRecord(zt.Records(), netns, resp.Local, dst, start)
 	}
 	if !ok || r.Listener != port || r.Error != "" {
 		st.t.Fatalf("stream %s did not go through ztunnel's %d: %+v", name, port, r)
@@ -394,8 +398,8 @@ func (s *scenario) openStreams(st *streams, prefix string) {
 	st.t.Helper()
 	for _, p := range s.pods {
 		for _, f := range families(p.Pod) {
-			st.openVia(s.zt, p.app, fmt.Sprintf("%s-out-%s-%s", prefix, p.Name, f.name), netip.AddrPortFrom(f.outside, outsideEchoPort), standin.OutboundPort)
-			st.openVia(s.zt, s.out, fmt.Sprintf("%s-in-%s-%s", prefix, p.Name, f.name), netip.AddrPortFrom(f.pod, podEchoPort), standin.InboundPort)
+			st.openVia(s.zt, p.app, p.NetnsPath(), fmt.Sprintf("%s-out-%s-%s", prefix, p.Name, f.name), netip.AddrPortFrom(f.outside, outsideEchoPort), standin.OutboundPort)
+			st.openVia(s.zt, s.out, p.NetnsPath(), fmt.Sprintf("%s-in-%s-%s", prefix, p.Name, f.name), netip.AddrPortFrom(f.pod, podEchoPort), standin.InboundPort)
 		}
 	}
 }
@@ -467,6 +471,7 @@ type sampler struct {
 	pending []sample       // connected, not yet matched to the stand-in's record
 	lost    []string       // inbound connections that got no answer (see lostInbound)
 	lostBy  map[string]int // those by pod, direction and family
+	remaps  []string       // samples matched through a NAT-remapped client port (remappedPeer)
 	stop    chan struct{}
 	wg      sync.WaitGroup
 }
@@ -482,6 +487,12 @@ type sample struct {
 	dst     netip.AddrPort
 	port    int
 	start   time.Time
+	reply   *standin.Reply // who answered, as it saw the connection
+	netns   string         // the pod's
+	// natPeer is the client address the stand-in saw when the pod's NAT
+	// remapped the client port (remappedPeer), asked once (askedNAT).
+	natPeer  netip.AddrPort
+	askedNAT bool
 }
 
 const sampleEvery = 20 * time.Millisecond
@@ -520,7 +531,7 @@ func (sm *sampler) run(app *simnode.App, what string, port int, dst func(family)
 			sm.mu.Lock()
 			sm.tries[key]++
 			if err == nil {
-				sm.pending = append(sm.pending, sample{key: key, at: at, i: i, local: resp.Local, dst: addr, port: port, start: start})
+				sm.pending = append(sm.pending, sample{key: key, at: at, i: i, local: resp.Local, dst: addr, port: port, start: start, reply: resp.Reply, netns: p.NetnsPath()})
 			}
 			sm.mu.Unlock()
 			switch {
@@ -552,6 +563,16 @@ func recordOf(recs []standin.Record, local, dst netip.AddrPort, start time.Time)
 	return recs[i], true
 }
 
+// remappedRecord is recordOf for a connection whose client port the pod's
+// NAT changed (remappedPeer): the stand-in's record is from the new port.
+func remappedRecord(recs []standin.Record, netns string, local, dst netip.AddrPort, start time.Time) (standin.Record, bool) {
+	peer, ok := remappedPeer(netns, local, dst)
+	if !ok {
+		return standin.Record{}, false
+	}
+	return recordOf(recs, peer, dst, start)
+}
+
 // settle matches the connections sampled so far to the stand-in's records
 // (recordOf): one on the wrong listener failed, and so did one still without a
 // record once it is older than recordGrace. With wait, settle returns only
@@ -570,11 +591,28 @@ func (sm *sampler) settle(wait bool) {
 		var left []sample
 		for _, c := range todo {
 			r, ok := recordOf(byPeer[c.local], c.local, c.dst, c.start)
+			if !ok && !c.askedNAT && time.Since(c.start) > time.Second {
+				// Asked once, while conntrack still holds the
+				// connection (two minutes in TIME_WAIT).
+				c.askedNAT = true
+				if peer, remapped := remappedPeer(c.netns, c.local, c.dst); remapped {
+					c.natPeer = peer
+				}
+			}
+			if !ok && c.natPeer.IsValid() {
+				if r, ok = recordOf(byPeer[c.natPeer], c.natPeer, c.dst, c.start); ok {
+					sm.mu.Lock()
+					sm.remaps = append(sm.remaps, fmt.Sprintf("%s %s #%d from %s to %s: the stand-in saw it from %s", c.at, c.key, c.i, c.local, c.dst, c.natPeer))
+					sm.mu.Unlock()
+				}
+			}
 			switch {
 			case ok && (r.Listener != c.port || r.Error != ""):
 				sm.fail(c.key, "%s %s #%d from %s to %s: not redirected to :%d with its original destination: %+v", c.at, c.key, c.i, c.local, c.dst, c.port, r)
+			case !ok && time.Since(c.start) > recordGrace && !sm.detailed():
+				sm.fail(c.key, "%s %s #%d from %s to %s: not redirected (no record of the stand-in; answered by %+v)", c.at, c.key, c.i, c.local, c.dst, c.reply)
 			case !ok && time.Since(c.start) > recordGrace:
-				sm.fail(c.key, "%s %s #%d from %s to %s: not redirected (no record of the stand-in; its records to %s from %s then: %v)", c.at, c.key, c.i, c.local, c.dst, c.dst, c.local.Addr(), nearRecords(sm.zt.Records(), c))
+				sm.fail(c.key, "%s %s #%d from %s to %s: not redirected (no record of the stand-in; answered by %+v; the stand-in's records then from %s or to %s from %s: %v; the pod's conntrack entries with port %d:\n%s)", c.at, c.key, c.i, c.local, c.dst, c.reply, c.local, c.dst, c.local.Addr(), nearRecords(sm.zt.Records(), c), c.local.Port(), conntrackDump(c.netns, c.hasPort))
 			case !ok:
 				left = append(left, c)
 			}
@@ -590,17 +628,39 @@ func (sm *sampler) settle(wait bool) {
 	sm.mu.Unlock()
 }
 
-// nearRecords lists the stand-in's records to c's original destination
-// from c's client address, any port, around c's time: for a failure's
-// message (a client port NAT remapped shows here).
+// nearRecords lists, for a failure's message, the stand-in's records
+// around c's time that could be c's with a field changed: from c's client
+// address and port to any original destination (an original destination
+// lost), and from c's client address, any port, to c's destination (a
+// client port NAT remapped).
 func nearRecords(recs []standin.Record, c sample) []string {
 	var out []string
 	for _, r := range recs {
-		if r.Peer.Addr() == c.local.Addr() && r.OrigDst == c.dst && r.Time.After(c.start.Add(-time.Second)) && r.Time.Before(c.start.Add(recordGrace)) {
-			out = append(out, fmt.Sprintf("%s peer %s on :%d", r.Time.Format("15:04:05.000"), r.Peer, r.Listener))
+		after := r.Time.After(c.start.Add(-sampleEvery))
+		samePeer := r.Peer == c.local && r.Time.Before(c.start.Add(recordGrace))
+		sameDst := r.Peer.Addr() == c.local.Addr() && r.OrigDst == c.dst && r.Time.Before(c.start.Add(2*sampleEvery))
+		if after && (samePeer || sameDst) {
+			out = append(out, fmt.Sprintf("%s peer %s local %s to %s (%s) on :%d %s", r.Time.Format("15:04:05.000"), r.Peer, r.Local, r.OrigDst, r.OrigDstFrom, r.Listener, r.Error))
 		}
 	}
 	return out
+}
+
+// hasPort says whether a conntrack entry has c's client port on either
+// side of either tuple.
+func (c sample) hasPort(f conntrack.Flow) bool {
+	p := c.local.Port()
+	return f.TupleOrig.Proto.SourcePort == p || f.TupleOrig.Proto.DestinationPort == p ||
+		f.TupleReply.Proto.SourcePort == p || f.TupleReply.Proto.DestinationPort == p
+}
+
+// detailed says whether the next failure still gets the costly details
+// (the stand-in's nearby records, a conntrack dump): only the first few
+// do, as a test that unredirects a pod on purpose fails hundreds.
+func (sm *sampler) detailed() bool {
+	sm.mu.Lock()
+	defer sm.mu.Unlock()
+	return sm.nfail < 3
 }
 
 func (sm *sampler) fail(key, format string, args ...any) {
@@ -678,6 +738,9 @@ func (sm *sampler) check(t *testing.T, phase string) {
 	conns, n, first := sm.result()
 	sm.mu.Lock()
 	t.Logf("sampler %s: %d connections (%v), %d failures", phase, conns, sm.tries, n)
+	if len(sm.remaps) > 0 {
+		t.Logf("sampler %s: %d connections so far had their client port remapped by the pod's NAT:\n%s", phase, len(sm.remaps), strings.Join(sm.remaps, "\n"))
+	}
 	sm.mu.Unlock()
 	if n > 0 {
 		t.Errorf("sampler %s: %d of %d connections failed or were not redirected (%v); first:\n%s", phase, n, conns, sm.failuresBy(), strings.Join(first, "\n"))

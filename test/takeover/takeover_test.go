@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"slices"
 	"strings"
@@ -85,30 +86,65 @@ func (s *scenario) waitDrained(t *testing.T, pods ...*tpod) {
 			has, err := istiocni.HasDrain(context.Background(), p.NetnsPath())
 			return err == nil && !has
 		}) {
-			t.Fatalf("timed out waiting for the drain table of %s to go; its conntrack entries:\n%s\nthe agent:\n%s", p.Name, conntrackDump(p.NetnsPath()), s.Agent.Output.String())
+			t.Fatalf("timed out waiting for the drain table of %s to go; its conntrack entries:\n%s\nthe agent:\n%s", p.Name, conntrackDump(p.NetnsPath(), nil), s.Agent.Output.String())
 		}
 	}
 }
 
-// conntrackDump lists the conntrack entries of the netns at path, one per
-// line, for a failure's message.
-func conntrackDump(path string) string {
+// withConntrack runs f on a conntrack netlink socket in the netns at path.
+func withConntrack(path string, f func(*conntrack.Conn) error) error {
 	ns, err := os.Open(path)
 	if err != nil {
-		return err.Error()
+		return err
 	}
 	defer ns.Close()
 	c, err := conntrack.Dial(&mdnetlink.Config{NetNS: int(ns.Fd())})
 	if err != nil {
-		return err.Error()
+		return fmt.Errorf("conntrack netlink in %s: %w", path, err)
 	}
 	defer c.Close()
-	flows, err := c.Dump(nil)
+	return f(c)
+}
+
+// remappedPeer says which client address the far end saw for the TCP
+// connection from local to dst when the pod's NAT changed its source port.
+// istio-cni's REDIRECT sends every outbound connection of the pod to the
+// one port 15001 (and every inbound one to 15006), so a new connection
+// whose redirected tuple equals a live one's (same client port, another
+// original destination) gets a new source port from conntrack, as on any
+// node running istio-cni; the stand-in then records that port.
+func remappedPeer(netns string, local, dst netip.AddrPort) (netip.AddrPort, bool) {
+	var got conntrack.Flow
+	err := withConntrack(netns, func(c *conntrack.Conn) (err error) {
+		got, err = c.Get(conntrack.Flow{TupleOrig: conntrack.Tuple{
+			IP:    conntrack.IPTuple{SourceAddress: local.Addr().Unmap(), DestinationAddress: dst.Addr().Unmap()},
+			Proto: conntrack.ProtoTuple{Protocol: unix.IPPROTO_TCP, SourcePort: local.Port(), DestinationPort: dst.Port()},
+		}})
+		return err
+	})
+	if err != nil {
+		return netip.AddrPort{}, false
+	}
+	peer := netip.AddrPortFrom(got.TupleReply.IP.DestinationAddress, got.TupleReply.Proto.DestinationPort)
+	return peer, peer.Port() != local.Port()
+}
+
+// conntrackDump lists the conntrack entries of the netns at path that keep
+// says to (all with nil), one per line, for a failure's message.
+func conntrackDump(path string, keep func(conntrack.Flow) bool) string {
+	var flows []conntrack.Flow
+	err := withConntrack(path, func(c *conntrack.Conn) (err error) {
+		flows, err = c.Dump(nil)
+		return err
+	})
 	if err != nil {
 		return err.Error()
 	}
 	var b strings.Builder
 	for _, f := range flows {
+		if keep != nil && !keep(f) {
+			continue
+		}
 		state := ""
 		if f.ProtoInfo.TCP != nil {
 			state = fmt.Sprintf(" tcp-state=%d", f.ProtoInfo.TCP.State)
