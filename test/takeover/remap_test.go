@@ -4,15 +4,14 @@
 package takeover
 
 import (
-	"net"
 	"net/netip"
+	"os"
 	"os/exec"
-	"syscall"
 	"testing"
-
-	"golang.org/x/sys/unix"
+	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 )
 
 // The sampler's remappedPeer, on what it stands for: two connections from
@@ -29,43 +28,41 @@ func TestRemappedPeerFindsAPortREDIRECTRemapped(t *testing.T) {
 	if out, err := exec.Command("nsenter", "--net="+p.NetnsPath(), "iptables", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "8080", "-j", "REDIRECT", "--to-ports", "15001").CombinedOutput(); err != nil {
 		t.Fatalf("iptables in %s: %v: %s", p.NS, err, out)
 	}
+	f, err := os.Open(p.NetnsPath())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ns, err := sockutil.EnterNetns(f)
+	if err != nil {
+		t.Fatalf("enter %s: %v", p.NS, err)
+	}
+	defer ns.Close()
+	l, err := ns.Listen(netip.MustParseAddrPort("0.0.0.0:15001"), sockutil.Opts{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
 	client := netip.AddrPortFrom(a, 40000)
 	seen := map[netip.AddrPort]netip.AddrPort{} // destination -> the listener's peer
-	err := simnode.InNetns(p.NS, func() error {
-		l, err := net.Listen("tcp4", "0.0.0.0:15001")
+	for _, dst := range []netip.AddrPort{netip.AddrPortFrom(a, 8080), netip.AddrPortFrom(b, 8080)} {
+		// Both bound to the client port: connections to two
+		// destinations may share it.
+		c, err := ns.Dial(dst, sockutil.Opts{Bind: client, ReusePort: true}, 5*time.Second)
 		if err != nil {
-			return err
+			t.Fatal(err)
 		}
-		defer l.Close()
-		reuse := func(_, _ string, c syscall.RawConn) error {
-			var serr error
-			if err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEADDR, 1) }); err != nil {
-				return err
-			}
-			return serr
+		defer c.Close()
+		s, err := l.Accept()
+		if err != nil {
+			t.Fatal(err)
 		}
-		d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(client), Control: reuse}
-		for _, dst := range []netip.AddrPort{netip.AddrPortFrom(a, 8080), netip.AddrPortFrom(b, 8080)} {
-			c, err := d.Dial("tcp4", dst.String())
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			s, err := l.Accept()
-			if err != nil {
-				return err
-			}
-			defer s.Close()
-			seen[dst] = s.RemoteAddr().(*net.TCPAddr).AddrPort()
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatalf("connections in %s: %v", p.NS, err)
+		defer s.Close()
+		seen[dst] = sockutil.AddrPort(s.RemoteAddr())
 	}
 	for dst, peer := range seen {
 		got, remapped := remappedPeer(p.NetnsPath(), client, dst)
-		if want := peer.Port() != client.Port(); remapped != want || (remapped && netip.AddrPortFrom(got.Addr().Unmap(), got.Port()) != netip.AddrPortFrom(peer.Addr().Unmap(), peer.Port())) {
+		if want := peer.Port() != client.Port(); remapped != want || (remapped && got != peer) {
 			t.Errorf("to %s: remappedPeer = %s, %v; the listener saw %s", dst, got, remapped, peer)
 		}
 	}
