@@ -329,8 +329,8 @@ func (p *leanProxy) dial(fd, family int, dst netip.AddrPort, peer unix.Sockaddr,
 		return fmt.Errorf("setsockopt SO_MARK: %w", err)
 	}
 	if transparent {
-		src, ok := sockaddrAddr(peer)
-		if !ok {
+		src := sockutil.SockaddrAddrPort(peer).Addr()
+		if !src.IsValid() {
 			return fmt.Errorf("inbound connection from %v: no address", peer)
 		}
 		if src.Is4() != (family == unix.AF_INET) {
@@ -349,16 +349,6 @@ func (p *leanProxy) dial(fd, family int, dst netip.AddrPort, peer unix.Sockaddr,
 		return fmt.Errorf("connect %s: %w", dst, err)
 	}
 	return nil
-}
-
-func sockaddrAddr(sa unix.Sockaddr) (netip.Addr, bool) {
-	switch a := sa.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrFrom4(a.Addr), true
-	case *unix.SockaddrInet6:
-		return netip.AddrFrom16(a.Addr).Unmap(), true
-	}
-	return netip.Addr{}, false
 }
 
 // ready handles the events of one socket. Level-triggered epoll reports

@@ -180,7 +180,10 @@ func (a *app) handle(line []byte) any {
 	}
 	resp, err := a.do(req)
 	if err != nil {
-		return AppResponse{Err: err.Error()}
+		// What the op found before it failed (a dial's client address)
+		// goes back with the error.
+		resp.OK, resp.Err = false, err.Error()
+		return resp
 	}
 	resp.OK = true
 	return resp
@@ -277,6 +280,9 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		} else {
 			c, err = a.ns.DialUDP(dst, opts)
 		}
+		if de := (*sockutil.DialError)(nil); errors.As(err, &de) {
+			return AppResponse{Local: de.Local}, err
+		}
 		if err != nil {
 			return AppResponse{}, err
 		}
@@ -287,7 +293,7 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		}
 		reply, err := readReply(c)
 		if err != nil {
-			return AppResponse{}, err
+			return AppResponse{Local: sockutil.AddrPort(c.LocalAddr())}, err
 		}
 		if req.WaitEOF {
 			if _, err := io.Copy(io.Discard, c); err != nil {

@@ -234,10 +234,31 @@ func (n *Netns) dial(typ int, dst netip.AddrPort, opts Opts, timeout time.Durati
 	f := os.NewFile(uintptr(fd), "conn")
 	defer f.Close()
 	if err := connect(f, Sockaddr(family, dst), timeout); err != nil {
-		return nil, fmt.Errorf("connect %s: %w", dst, err)
+		de := &DialError{Dst: dst, Err: err}
+		if sa, serr := unix.Getsockname(fd); serr == nil {
+			de.Local = SockaddrAddrPort(sa)
+		}
+		return nil, de
 	}
 	return net.FileConn(f)
 }
+
+// DialError is a failed connect. Local is the address the kernel picked
+// for it, if it got that far: the client port tells a failed connection
+// apart in conntrack, in captures and in the peer's records.
+type DialError struct {
+	Dst, Local netip.AddrPort
+	Err        error
+}
+
+func (e *DialError) Error() string {
+	if e.Local.Port() != 0 {
+		return fmt.Sprintf("connect %s from %s: %v", e.Dst, e.Local, e.Err)
+	}
+	return fmt.Sprintf("connect %s: %v", e.Dst, e.Err)
+}
+
+func (e *DialError) Unwrap() error { return e.Err }
 
 // connect runs a non-blocking connect through Go's poller.
 func connect(f *os.File, sa unix.Sockaddr, timeout time.Duration) error {
@@ -293,6 +314,19 @@ func AddrPort(a net.Addr) netip.AddrPort {
 		return netip.AddrPortFrom(addrOf(v.IP), uint16(v.Port))
 	case *net.UDPAddr:
 		return netip.AddrPortFrom(addrOf(v.IP), uint16(v.Port))
+	}
+	return netip.AddrPort{}
+}
+
+// SockaddrAddrPort converts a raw socket address to netip form
+// (IPv4-mapped addresses are unmapped); anything but IPv4 and IPv6 gives
+// the zero AddrPort.
+func SockaddrAddrPort(sa unix.Sockaddr) netip.AddrPort {
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port))
 	}
 	return netip.AddrPort{}
 }

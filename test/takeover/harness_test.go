@@ -536,7 +536,7 @@ func (sm *sampler) run(app *simnode.App, what string, port int, dst func(family)
 			sm.mu.Unlock()
 			switch {
 			case err != nil && port == standin.InboundPort && lostInbound(err):
-				sm.lose(key, "%s %s #%d: %v", at, key, i, err)
+				sm.lose(key, "%s %s #%d: %v%s", at, key, i, err, sm.lostDetails(sample{local: resp.Local, dst: addr, start: start, netns: p.NetnsPath()}))
 			case err != nil:
 				sm.fail(key, "%s %s #%d: %v", at, key, i, err)
 			}
@@ -683,7 +683,8 @@ func (sm *sampler) halt() {
 }
 
 // Rarely (about 1 in 1000 samples, on the host kernel) a new inbound
-// connection gets no answer within the dial's 3 s, or is refused: seen
+// connection gets no answer within the dial's 3 s (its connect or its
+// reply times out), or is refused: seen
 // under istio-cni's rules alone as well as across takeovers, so it is the
 // simulated node's (the stand-in relaying thousands of connections from
 // one client address, client ports coming back over sockets in TIME_WAIT),
@@ -692,7 +693,24 @@ func (sm *sampler) halt() {
 // everything else (an unredirected connection, a broken stream) fails at
 // once.
 func lostInbound(err error) bool {
-	return strings.Contains(err.Error(), "no reply") || strings.Contains(err.Error(), "connection refused")
+	msg := err.Error()
+	return strings.Contains(msg, "no reply") || strings.Contains(msg, "connection refused") ||
+		strings.HasPrefix(msg, "connect ") && strings.HasSuffix(msg, "i/o timeout")
+}
+
+// lostDetails is what the first few lost inbound connections carry in
+// their message, for the cause still to be found: the stand-in's records
+// near it and the pod's conntrack entries with its client port (c.local,
+// when the dial got one).
+func (sm *sampler) lostDetails(c sample) string {
+	sm.mu.Lock()
+	first := len(sm.lost) < 3
+	sm.mu.Unlock()
+	if !first || c.local.Port() == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" (the stand-in's records then from %s or to %s from %s: %v; the pod's conntrack entries with port %d:\n%s)",
+		c.local, c.dst, c.local.Addr(), nearRecords(sm.zt.Records(), c), c.local.Port(), conntrackDump(c.netns, c.hasPort))
 }
 
 // lostAllowed is the share of a phase's sampled connections that may be
