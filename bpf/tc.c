@@ -245,7 +245,16 @@ static __always_inline int steer(struct flow *f, struct bpf_sock *sk)
 	return bpf_map_update_elem(&ae_steer, &key, sk, BPF_ANY);
 }
 
-/* Hands the flow to the listener on `port` in this netns. */
+/*
+ * Hands the flow to the listener on `port` in this netns. The listener is
+ * looked up from source port 0, which no connection has: with the flow's
+ * own client port, a socket holding client:port <-> pod:`port` would shadow
+ * the listener. One does after a takeover from istio-cni: ztunnel's
+ * accepted socket of a connection istio-cni's REDIRECT sent to :15006, in
+ * TIME_WAIT for a minute once the server side closed first, when the
+ * client comes back from the same port. The lookup then found no listener
+ * and every SYN of the new connection was dropped until TIME_WAIT ended.
+ */
 static __always_inline int assign_to_listener(struct __sk_buff *skb, struct flow *f, __u16 port)
 {
 	struct bpf_sock_tuple t = f->tuple;
@@ -253,9 +262,11 @@ static __always_inline int assign_to_listener(struct __sk_buff *skb, struct flow
 	int err;
 
 	if (f->v6) {
+		t.ipv6.sport = 0;
 		t.ipv6.dport = bpf_htons(port);
 		sk = bpf_sk_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
 	} else {
+		t.ipv4.sport = 0;
 		t.ipv4.dport = bpf_htons(port);
 		sk = bpf_sk_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
 	}

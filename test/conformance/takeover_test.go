@@ -150,3 +150,95 @@ func TestIstioCNIConnectionsLiveOnUnderTheDataPath(t *testing.T) {
 	}
 	echo("drain-removed", fresh)
 }
+
+// A client comes back from the port of a connection istio-cni's REDIRECT
+// sent to ztunnel before the takeover, while ztunnel's accepted socket of
+// that connection (pod:15006 <-> client:port: the server side closed first)
+// is still in TIME_WAIT. The new connection is the eBPF path's, and is
+// captured like any other. Before 5.17 the pod's tc program looked up the
+// :15006 listener with the flow's own client address and port, met that
+// TIME_WAIT socket instead of the listener, and dropped the SYN and every
+// retransmission until TIME_WAIT ended (the takeover suite's lost inbound
+// connections on 5.10). From 5.17 on sk_lookup captures, and no tc program
+// is on the pod's interface.
+func TestAClientBackFromThePortOfAnIstioCNIConnection(t *testing.T) {
+	ctx := context.Background()
+	n := simnode.New(t)
+	ref := &reference.Iptables{Backend: reference.NftCompat}
+	ref.Setup(t, n)
+	p := n.AddPod("taken-over")
+	ref.Enroll(t, p, reference.Opts{DNS: true})
+	zt := n.StartZtunnel()
+	zt.Add(p)
+	app := n.StartApp(p)
+	out := n.StartOutsideApp()
+	const port = 7013
+	app.Listen("tcp", "app", netip.AddrPortFrom(netip.IPv6Unspecified(), port))
+
+	fams := []struct {
+		name     string
+		src, dst netip.AddrPort
+	}{
+		{"ipv4", netip.AddrPortFrom(simnode.OutsideV4, 42013), netip.AddrPortFrom(p.V4, port)},
+		{"ipv6", netip.AddrPortFrom(simnode.OutsideV6, 42013), netip.AddrPortFrom(p.V6, port)},
+	}
+	// dial connects from f.src, waits for the server side to close first,
+	// and checks the connection went through ztunnel's :15006 to f.dst.
+	dial := func(phase string, f struct {
+		name     string
+		src, dst netip.AddrPort
+	}) {
+		t.Helper()
+		start := time.Now()
+		resp, err := out.Dial("tcp", simnode.AppRequest{Addr: f.dst, Bind: f.src, WaitEOF: true})
+		if err != nil {
+			t.Fatalf("%s %s: %v", phase, f.name, err)
+		}
+		// ztunnel keeps the client's address, not its port (R10).
+		if resp.Reply == nil || resp.Reply.Server != "app" || resp.Reply.Peer.Addr() != f.src.Addr() {
+			t.Errorf("%s %s: answered by %+v, want the app seeing %s", phase, f.name, resp.Reply, f.src.Addr())
+		}
+		// This connection's record: the stand-in's first of f.src is the
+		// earlier connection's.
+		var r standin.Record
+		ok := false
+		for end := time.Now().Add(5 * time.Second); !ok && time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+			for _, rec := range zt.Records() {
+				if rec.Peer == f.src && !rec.Time.Before(start) {
+					r, ok = rec, true
+				}
+			}
+		}
+		if !ok || r.Listener != standin.InboundPort || r.OrigDst != f.dst || r.Error != "" {
+			t.Errorf("%s %s: not through ztunnel's :%d to %s: record %+v (found %v)", phase, f.name, standin.InboundPort, f.dst, r, ok)
+		}
+	}
+	for _, f := range fams {
+		dial("istio-cni", f)
+		if !timeWaitIn(t, p, f.src) {
+			t.Fatalf("%s: no TIME_WAIT socket of %s in the pod: the scenario did not set up its condition", f.name, f.src)
+		}
+	}
+
+	if err := istiocni.InstallDrain(ctx, p.NetnsPath()); err != nil {
+		t.Fatal(err)
+	}
+	d, err := dataplane.New(ebpfConfig(n))
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	if err := d.Enroll(ctx, dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
+		Options: dataplane.Options{DNSCapture: true}, Running: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := istiocni.New().RemovePod(ctx, p.NetnsPath(), istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range fams {
+		if !timeWaitIn(t, p, f.src) {
+			t.Fatalf("%s: the TIME_WAIT socket of %s went before the takeover was done", f.name, f.src)
+		}
+		dial("taken over", f)
+	}
+}

@@ -709,8 +709,19 @@ func (sm *sampler) lostDetails(c sample) string {
 	if !first || c.local.Port() == 0 {
 		return ""
 	}
-	return fmt.Sprintf(" (the stand-in's records then from %s or to %s from %s: %v; the pod's conntrack entries with port %d:\n%s)",
-		c.local, c.dst, c.local.Addr(), nearRecords(sm.zt.Records(), c), c.local.Port(), conntrackDump(c.netns, c.hasPort))
+	var earlier []string
+	for _, r := range sm.zt.Records() {
+		if r.Peer == c.local && r.Time.Before(c.start) {
+			earlier = append(earlier, fmt.Sprintf("%s to %s on :%d %s", r.Time.Format("15:04:05.000"), r.OrigDst, r.Listener, r.Error))
+		}
+	}
+	state := "?"
+	if r, err := istiocni.New().InspectPod(context.Background(), c.netns); err == nil {
+		drain, _ := istiocni.HasDrain(context.Background(), c.netns)
+		state = fmt.Sprintf("istio-cni's rules in %v, drain %v", r.Backends(), drain)
+	}
+	return fmt.Sprintf(" (the pod then: %s; the stand-in's records then from %s or to %s from %s: %v; earlier from %s: %v; the pod's conntrack entries with port %d:\n%s)",
+		state, c.local, c.dst, c.local.Addr(), nearRecords(sm.zt.Records(), c), c.local, earlier, c.local.Port(), conntrackDump(c.netns, c.hasPort))
 }
 
 // lostAllowed is the share of a phase's sampled connections that may be
