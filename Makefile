@@ -18,12 +18,15 @@ APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset nftable
 # Kernels `make test-kernels` runs the kernel suites on: the host's, then
 # Debian's cloud kernels under qemu (see hack/vmtest/vmtest.sh).
 VMTEST_KERNELS ?= host 5.10 6.1 6.12
-# The agent's upgrade, downgrade and layout-migration suites (test/agente2e,
-# with prebuilt agent binaries) run under emulation on 5.10 only, the
-# kernel furthest from the host's (make test runs them on the host): on
-# every kernel they took the kernel suites past CI's time.
-VMTEST_UPGRADE_KERNELS := 5.10
-VMTEST_UPGRADE_PKGS := ./test/agente2e:^(TestUpgradeFromTheLastRelease|TestDowngradeToTheLastRelease|TestMigrateToTheNextLayoutAndBack|TestAgentKilledDuringAMigrationFinishesIt)$$
+# The suites of the real agent binary run under emulation on 5.10 only, the
+# kernel furthest from the host's and the one whose inbound capture differs
+# (tc on the pod's interface; make test runs them on the host): the
+# upgrade, downgrade and layout-migration suites (test/agente2e, with
+# prebuilt agent binaries) and the takeover and hand-back from istio-cni
+# (test/takeover). On every kernel they took the kernel suites past CI's time.
+VMTEST_AGENT_KERNELS := 5.10
+VMTEST_AGENT_PKGS := ./test/agente2e:^(TestUpgradeFromTheLastRelease|TestDowngradeToTheLastRelease|TestMigrateToTheNextLayoutAndBack|TestAgentKilledDuringAMigrationFinishesIt)$$ \
+	./test/takeover:^TestTakeoverAndHandBack$$
 CACHE     := $(CURDIR)/.cache
 GOTESTFLAGS ?= -race -count=1 -timeout 40m
 # Protobuf code generators, pinned; installed into $(CACHE)/bin by `make proto-tools`.
@@ -186,9 +189,9 @@ bench-sockmap: deps ## the sockmap acceleration's figures as root: off vs ztunne
 		$(GO) test -tags bench -count=1 -timeout 20m -run '^TestBenchSockmap$$' -v ./test/bench
 
 .PHONY: test-kernels
-test-kernels: deps ## run the kernel suites on the host kernel and, under qemu, on Debian's 5.10, 6.1 and 6.12; the upgrade suites on 5.10
+test-kernels: deps ## run the kernel suites on the host kernel and, under qemu, on Debian's 5.10, 6.1 and 6.12; the upgrade and takeover suites on 5.10
 	CACHE=$(CACHE) GO=$(GO) hack/vmtest/vmtest.sh $(VMTEST_KERNELS)
-	$(if $(VMTEST_PKGS),,$(if $(filter 5.10,$(VMTEST_KERNELS)),CACHE=$(CACHE) GO=$(GO) VMTEST_PKGS='$(VMTEST_UPGRADE_PKGS)' hack/vmtest/vmtest.sh $(VMTEST_UPGRADE_KERNELS)))
+	$(if $(VMTEST_PKGS),,$(if $(filter 5.10,$(VMTEST_KERNELS)),CACHE=$(CACHE) GO=$(GO) VMTEST_PKGS='$(VMTEST_AGENT_PKGS)' hack/vmtest/vmtest.sh $(VMTEST_AGENT_KERNELS)))
 
 .PHONY: clean
 clean: ## remove build outputs
