@@ -17,6 +17,36 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
 
+// istioCNIPod is a node with one pod redirected by istio-cni's rules
+// (iptables-nft, DNS capture on) and handed to the ztunnel stand-in, an
+// app in the pod and one on the outside host.
+func istioCNIPod(t *testing.T) (*simnode.Node, *simnode.Pod, *simnode.Ztunnel, *simnode.App, *simnode.App) {
+	t.Helper()
+	n := simnode.New(t)
+	ref := &reference.Iptables{Backend: reference.NftCompat}
+	ref.Setup(t, n)
+	p := n.AddPod("taken-over")
+	ref.Enroll(t, p, reference.Opts{DNS: true})
+	zt := n.StartZtunnel()
+	zt.Add(p)
+	return n, p, zt, n.StartApp(p), n.StartOutsideApp()
+}
+
+// enrolRunning enrols p, already running and served by ztunnel, in a data
+// path of its own, as a takeover does.
+func enrolRunning(t *testing.T, n *simnode.Node, p *simnode.Pod) {
+	t.Helper()
+	d, err := dataplane.New(ebpfConfig(n))
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	if err := d.Enroll(context.Background(), dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
+		Options: dataplane.Options{DNSCapture: true}, Running: true}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // The data path's part of a takeover from istio-cni (pkg/takeover does it
 // in this order): connections istio-cni's iptables redirected to ztunnel
 // before the pod was enrolled, inbound to :15006 and outbound to :15001 in
@@ -28,15 +58,7 @@ import (
 // old ones closed the drain has nothing left to hold.
 func TestIstioCNIConnectionsLiveOnUnderTheDataPath(t *testing.T) {
 	ctx := context.Background()
-	n := simnode.New(t)
-	ref := &reference.Iptables{Backend: reference.NftCompat}
-	ref.Setup(t, n)
-	p := n.AddPod("taken-over")
-	ref.Enroll(t, p, reference.Opts{DNS: true})
-	zt := n.StartZtunnel()
-	zt.Add(p)
-	app := n.StartApp(p)
-	out := n.StartOutsideApp()
+	n, p, zt, app, out := istioCNIPod(t)
 
 	type stream struct {
 		name     string
@@ -99,15 +121,7 @@ func TestIstioCNIConnectionsLiveOnUnderTheDataPath(t *testing.T) {
 	if err := istiocni.InstallDrain(ctx, p.NetnsPath()); err != nil {
 		t.Fatal(err)
 	}
-	d, err := dataplane.New(ebpfConfig(n))
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	t.Cleanup(func() { _ = d.Uninstall() })
-	if err := d.Enroll(ctx, dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
-		Options: dataplane.Options{DNSCapture: true}, Running: true}); err != nil {
-		t.Fatal(err)
-	}
+	enrolRunning(t, n, p)
 	echo := func(phase string, ss []stream) {
 		t.Helper()
 		for _, s := range ss {
@@ -163,15 +177,7 @@ func TestIstioCNIConnectionsLiveOnUnderTheDataPath(t *testing.T) {
 // is on the pod's interface.
 func TestAClientBackFromThePortOfAnIstioCNIConnection(t *testing.T) {
 	ctx := context.Background()
-	n := simnode.New(t)
-	ref := &reference.Iptables{Backend: reference.NftCompat}
-	ref.Setup(t, n)
-	p := n.AddPod("taken-over")
-	ref.Enroll(t, p, reference.Opts{DNS: true})
-	zt := n.StartZtunnel()
-	zt.Add(p)
-	app := n.StartApp(p)
-	out := n.StartOutsideApp()
+	n, p, zt, app, out := istioCNIPod(t)
 	const port = 7013
 	app.Listen("tcp", "app", netip.AddrPortFrom(netip.IPv6Unspecified(), port))
 
@@ -223,15 +229,7 @@ func TestAClientBackFromThePortOfAnIstioCNIConnection(t *testing.T) {
 	if err := istiocni.InstallDrain(ctx, p.NetnsPath()); err != nil {
 		t.Fatal(err)
 	}
-	d, err := dataplane.New(ebpfConfig(n))
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	t.Cleanup(func() { _ = d.Uninstall() })
-	if err := d.Enroll(ctx, dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
-		Options: dataplane.Options{DNSCapture: true}, Running: true}); err != nil {
-		t.Fatal(err)
-	}
+	enrolRunning(t, n, p)
 	if err := istiocni.New().RemovePod(ctx, p.NetnsPath(), istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
 		t.Fatal(err)
 	}
