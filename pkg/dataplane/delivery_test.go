@@ -117,3 +117,63 @@ func TestADeliveryTheEnrolmentOvertookReachesTheApp(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// A running pod whose ztunnel listeners predate the data path (a takeover
+// from istio-cni) is enrolled, and a client connects at the moment the
+// pod's entries are written (StepEnrollEntries), when its sk_lookup program
+// starts capturing. The connection reaches ztunnel's :15006 on both
+// families: the listeners were filed before (fileExistingListeners). Filed
+// after the entries, as they were, a SYN in between found no listener and
+// was refused (seen in the takeover suite as "connection refused" on 6.1
+// and 6.12). Before 5.17 inbound goes through tc and the pod's listeners
+// are not filed at all; the connection must reach ztunnel there too.
+func TestAClientAtTheEnrolmentOfARunningPodReachesZtunnel(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("running")
+	zt := n.StartZtunnel()
+	zt.Add(p)
+	app := n.StartApp(p)
+	const port = 7016
+	app.Listen("tcp", "app", netip.AddrPortFrom(netip.IPv6Unspecified(), port))
+	out := n.StartOutsideApp()
+
+	type dialed struct {
+		dst  netip.AddrPort
+		resp simnode.AppResponse
+		err  error
+	}
+	var got []dialed
+	d, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS),
+		Failpoint: func(step string) {
+			if step != StepEnrollEntries {
+				return
+			}
+			for _, a := range []netip.Addr{p.V4, p.V6} {
+				dst := netip.AddrPortFrom(a, port)
+				resp, err := out.Dial("tcp", simnode.AppRequest{Addr: dst})
+				got = append(got, dialed{dst, resp, err})
+			}
+		}})
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
+	pod := podOf(p)
+	pod.Running = true
+	if err := d.Enroll(context.Background(), pod); err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 {
+		t.Fatalf("the failpoint dialed %d times, want 2", len(got))
+	}
+	for _, g := range got {
+		if g.err != nil {
+			t.Errorf("%s at the enrolment: %v", g.dst, g.err)
+			continue
+		}
+		r, ok := zt.RecordFor(g.resp.Local)
+		if !ok || r.Listener != standin.InboundPort || r.OrigDst != g.dst || r.Error != "" {
+			t.Errorf("%s at the enrolment: not through ztunnel's :%d: record %+v (found %v), answered by %+v", g.dst, standin.InboundPort, r, ok, g.resp.Reply)
+		}
+	}
+}

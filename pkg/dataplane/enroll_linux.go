@@ -134,12 +134,19 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		d.cfg.failpoint(StepEnrollAttached)
 	}
 
-	err = d.writePodMaps(st)
-	if err == nil && pod.Running {
-		// After the pod's entries: a listener opened from now on is filed
-		// by sockops, one opened before by this.
-		err = d.fileExistingListeners(pod.Netns, ns.cookie)
+	// A running pod's listeners that ztunnel opened before our hooks
+	// were there (a takeover from istio-cni) are filed before the pod's
+	// entries, with which its sk_lookup program starts capturing: a SYN
+	// in between found no listener and was refused. Sockops files every
+	// listener ztunnel opens from the hooks' attachment on, enrolled pod
+	// or not, so none falls between the two.
+	if pod.Running {
+		if err := d.fileExistingListeners(pod.Netns, ns.cookie); err != nil {
+			return fail(err)
+		}
 	}
+
+	err = d.writePodMaps(st)
 	if err != nil {
 		rollback()
 		if old != nil {
