@@ -148,7 +148,9 @@ func (e *env) observe(resp simnode.AppResponse, err error) Outcome {
 		return Outcome{Err: "failed"}
 	}
 	o := Outcome{Server: resp.Reply.Server, ServerPeer: resp.Reply.Peer.Addr(), ServerAddr: resp.Reply.Local}
-	if r, ok := e.zt.RecordFor(resp.Local); ok {
+	// This connection's record, not one of an earlier connection from the
+	// same client port (to another pod, in another row).
+	if r, ok := e.zt.RecordSince(resp.Local, resp.Start); ok {
 		o.Ztunnel = saw(r)
 	}
 	return o

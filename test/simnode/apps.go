@@ -227,12 +227,35 @@ func (z *Ztunnel) Del(p *Pod) {
 
 // RecordFor returns the record of the connection whose client was peer,
 // waiting briefly for it to be written; ok is false when there is none.
+// It is the first of peer's: where client ports come back, RecordSince
+// tells connections apart.
 func (z *Ztunnel) RecordFor(peer netip.AddrPort) (standin.Record, bool) {
+	return z.waitRecord(func() (standin.Record, bool) {
+		r, ok := z.recPeer[peer]
+		return r, ok
+	})
+}
+
+// RecordSince is RecordFor for the connection from peer made at or after
+// since (an AppResponse's Start): not an earlier one from the same port.
+func (z *Ztunnel) RecordSince(peer netip.AddrPort, since time.Time) (standin.Record, bool) {
+	return z.waitRecord(func() (standin.Record, bool) {
+		i := slices.IndexFunc(z.recAll, func(r standin.Record) bool { return r.Peer == peer && !r.Time.Before(since) })
+		if i < 0 {
+			return standin.Record{}, false
+		}
+		return z.recAll[i], true
+	})
+}
+
+// waitRecord reads the records and looks one up with find (under recMu)
+// until it is there or 50 ms went by.
+func (z *Ztunnel) waitRecord(find func() (standin.Record, bool)) (standin.Record, bool) {
 	deadline := time.Now().Add(50 * time.Millisecond)
 	for {
 		z.readRecords()
 		z.recMu.Lock()
-		r, ok := z.recPeer[peer]
+		r, ok := find()
 		z.recMu.Unlock()
 		if ok {
 			return r, true

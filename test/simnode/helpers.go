@@ -112,6 +112,10 @@ type AppResponse struct {
 	Err   string         `json:"err,omitempty"`
 	Reply *standin.Reply `json:"reply,omitempty"`
 	Local netip.AddrPort `json:"local,omitzero"`
+	// Start is when a dial began (ops dial-tcp and dial-udp): the
+	// stand-in's record of that connection is made after it, while client
+	// ports come back over a run (Ztunnel.RecordSince).
+	Start time.Time `json:"start,omitzero"`
 	// DNS: the answered address and where the reply came from as the app
 	// sees it (recvfrom's source, or the connected socket's peer).
 	Answer netip.Addr     `json:"answer,omitzero"`
@@ -275,6 +279,7 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		}
 		var c net.Conn
 		var err error
+		start := time.Now()
 		if req.Op == "dial-tcp" {
 			c, err = a.ns.Dial(dst, opts, 3*time.Second)
 		} else {
@@ -300,7 +305,7 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 				return AppResponse{}, fmt.Errorf("waiting for the server to close: %w", err)
 			}
 		}
-		return AppResponse{Reply: reply, Local: sockutil.AddrPort(c.LocalAddr())}, nil
+		return AppResponse{Reply: reply, Local: sockutil.AddrPort(c.LocalAddr()), Start: start}, nil
 	}
 	return AppResponse{}, fmt.Errorf("unknown op %q", req.Op)
 }
