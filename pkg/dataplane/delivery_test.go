@@ -5,11 +5,15 @@ package dataplane
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net/netip"
 	"os/exec"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/cilium/ebpf"
 
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -27,24 +31,25 @@ func nftIn(t *testing.T, path, script string, args ...string) string {
 	return string(out)
 }
 
-// ztunnel's connection to the app of its own pod (R10), on its way when the
-// pod is enrolled, as on a takeover from istio-cni, whose pods ztunnel
-// already serves: the connect comes before the pod's entries, so sockops
-// does not file it, and its SYN (dropped here until the enrolment is done)
-// is retransmitted after. It must reach the app, on both families, not be
-// captured into ztunnel's own :15006 listener, where it would hang; and the
-// entry filed for it on the way goes with the socket.
-func TestADeliveryTheEnrolmentOvertookReachesTheApp(t *testing.T) {
-	n := simnode.New(t)
-	p := n.AddPod("overtaken")
-	zt := n.StartZtunnel()
-	zt.Add(p)
-	app := n.StartApp(p)
-	const port = 7015
-	if _, err := app.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), port)}); err != nil {
-		t.Fatal(err)
-	}
-	nftIn(t, p.NetnsPath(), "table inet ae_test_hold {\n chain input {\n  type filter hook input priority 0;\n  tcp dport 7015 counter drop\n }\n}\n", "-f", "-")
+// overtaken is a delivery of ztunnel's to the app of its own pod (R10)
+// that the pod's enrolment overtook.
+type overtaken struct {
+	fam  string
+	resp simnode.AppResponse
+	err  error
+}
+
+// overtake opens ztunnel's deliveries to port on p, one per family (its
+// mark, from the outside addresses, IP_TRANSPARENT), as on a takeover from
+// istio-cni, whose pods ztunnel already serves: the connects come before
+// the pod's entries, so sockops does not file them. Their SYNs are held
+// (dropped in the pod) until the enrolment of p, running, is done; the
+// retransmissions then go through, each connect giving up after timeout.
+// It returns the data path, each family's delivering side, and the
+// outcomes of the connects as they come.
+func overtake(t *testing.T, n *simnode.Node, p *simnode.Pod, port uint16, timeout time.Duration) (*Dataplane, map[string]*simnode.App, <-chan overtaken) {
+	t.Helper()
+	nftIn(t, p.NetnsPath(), fmt.Sprintf("table inet ae_test_hold {\n chain input {\n  type filter hook input priority 0;\n  tcp dport %d counter drop\n }\n}\n", port), "-f", "-")
 	held := func() int {
 		out := nftIn(t, p.NetnsPath(), "", "list", "table", "inet", "ae_test_hold")
 		_, after, _ := strings.Cut(out, "counter packets ")
@@ -57,12 +62,6 @@ func TestADeliveryTheEnrolmentOvertookReachesTheApp(t *testing.T) {
 		}
 		return k
 	}
-
-	type opened struct {
-		fam  string
-		resp simnode.AppResponse
-		err  error
-	}
 	fams := map[string][2]netip.Addr{"ipv4": {simnode.OutsideV4, p.V4}, "ipv6": {simnode.OutsideV6, p.V6}}
 	// ztunnel's delivering side, one per family (a helper serves one
 	// request at a time): its socket, its mark.
@@ -70,12 +69,12 @@ func TestADeliveryTheEnrolmentOvertookReachesTheApp(t *testing.T) {
 	for fam := range fams {
 		delivery[fam] = n.StartApp(p)
 	}
-	done := make(chan opened, len(fams))
+	done := make(chan overtaken, len(fams))
 	for fam, a := range fams {
 		go func() {
 			resp, err := delivery[fam].Do(simnode.AppRequest{Op: "stream-open", Name: fam, Addr: netip.AddrPortFrom(a[1], port),
-				Mark: standin.Mark, Bind: netip.AddrPortFrom(a[0], 0), Transparent: true, Timeout: 20 * time.Second})
-			done <- opened{fam, resp, err}
+				Mark: standin.Mark, Bind: netip.AddrPortFrom(a[0], 0), Transparent: true, Timeout: timeout})
+			done <- overtaken{fam, resp, err}
 		}()
 	}
 	for end := time.Now().Add(10 * time.Second); held() < len(fams); {
@@ -92,8 +91,37 @@ func TestADeliveryTheEnrolmentOvertookReachesTheApp(t *testing.T) {
 		t.Fatal(err)
 	}
 	nftIn(t, p.NetnsPath(), "", "delete", "table", "inet", "ae_test_hold")
+	return d, delivery, done
+}
 
-	for range fams {
+// waitNoLocalFlows waits (5 s at most) for ae_local_flows to be empty.
+func waitNoLocalFlows(t *testing.T, d *Dataplane, after string) {
+	t.Helper()
+	for end := time.Now().Add(5 * time.Second); countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows) > 0; {
+		if time.Now().After(end) {
+			t.Errorf("ae_local_flows holds %d entries after %s", countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows), after)
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A delivery the pod's enrolment overtook (see overtake) must reach the
+// app, on both families, not be captured into ztunnel's own :15006
+// listener, where it would hang; and the entry filed for it on the way
+// goes with the socket.
+func TestADeliveryTheEnrolmentOvertookReachesTheApp(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("overtaken")
+	zt := n.StartZtunnel()
+	zt.Add(p)
+	app := n.StartApp(p)
+	const port = 7015
+	if _, err := app.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), port)}); err != nil {
+		t.Fatal(err)
+	}
+	d, delivery, done := overtake(t, n, p, port, 20*time.Second)
+	for range delivery {
 		o := <-done
 		if o.err != nil {
 			t.Errorf("%s: ztunnel's delivery begun before the enrolment: %v", o.fam, o.err)
@@ -109,71 +137,74 @@ func TestADeliveryTheEnrolmentOvertookReachesTheApp(t *testing.T) {
 			t.Errorf("%s: close: %v", o.fam, err)
 		}
 	}
-	for end := time.Now().Add(5 * time.Second); countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows) > 0; {
-		if time.Now().After(end) {
-			t.Errorf("ae_local_flows holds %d entries after the deliveries closed", countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows))
-			break
+	waitNoLocalFlows(t, d, "the deliveries closed")
+}
+
+// A delivery the enrolment overtook that never connects (the app does not
+// listen; the kernel's RST, unmarked, leaves the pod) leaves its entry in
+// ae_local_flows: the pod's lo program filed it, and sockops, which
+// removes an entry when its socket closes, is asked to watch the socket
+// only once it is established. The pod's removal takes it
+// (pruneLocalFlows): left, it would hand a later SYN of that tuple to a pod
+// with the address straight to its app. Where inbound capture is tc's
+// (before 5.17) nothing is filed, and nothing must be left either.
+func TestRemovingAPodPrunesItsLeftoverDeliveries(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("refused")
+	zt := n.StartZtunnel()
+	zt.Add(p)
+	// Nobody listens; 10 s lets the SYNs retransmitted at 1, 3 and 7 s
+	// through an enrolment that takes seconds under emulation.
+	d, delivery, done := overtake(t, n, p, 7017, 10*time.Second)
+	if d.bpfFlags&flagSkLookupIfindex != 0 {
+		for end := time.Now().Add(10 * time.Second); countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows) < len(delivery); {
+			if time.Now().After(end) {
+				t.Fatalf("ae_local_flows holds %d entries, want the %d deliveries' (filed as their SYNs were retransmitted)",
+					countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows), len(delivery))
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
-		time.Sleep(20 * time.Millisecond)
+	}
+	if err := d.Remove(context.Background(), p.UID); err != nil {
+		t.Fatal(err)
+	}
+	waitNoLocalFlows(t, d, "the pod's removal")
+	for range delivery {
+		if o := <-done; o.err == nil {
+			t.Errorf("%s: ztunnel's delivery to a port nobody listens on connected: %+v", o.fam, o.resp)
+		}
 	}
 }
 
-// A running pod whose ztunnel listeners predate the data path (a takeover
-// from istio-cni) is enrolled, and a client connects at the moment the
-// pod's entries are written (StepEnrollEntries), when its sk_lookup program
-// starts capturing. The connection reaches ztunnel's :15006 on both
-// families: the listeners were filed before (fileExistingListeners). Filed
-// after the entries, as they were, a SYN in between found no listener and
-// was refused (seen in the takeover suite as "connection refused" on 6.1
-// and 6.12). Before 5.17 inbound goes through tc and the pod's listeners
-// are not filed at all; the connection must reach ztunnel there too.
-func TestAClientAtTheEnrolmentOfARunningPodReachesZtunnel(t *testing.T) {
+// An agent that starts prunes what a stopped one left in ae_local_flows for
+// addresses no pod is enrolled with (its pod removed meanwhile, in a way
+// the journal does not show), and keeps the entries of enrolled pods.
+func TestStartPrunesLeftoverDeliveries(t *testing.T) {
 	n := simnode.New(t)
-	p := n.AddPod("running")
-	zt := n.StartZtunnel()
-	zt.Add(p)
-	app := n.StartApp(p)
-	const port = 7016
-	app.Listen("tcp", "app", netip.AddrPortFrom(netip.IPv6Unspecified(), port))
-	out := n.StartOutsideApp()
-
-	type dialed struct {
-		dst  netip.AddrPort
-		resp simnode.AppResponse
-		err  error
-	}
-	var got []dialed
-	d, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS),
-		Failpoint: func(step string) {
-			if step != StepEnrollEntries {
-				return
-			}
-			for _, a := range []netip.Addr{p.V4, p.V6} {
-				dst := netip.AddrPortFrom(a, port)
-				resp, err := out.Dial("tcp", simnode.AppRequest{Addr: dst})
-				got = append(got, dialed{dst, resp, err})
-			}
-		}})
+	p := n.AddPod("kept")
+	d1, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
 	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	t.Cleanup(func() { _ = d.Uninstall() })
-	pod := podOf(p)
-	pod.Running = true
-	if err := d.Enroll(context.Background(), pod); err != nil {
 		t.Fatal(err)
 	}
-	if len(got) != 2 {
-		t.Fatalf("the failpoint dialed %d times, want 2", len(got))
+	if err := d1.Enroll(context.Background(), podOf(p)); err != nil {
+		t.Fatal(err)
 	}
-	for _, g := range got {
-		if g.err != nil {
-			t.Errorf("%s at the enrolment: %v", g.dst, g.err)
-			continue
+	kept := sockSteerKey{Saddr: addrKey(simnode.OutsideV4), Daddr: addrKey(p.V4), Sport: 40001, Dport: 7018}
+	gone := sockSteerKey{Saddr: addrKey(simnode.OutsideV4), Daddr: addrKey(netip.MustParseAddr("198.18.255.254")), Sport: 40002, Dport: 7018}
+	for _, k := range []sockSteerKey{kept, gone} {
+		if err := d1.sock.AeLocalFlows.Put(&k, uint32(1)); err != nil {
+			t.Fatal(err)
 		}
-		r, ok := zt.RecordFor(g.resp.Local)
-		if !ok || r.Listener != standin.InboundPort || r.OrigDst != g.dst || r.Error != "" {
-			t.Errorf("%s at the enrolment: not through ztunnel's :%d: record %+v (found %v), answered by %+v", g.dst, standin.InboundPort, r, ok, g.resp.Reply)
-		}
+	}
+	if err := d1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	d2 := newDataplane(t, n)
+	var v uint32
+	if err := d2.sock.AeLocalFlows.Lookup(&kept, &v); err != nil {
+		t.Errorf("the entry of an enrolled pod's delivery is gone after the restart: %v", err)
+	}
+	if err := d2.sock.AeLocalFlows.Lookup(&gone, &v); !errors.Is(err, ebpf.ErrKeyNotExist) {
+		t.Errorf("the entry of an address no pod has is still there after the restart: %v", err)
 	}
 }

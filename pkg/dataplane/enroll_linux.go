@@ -236,6 +236,7 @@ func (d *Dataplane) deleteStaleEntries(old, cur *podState) {
 	if old.Slot != cur.Slot {
 		d.clearSlot(old.Slot)
 	}
+	d.pruneLocalFlows()
 }
 
 // deletePodEntries removes every map entry st owns.
@@ -261,6 +262,41 @@ func (d *Dataplane) deleteOwnedNetns(st *podState) {
 	var ns sockNetnsInfo
 	if err := d.sock.AeNetns.Lookup(st.NetnsCookie, &ns); err == nil && ns.Slot == st.Slot {
 		_ = d.sock.AeNetns.Delete(st.NetnsCookie)
+	}
+}
+
+// pruneLocalFlows deletes the ae_local_flows entries (ztunnel's deliveries
+// to the app of its own pod, R10) whose app address no pod has in ae_pods
+// any more. sockops deletes an entry when its socket closes, but it never
+// sees the close of a delivery the pod's lo program filed (one the
+// enrolment overtook) that did not connect, nor of one whose pod was
+// removed, or whose agent was stopped, in between. Left, such an entry
+// would hand a later SYN of the same tuple to a pod with that address
+// straight to the app, past ztunnel. The programs file entries only for
+// addresses in ae_pods, so none comes back once a pod's entries are gone.
+func (d *Dataplane) pruneLocalFlows() {
+	var (
+		k     sockSteerKey
+		v     uint32
+		info  sockPodInfo
+		stale []sockSteerKey
+	)
+	it := d.sock.AeLocalFlows.Iterate()
+	for it.Next(&k, &v) {
+		if err := d.sock.AePods.Lookup(k.Daddr, &info); errors.Is(err, ebpf.ErrKeyNotExist) {
+			stale = append(stale, k)
+		}
+	}
+	if err := it.Err(); err != nil {
+		d.log.Warn("prune ae_local_flows: iterate", "error", err)
+	}
+	for i := range stale {
+		if err := d.sock.AeLocalFlows.Delete(&stale[i]); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			d.log.Warn("prune ae_local_flows: delete", "error", err)
+		}
+	}
+	if len(stale) > 0 {
+		d.log.Debug("pruned ztunnel deliveries of addresses no pod is enrolled with", "entries", len(stale))
 	}
 }
 
@@ -319,6 +355,7 @@ func (d *Dataplane) detachPod(st *podState, undo bool) error {
 	for _, ip := range st.IPs {
 		d.deleteOwnedIP(ip, st)
 	}
+	d.pruneLocalFlows()
 	d.cfg.failpoint(StepRemoveEntries)
 	for _, l := range st.links {
 		if err := l.detach(); err != nil {
@@ -416,6 +453,7 @@ func (d *Dataplane) adoptPods() error {
 		adopted++
 	}
 	d.removeOrphanPins()
+	d.pruneLocalFlows()
 	if adopted+undone > 0 {
 		d.log.Info("adopted enrolled pods", "count", adopted, "undone", undone)
 	}
