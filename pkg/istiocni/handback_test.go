@@ -4,6 +4,7 @@
 package istiocni_test
 
 import (
+	"context"
 	"fmt"
 	"net/netip"
 	"os"
@@ -112,5 +113,50 @@ func establish(t *testing.T, path string, client, server netip.AddrPort) {
 	f.ProtoInfo.TCP = &conntrack.ProtoInfoTCP{State: 3} // TCP_CONNTRACK_ESTABLISHED
 	if err := c.Create(f); err != nil {
 		t.Fatal(fmt.Errorf("create the conntrack entry of %s -> %s: %w", client, server, err))
+	}
+}
+
+// A conntrack entry left ESTABLISHED with no connection behind it (the
+// connection ended under eBPF after a takeover's drain went, with
+// conntrack off in the pod, so its end was never seen; such an entry lives
+// five days) must not keep a later connection with its tuple from
+// istio-cni's REDIRECT once the rules are back: conntrack ignores a SYN in
+// ESTABLISHED, and the SYN would keep the entry's null NAT binding and
+// reach the app past ztunnel. ApplyPod deletes such entries first.
+func TestHandBackRedirectsAConnectionWithAStaleTuple(t *testing.T) {
+	for _, b := range []istiocni.Backend{istiocni.Legacy, istiocni.NftCompat} {
+		t.Run(string(b), func(t *testing.T) {
+			n := simnode.New(t)
+			p := n.AddPod("stale")
+			zt := n.StartZtunnel()
+			zt.Add(p)
+			out := n.StartOutsideApp()
+			app := n.StartApp(p)
+			clients := map[string]netip.AddrPort{
+				"ipv4": netip.AddrPortFrom(simnode.OutsideV4, 41007),
+				"ipv6": netip.AddrPortFrom(simnode.OutsideV6, 41007),
+			}
+			servers := map[string]netip.AddrPort{"ipv4": netip.AddrPortFrom(p.V4, 7009), "ipv6": netip.AddrPortFrom(p.V6, 7009)}
+			if _, err := app.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), 7009)}); err != nil {
+				t.Fatal(err)
+			}
+			for fam := range clients {
+				establish(t, p.NetnsPath(), clients[fam], servers[fam])
+			}
+			// The hand-back writes the rules; istio-cni's own would
+			// leave the entries, and the connections unredirected.
+			if err := istiocni.New().ApplyPod(context.Background(), p.NetnsPath(), b, istiocni.Options{}); err != nil {
+				t.Fatal(err)
+			}
+			for fam := range clients {
+				resp, err := out.Do(simnode.AppRequest{Op: "stream-open", Name: fam, Addr: servers[fam], Bind: clients[fam]})
+				if err != nil {
+					t.Fatalf("%s: connect from %s: %v", fam, clients[fam], err)
+				}
+				if r, ok := awaitRecord(zt, resp.Local); !ok || r.Listener != 15006 {
+					t.Errorf("%s: a connection from %s, the tuple of a stale conntrack entry, was not redirected to 15006: %+v (found %v)", fam, clients[fam], r, ok)
+				}
+			}
+		})
 	}
 }
