@@ -114,6 +114,9 @@ type podNetnsState struct {
 // peer, and tcp_fwmark_accept as the pod has it. It changes nothing.
 func (d *Dataplane) probePodNetns(p *Pod) (podNetnsState, error) {
 	var st podNetnsState
+	if err := d.refuseNodeNetns(p.Netns); err != nil {
+		return st, fmt.Errorf("pod %s/%s: %w", p.Namespace, p.Name, err)
+	}
 	err := inNetns(p.Netns, func() error {
 		var err error
 		if st.cookie, err = d.netnsCookie(); err != nil {

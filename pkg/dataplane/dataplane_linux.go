@@ -34,6 +34,7 @@ type Dataplane struct {
 	bpfFlags        uint32                 // ae_cfg.flags
 	nsQuery         link.Link              // ae_netns_query, where SO_NETNS_COOKIE is missing
 	listenerIter    *ebpf.Program          // ae_file_listeners, in the sk_lookup mode
+	nodeNetns       []netnsID              // never a pod's (refuseNodeNetns)
 
 	// migration is what New found of the pins' layout; used from load
 	// until the links run the new programs, nil afterwards.
@@ -121,7 +122,11 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 			return nil, fmt.Errorf("create pin directory: %w", err)
 		}
 	}
-	d := &Dataplane{cfg: cfg, log: cfg.Logger, pods: map[string]*podState{}}
+	nodeNetns, err := nodeNetnsIDs(cfg)
+	if err != nil {
+		return nil, err
+	}
+	d := &Dataplane{cfg: cfg, log: cfg.Logger, pods: map[string]*podState{}, nodeNetns: nodeNetns}
 	d.pickMechanisms()
 	if err := d.load(); err != nil {
 		return nil, err
@@ -143,7 +148,7 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 		d.Close()
 		return nil, err
 	}
-	err := d.migration.finish(cfg, d.nodeHookNames(), d.log.Info)
+	err = d.migration.finish(cfg, d.nodeHookNames(), d.log.Info)
 	d.migration.close()
 	d.migration = nil
 	if err != nil {

@@ -6,6 +6,7 @@ package dataplane
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -115,7 +116,7 @@ func TestEnrollRefusesBadInputAndLeavesNothing(t *testing.T) {
 		"slash in reroute":  {func(q *Pod) { q.Options.RerouteInterfaces = []string{"../x"} }, "bad reroute interface"},
 		"relative netns":    {func(q *Pod) { q.Netns = "run/netns/x" }, "not an absolute path"},
 		"no IPs":            {func(q *Pod) { q.IPs = nil }, "no IPs"},
-		"missing netns":     {func(q *Pod) { q.Netns = "/nonexistent/netns" }, "open netns"},
+		"missing netns":     {func(q *Pod) { q.Netns = "/nonexistent/netns" }, "netns /nonexistent/netns"},
 		"missing interface": {func(q *Pod) { q.Interface = "nope0" }, "find interface nope0"},
 		// Fails after the first programs are attached: they, their pins
 		// and the pod's pin directory go again.
@@ -145,6 +146,39 @@ func TestEnrollRefusesBadInputAndLeavesNothing(t *testing.T) {
 				t.Errorf("ae_netns has %d entries after a failed Enroll", got)
 			}
 		})
+	}
+}
+
+// A pod whose netns is the node's own (a CNI ADD or pod file can name
+// any path) is refused, and the node's own TCP stays uncaptured. With the
+// node's veth as the "pod" interface and another veth as its host side,
+// every other check of Enroll passes.
+func TestEnrollRefusesTheNodeNetns(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	d := newDataplane(t, n)
+	out := n.StartOutsideApp()
+	server := netip.AddrPortFrom(simnode.OutsideV4, 8080)
+	out.Listen("tcp", "outside", server)
+	kubelet := n.StartNodeApp()
+
+	for _, netns := range []string{simnode.NetnsPath(n.NodeNS), fmt.Sprintf("/proc/%d/ns/net", kubelet.PID())} {
+		pod := podOf(p)
+		pod.Netns, pod.Interface, pod.HostInterface = netns, "out0", p.HostVeth
+		err := d.Enroll(context.Background(), pod)
+		if err == nil || !strings.Contains(err.Error(), "node's own network namespace") || !strings.Contains(err.Error(), p.Name) {
+			t.Fatalf("Enroll of the node netns (%s): error %v, want a refusal naming the pod and the node's netns", netns, err)
+		}
+		if got := countEntries[uint64, sockNetnsInfo](t, d.sock.AeNetns); got != 0 {
+			t.Fatalf("ae_netns has %d entries after the refusal", got)
+		}
+	}
+	resp, err := kubelet.Dial("tcp", simnode.AppRequest{Addr: server})
+	if err != nil {
+		t.Fatalf("the node's own connection to %s: %v", server, err)
+	}
+	if resp.Reply.Server != "outside" || resp.Reply.Peer.Addr() != simnode.NodeV4 {
+		t.Fatalf("the node's own connection reached %q from %s, want the outside server from %s", resp.Reply.Server, resp.Reply.Peer, simnode.NodeV4)
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 
@@ -155,4 +156,49 @@ func ifindexByName(name string) (int, error) {
 		return 0, fmt.Errorf("SIOCGIFINDEX %s: %w", name, err)
 	}
 	return int(ifr.Uint32()), nil
+}
+
+// netnsID identifies a network namespace: the device and inode of its
+// nsfs file, the same for every path (named netns bind mount,
+// /proc/<pid>/ns/net) that names it.
+type netnsID struct{ dev, ino uint64 }
+
+func statNetns(path string) (netnsID, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return netnsID{}, fmt.Errorf("stat netns %s: %w", path, err)
+	}
+	return netnsID{dev: st.Dev, ino: st.Ino}, nil
+}
+
+// nodeNetnsIDs are the namespaces no pod may name: the node's
+// (Config.NodeNetns) and the agent's own. Enrolling either would capture
+// the node's own TCP (kubelet, the API server's clients, ssh) and, since
+// a veth's node side then equals its peer, pass the host interface check.
+func nodeNetnsIDs(cfg Config) ([]netnsID, error) {
+	var ids []netnsID
+	for _, path := range []string{cfg.NodeNetns, "/proc/self/ns/net"} {
+		id, err := statNetns(path)
+		if err != nil {
+			return nil, fmt.Errorf("node netns: %w", err)
+		}
+		if !slices.Contains(ids, id) {
+			ids = append(ids, id)
+		}
+	}
+	return ids, nil
+}
+
+// refuseNodeNetns fails when path names the node's own network namespace
+// (nodeNetnsIDs): a CNI ADD, a pod file or a pod's status can carry any
+// path, and only a pod's own netns may be enrolled.
+func (d *Dataplane) refuseNodeNetns(path string) error {
+	id, err := statNetns(path)
+	if err != nil {
+		return err
+	}
+	if slices.Contains(d.nodeNetns, id) {
+		return fmt.Errorf("netns %s is the node's own network namespace, not a pod's: refusing to enrol it", path)
+	}
+	return nil
 }
