@@ -15,7 +15,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
@@ -44,7 +43,7 @@ func agentEvents(ctx context.Context, socket, pod string, since time.Time) (*age
 	if _, err := os.Stat(socket); err != nil {
 		return nil, fmt.Errorf("%w: %w", errAgentDown, err)
 	}
-	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := inspectClient(socket)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", errAgentDown, err)
 	}

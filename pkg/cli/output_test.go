@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -75,6 +76,23 @@ func TestStatusExitsNonZeroUnlessTheAgentAnswersReady(t *testing.T) {
 		{
 			name:      "agent ready",
 			socket:    func(t *testing.T) string { return fakeAgent(t, &inspectv1.StatusResponse{Ready: true, Node: "n1"}) },
+			wantAgent: true,
+		},
+		{
+			// gRPC's "unix://" target reads a relative path's first
+			// element as an authority and refused it.
+			name: "agent ready, its socket named by a relative path",
+			socket: func(t *testing.T) string {
+				cwd, err := os.Getwd()
+				if err != nil {
+					t.Fatal(err)
+				}
+				rel, err := filepath.Rel(cwd, fakeAgent(t, &inspectv1.StatusResponse{Ready: true, Node: "n1"}))
+				if err != nil {
+					t.Fatal(err)
+				}
+				return rel
+			},
 			wantAgent: true,
 		},
 	}

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"path/filepath"
 	"slices"
 	"text/tabwriter"
 	"time"
@@ -103,8 +104,23 @@ func (s *Status) problem() error {
 	return fmt.Errorf("%w: the agent does not answer and nothing is pinned (is ambient-ebpf running on this node? see --bpffs and --inspect-socket)", ErrUnhealthy)
 }
 
+// inspectClient makes a client of the agent's inspection socket. The path
+// is made absolute first: in gRPC's "unix://" target a relative path's
+// first element would be read as the authority.
+func inspectClient(socket string) (*grpc.ClientConn, error) {
+	abs, err := filepath.Abs(socket)
+	if err != nil {
+		return nil, fmt.Errorf("inspect socket %s: %w", socket, err)
+	}
+	conn, err := grpc.NewClient("unix://"+abs, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, fmt.Errorf("inspect socket %s: %w", socket, err)
+	}
+	return conn, nil
+}
+
 func askAgent(ctx context.Context, socket string) (*inspectv1.StatusResponse, error) {
-	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := inspectClient(socket)
 	if err != nil {
 		return nil, err
 	}
