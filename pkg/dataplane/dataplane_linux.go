@@ -82,10 +82,10 @@ func New(cfg Config) (*Dataplane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cgroup root: %w", err)
 	}
-	if ok, err := hostfs.IsBPFFS(filepath.Dir(cfg.BPFFSDir)); err != nil {
+	if mounted, err := hostfs.EnsureBPFFS(filepath.Dir(cfg.BPFFSDir)); err != nil {
 		return nil, err
-	} else if !ok {
-		return nil, fmt.Errorf("%s is not on a bpffs", cfg.BPFFSDir)
+	} else if mounted {
+		cfg.Logger.Info("mounted a bpffs: none was there", "path", filepath.Dir(cfg.BPFFSDir))
 	}
 	if _, err := os.Stat(cfg.NodeNetns); err != nil {
 		return nil, fmt.Errorf("node netns: %w", err)

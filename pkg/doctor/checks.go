@@ -95,8 +95,8 @@ func checkBPFFS(_ context.Context, n *node) []Finding {
 			Action:  "mount -t bpf bpf " + mnt + " (and mount it into the agent's pod: the Helm chart mounts the host's /sys/fs/bpf)"}}
 	case !ok:
 		return []Finding{{Check: "bpffs", Status: Fail, Summary: mnt + " is not a bpffs",
-			Meaning: "pins there would not survive the agent: redirection would stop whenever it restarts; the agent refuses to start",
-			Action:  "mount -t bpf bpf " + mnt}}
+			Meaning: "the agent mounts a bpffs there at start only where the mount reaches the host (a privileged pod's Bidirectional volume) and refuses to start otherwise: pins in its own mount namespace would go with its container",
+			Action:  "mount -t bpf bpf " + mnt + " (or run the agent privileged: securityContext.privileged=true)"}}
 	}
 	return []Finding{{Check: "bpffs", Status: OK, Summary: "bpffs mounted at " + mnt}}
 }

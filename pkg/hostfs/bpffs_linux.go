@@ -6,7 +6,9 @@ package hostfs
 import (
 	"fmt"
 	"os"
+	"strings"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
 
@@ -37,18 +39,61 @@ func CgroupID(path string) (uint64, error) {
 	return st.Ino, nil
 }
 
-// EnsureBPFFS makes sure mountPoint holds a bpffs, mounting one when the
-// directory exists on another filesystem (nodes that never mounted it).
-func EnsureBPFFS(mountPoint string) error {
+// EnsureBPFFS makes sure mountPoint holds a bpffs. Where it holds another
+// filesystem (a node that never mounted one), a bpffs is mounted there, but
+// only when that mount reaches the host: the mount mountPoint is on must
+// propagate to its peers (shared, as a privileged pod's Bidirectional
+// volume is). A bpffs that stayed in the agent's own mount namespace would
+// go with its container, and with it every pin, so every link: redirection
+// would stop at the agent's first restart. It reports whether it mounted.
+func EnsureBPFFS(mountPoint string) (mounted bool, err error) {
 	if err := os.MkdirAll(mountPoint, 0o700); err != nil {
-		return fmt.Errorf("create bpffs mount point: %w", err)
+		return false, fmt.Errorf("create bpffs mount point: %w", err)
 	}
 	ok, err := IsBPFFS(mountPoint)
 	if err != nil || ok {
-		return err
+		return false, err
+	}
+	parent, err := mountOf(mountPoint)
+	if err != nil {
+		return false, err
+	}
+	if !isShared(parent.Optional) {
+		return false, fmt.Errorf("%s is not a bpffs, and a bpffs mounted there would not reach the host (mount %s does not propagate: %q): "+
+			"mount one on the host (mount -t bpf bpf %s) or run the agent privileged (Bidirectional mount propagation)",
+			mountPoint, parent.Mountpoint, parent.Optional, mountPoint)
 	}
 	if err := unix.Mount("bpf", mountPoint, "bpf", 0, "mode=0700"); err != nil {
-		return fmt.Errorf("mount bpffs on %s: %w", mountPoint, err)
+		return false, fmt.Errorf("mount bpffs on %s: %w", mountPoint, err)
 	}
-	return nil
+	return true, nil
+}
+
+// mountOf returns the mount path is on: the deepest mount point above it.
+func mountOf(path string) (*mountinfo.Info, error) {
+	mounts, err := mountinfo.GetMounts(mountinfo.ParentsFilter(path))
+	if err != nil {
+		return nil, fmt.Errorf("read mounts: %w", err)
+	}
+	var best *mountinfo.Info
+	for _, m := range mounts {
+		if best == nil || len(m.Mountpoint) >= len(best.Mountpoint) {
+			best = m
+		}
+	}
+	if best == nil {
+		return nil, fmt.Errorf("no mount holds %s", path)
+	}
+	return best, nil
+}
+
+// isShared reports whether a mount's optional fields (mountinfo's seventh
+// column) put it in a peer group: "shared:N".
+func isShared(optional string) bool {
+	for _, f := range strings.Fields(optional) {
+		if strings.HasPrefix(f, "shared:") {
+			return true
+		}
+	}
+	return false
 }
