@@ -30,7 +30,7 @@ import (
 	current "github.com/containernetworking/cni/pkg/types/100"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podfile"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -129,7 +129,7 @@ type demo struct {
 	out                    io.Writer
 	bin, plugins, podsPath string
 	node                   *simnode.Node
-	file                   *standalone.File
+	file                   *podfile.File
 	pods                   map[string]*simnode.Pod // by name
 	ambient                map[string]bool
 	cni                    *libcni.CNIConfig
@@ -153,7 +153,7 @@ func (d *demo) run() {
 	}
 	d.bin, d.plugins, d.podsPath = abs(d.bin), abs(d.plugins), abs(d.podsPath)
 	var err error
-	if d.file, err = standalone.Load(d.podsPath); err != nil {
+	if d.file, err = podfile.Load(d.podsPath); err != nil {
 		d.r.Fatal(err)
 	}
 

@@ -91,3 +91,23 @@ func directImports(t *testing.T, pkg string) []string {
 	}
 	return ours
 }
+
+// The CNI plugins run once per pod start, so they link only what a CNI
+// call needs: never the BPF loader (cilium/ebpf and the objects embedded
+// in pkg/dataplane) nor the agent's control plane. The fallback reads the
+// pod file through the leaf pkg/podfile.
+func TestCNIPluginsLinkNoLoader(t *testing.T) {
+	for _, bin := range []string{"cmd/ambient-ebpf-cni", "cmd/ambient-ebpf-cni-fallback"} {
+		out, err := exec.Command("go", "list", "-deps", "-f", "{{.ImportPath}}", module+bin).Output()
+		if err != nil {
+			t.Fatalf("go list -deps %s: %v", bin, err)
+		}
+		for _, p := range strings.Fields(string(out)) {
+			for _, banned := range []string{"github.com/cilium/ebpf", module + "pkg/dataplane", module + "pkg/reconciler", module + "pkg/standalone", module + "pkg/zds"} {
+				if p == banned || strings.HasPrefix(p, banned+"/") {
+					t.Errorf("%s links %s", bin, p)
+				}
+			}
+		}
+	}
+}

@@ -20,6 +20,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podfile"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 )
 
@@ -43,7 +44,7 @@ type Source struct {
 
 	mu          sync.Mutex
 	raw         []byte
-	file        *File
+	file        *podfile.File
 	pods        map[string]*corev1.Pod
 	redirection map[types.UID]reconciler.State
 }
@@ -131,7 +132,7 @@ func (s *Source) load() (map[string]*corev1.Pod, error) {
 	if s.file != nil && bytes.Equal(raw, s.raw) {
 		return nil, nil
 	}
-	f, err := Parse(bytes.NewReader(raw))
+	f, err := podfile.Parse(bytes.NewReader(raw))
 	if err != nil {
 		return nil, fmt.Errorf("pod file %s: %w", s.path, err)
 	}
@@ -201,33 +202,12 @@ func (s *Source) Lookup(_ context.Context, namespace, name string) (*corev1.Pod,
 	if s.pods[namespace+"/"+name] == nil {
 		return nil, nil, fmt.Errorf("pod %s/%s is not in the pod file %s", namespace, name, s.path)
 	}
-	return s.file.lookup(s.path, namespace, name)
-}
-
-// FileLookup reads the pod file at its path on each Lookup: the CNI
-// plugin's fallback, which lives for one call. Unlike Source it gives a pod
-// without metadata.uid none.
-type FileLookup string
-
-// Lookup finds the pod and its namespace in the pod file. A pod missing
-// from the file is an error: the plugin never guesses.
-func (f FileLookup) Lookup(_ context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
-	file, err := Load(string(f))
-	if err != nil {
-		return nil, nil, err
-	}
-	pod := file.Pod(namespace, name)
-	if pod == nil {
-		return nil, nil, fmt.Errorf("pod %s/%s not in pod file %s", namespace, name, string(f))
-	}
-	// The pod as the file has it: a UID the file does not name is the
-	// agent's stand-in, not one a runtime could have been given.
-	return pod.DeepCopy(), file.Namespaces[namespace], nil
+	return lookup(s.file, s.path, namespace, name)
 }
 
 // lookup returns a copy of the pod, with its UID as the agent knows it, and
 // its namespace.
-func (f *File) lookup(path, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
+func lookup(f *podfile.File, path, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
 	pod := f.Pod(namespace, name)
 	if pod == nil {
 		return nil, nil, fmt.Errorf("pod %s/%s not in pod file %s", namespace, name, path)

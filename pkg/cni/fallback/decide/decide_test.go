@@ -21,7 +21,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podfile"
 )
 
 func TestKubeSourceReadsPodAndNamespaceWithTheToken(t *testing.T) {
@@ -74,11 +74,11 @@ func TestFileSource(t *testing.T) {
 	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	p, ns, err := standalone.FileLookup(path).Lookup(context.Background(), "mesh", "web")
+	p, ns, err := podfile.FileLookup(path).Lookup(context.Background(), "mesh", "web")
 	if err != nil || p.Name != "web" || ns == nil {
 		t.Fatalf("Lookup = %v, %v, %v", p, ns, err)
 	}
-	if _, _, err := standalone.FileLookup(path).Lookup(context.Background(), "mesh", "ghost"); err == nil {
+	if _, _, err := podfile.FileLookup(path).Lookup(context.Background(), "mesh", "ghost"); err == nil {
 		t.Error("pod missing from the file was found")
 	}
 }

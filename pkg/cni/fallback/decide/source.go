@@ -13,7 +13,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podfile"
 )
 
 // PodSource reads a pod and its namespace when the agent cannot be asked.
@@ -27,7 +27,7 @@ type PodSource interface {
 func NewPodSource(podFile, kubeconfig string) (PodSource, error) {
 	switch {
 	case podFile != "":
-		return standalone.FileLookup(podFile), nil
+		return podfile.FileLookup(podFile), nil
 	case kubeconfig != "":
 		return NewKubeSource(kubeconfig)
 	}

@@ -1,7 +1,7 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-package standalone
+package podfile
 
 import (
 	"errors"

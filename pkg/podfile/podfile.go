@@ -1,7 +1,7 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-// Package standalone reads the pod file that stands in for the Kubernetes API
+// Package podfile reads the pod file that stands in for the Kubernetes API
 // on nodes and demos without a cluster. The file is a YAML (or JSON) stream
 // of v1 Namespace and Pod objects, exactly as the API would serve them:
 //
@@ -14,15 +14,18 @@
 //	metadata: {name: web, namespace: demo, uid: 7f0c...}
 //	spec: {serviceAccountName: web, nodeName: node-1}
 //
-// The agent's standalone source and the CNI plugin's fallback both read it.
+// The agent's standalone source (pkg/standalone) and the CNI plugin's
+// fallback (FileLookup) both read it. It is a leaf: the plugin links it
+// without the agent's reconciler or the BPF loader.
 // Names and UIDs are checked as the API server would (pkg/identity): a file
 // holding a pod or namespace that Kubernetes would refuse is refused. A pod
 // may omit metadata.uid; the agent then gives it identity.StandaloneUID.
-package standalone
+package podfile
 
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -160,4 +163,25 @@ func parsePod(raw []byte) (*corev1.Pod, error) {
 		}
 	}
 	return &p, nil
+}
+
+// FileLookup reads the pod file at its path on each Lookup: the CNI
+// plugin's fallback, which lives for one call. Unlike the agent's source
+// it gives a pod without metadata.uid none.
+type FileLookup string
+
+// Lookup finds the pod and its namespace in the pod file. A pod missing
+// from the file is an error: the plugin never guesses.
+func (f FileLookup) Lookup(_ context.Context, namespace, name string) (*corev1.Pod, *corev1.Namespace, error) {
+	file, err := Load(string(f))
+	if err != nil {
+		return nil, nil, err
+	}
+	pod := file.Pod(namespace, name)
+	if pod == nil {
+		return nil, nil, fmt.Errorf("pod %s/%s not in pod file %s", namespace, name, string(f))
+	}
+	// The pod as the file has it: a UID the file does not name is the
+	// agent's stand-in, not one a runtime could have been given.
+	return pod.DeepCopy(), file.Namespaces[namespace], nil
 }
