@@ -209,7 +209,10 @@ func TestRemoveIsIdempotentAndCleans(t *testing.T) {
 	}
 }
 
-// H4: a reused IP belongs to its newest pod; removing the old pod keeps it.
+// H4: a reused IP belongs to its newest pod; removing the old pod keeps
+// it. The old pod is gone (its network deleted, its DEL missed): while it
+// still has the address, the new one is refused (ErrDuplicateIP,
+// TestDuplicateIPIsRefusedAndTheRunningPodStaysCaptured).
 func TestIPReuseNeverRemovesTheNewOwner(t *testing.T) {
 	n := simnode.New(t)
 	old, cur := n.AddPod("old"), n.AddPod("new")
@@ -223,8 +226,16 @@ func TestIPReuseNeverRemovesTheNewOwner(t *testing.T) {
 	if err := d.Enroll(ctx, oldPod); err != nil {
 		t.Fatal(err)
 	}
+	n.DeletePodNetwork(old)
 	if err := d.Enroll(ctx, curPod); err != nil {
 		t.Fatal(err)
+	}
+	// The stale owner went with the address's reuse, programs and all.
+	if got := d.List(); len(got) != 1 || got[0].UID != cur.UID {
+		t.Errorf("List = %+v, want the new owner alone", got)
+	}
+	if got := ingressPrograms(t, old); got != 0 {
+		t.Errorf("%d programs left on the stale owner's lo", got)
 	}
 	if err := d.Remove(ctx, old.UID); err != nil {
 		t.Fatal(err)

@@ -74,6 +74,13 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 	if err != nil {
 		return err
 	}
+	stale, err := d.claimIPs(&pod, ns.cookie)
+	if err != nil {
+		return err
+	}
+	for _, o := range stale {
+		d.removeStale(o, &pod)
+	}
 	samePod := old != nil && old.NetnsCookie == ns.cookie
 	hostIf, err := d.hostInterface(&pod, ns.podIndex, ns.peerIndex)
 	if err != nil {
@@ -209,7 +216,8 @@ func (d *Dataplane) writePodMaps(st *podState) error {
 	p := &Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Interface: st.Interface, IPs: st.IPs, Options: st.Options}
 	info := sockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags(), Ifindex: st.ifindex}
 	for _, ip := range p.IPs {
-		// A reused IP simply gets its new owner (H4): the old owner's
+		// A reused IP gets its new owner (H4), claimIPs having refused
+		// a duplicate of a pod that still has it; the old owner's
 		// removal checks ownership before deleting.
 		if err := d.sock.AePods.Put(addrKey(ip), &info); err != nil {
 			return fmt.Errorf("write ae_pods entry for %s: %w", ip, err)
@@ -320,6 +328,7 @@ func (d *Dataplane) Remove(ctx context.Context, uid string) error {
 	err := d.detachPod(st, false)
 	delete(d.pods, uid)
 	d.slots.release(st.Slot)
+	d.restoreSurvivors(st)
 	return err
 }
 
@@ -385,9 +394,18 @@ func (d *Dataplane) List() []EnrolledPod {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	out := make([]EnrolledPod, 0, len(d.pods))
+	nameOf := func(slot uint32) string {
+		for _, p := range d.pods {
+			if p.Slot == slot {
+				return p.Namespace + "/" + p.Name
+			}
+		}
+		return fmt.Sprintf("(slot %d, not enrolled)", slot)
+	}
 	for _, p := range d.pods {
 		e := p.EnrolledPod
 		e.IPs = slices.Clone(e.IPs)
+		e.Problem = problem(&d.sock.sockMaps, p, nameOf)
 		out = append(out, e)
 	}
 	slices.SortFunc(out, func(a, b EnrolledPod) int {
@@ -452,6 +470,7 @@ func (d *Dataplane) adoptPods() error {
 		d.pods[st.UID] = st
 		adopted++
 	}
+	d.repairIPs()
 	d.removeOrphanPins()
 	d.pruneLocalFlows()
 	if adopted+undone > 0 {

@@ -39,8 +39,9 @@ func readPods(m *sockMaps) ([]*podState, error) {
 		return nil, fmt.Errorf("read ae_pod_meta: %w", err)
 	}
 	var (
-		key  sockAeAddr
-		info sockPodInfo
+		key      sockAeAddr
+		info     sockPodInfo
+		optioned = map[uint32]bool{} // slots an ae_pods entry gave options
 	)
 	pit := m.AePods.Iterate()
 	for pit.Next(&key, &info) {
@@ -48,14 +49,52 @@ func readPods(m *sockMaps) ([]*podState, error) {
 			st.IPs = append(st.IPs, netip.AddrFrom16(key.B).Unmap())
 			st.Options = optionsFromFlags(info.Flags)
 			st.ifindex = info.Ifindex
+			optioned[info.Slot] = true
 		}
 	}
 	if err := pit.Err(); err != nil {
 		return nil, fmt.Errorf("read ae_pods: %w", err)
 	}
+	// ae_netns names each pod's first address of each family: one whose
+	// ae_pods entry is missing or another pod's is still the pod's (and
+	// its problem, below), not forgotten.
+	var (
+		cookie uint64
+		ns     sockNetnsInfo
+	)
+	nit := m.AeNetns.Iterate()
+	for nit.Next(&cookie, &ns) {
+		st := bySlot[ns.Slot]
+		if st == nil || st.NetnsCookie != cookie {
+			continue
+		}
+		for _, a := range []struct {
+			flag uint32
+			addr sockAeAddr
+		}{{flagHasV4, ns.Ip4}, {flagHasV6, ns.Ip6}} {
+			if ip := addrOf(a.addr); ns.Flags&a.flag != 0 && !slices.Contains(st.IPs, ip) {
+				st.IPs = append(st.IPs, ip)
+			}
+		}
+		if !optioned[ns.Slot] {
+			st.Options = optionsFromFlags(ns.Flags) // no ae_pods entry gave them
+		}
+	}
+	if err := nit.Err(); err != nil {
+		return nil, fmt.Errorf("read ae_netns: %w", err)
+	}
+	nameOf := func(slot uint32) string {
+		if st := bySlot[slot]; st != nil {
+			return st.Namespace + "/" + st.Name
+		}
+		return fmt.Sprintf("(slot %d, no journal entry)", slot)
+	}
 	out := make([]*podState, 0, len(bySlot))
 	for _, st := range bySlot {
 		slices.SortFunc(st.IPs, func(a, b netip.Addr) int { return a.Compare(b) })
+		if st.journal == metaEnrolled {
+			st.Problem = problem(m, st, nameOf)
+		}
 		out = append(out, st)
 	}
 	slices.SortFunc(out, func(a, b *podState) int {

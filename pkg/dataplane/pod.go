@@ -59,6 +59,11 @@ type EnrolledPod struct {
 	IPs           []netip.Addr `json:"ips"`
 	Options       Options      `json:"options"`
 	Slot          uint32       `json:"slot"`
+	// Problem is what of the pod's capture its map entries do not give
+	// it (an address whose ae_pods entry is missing or another pod's:
+	// its inbound traffic reaches the app past ztunnel); "" when they
+	// all do. Such a pod is inconsistent, not enrolled.
+	Problem string `json:"problem,omitempty"`
 }
 
 // Stats are a pod's counters, summed over CPUs.
