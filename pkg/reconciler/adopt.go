@@ -105,6 +105,16 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 		if found, ok := netnsOf[types.UID(uid)]; ok {
 			mb.netns = found.Path
 		}
+		if p.Problem != "" && mb.netns != "" && len(mb.ips) > 0 {
+			// Its entries are not all in place (the data path could
+			// not restore them): enrolled again in place, which writes
+			// them unless another running pod has the address.
+			r.log.Warn("adopted pod is not fully redirected; enrolling it again", "pod", mb.key(), "uid", uid, "problem", p.Problem)
+			if err := r.enroll(ctx, dataplane.Pod{UID: uid, Namespace: p.Namespace, Name: p.Name, Netns: mb.netns,
+				Interface: mb.iface, IPs: mb.ips, Options: p.Options, Running: true}); err != nil {
+				r.log.Error("re-enrolling adopted pod failed", "pod", mb.key(), "error", err)
+			}
+		}
 		r.put(mb)
 		r.queue.Add(mb.key())
 	}

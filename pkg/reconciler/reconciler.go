@@ -490,6 +490,13 @@ func (r *Reconciler) reconcile(ctx context.Context, key string) error {
 		mb.serviceAccount = pod.Spec.ServiceAccountName
 		r.update(mb.uid, func(m *member) { m.serviceAccount = mb.serviceAccount })
 	}
+	if ips := podIPs(pod); len(mb.ips) == 0 && len(ips) > 0 {
+		// Adopted without addresses (pins an agent before
+		// dataplane.ErrDuplicateIP left): its source has them, and an
+		// update of its options needs them.
+		mb.ips = ips
+		r.update(mb.uid, func(m *member) { m.ips = ips })
+	}
 	if mb.takeover != takeoverDone && r.cfg.Takeover != nil {
 		if err := r.takeOver(ctx, mb); err != nil {
 			r.publish(change)
