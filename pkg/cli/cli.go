@@ -130,10 +130,14 @@ func podsCommand(o *options) *cobra.Command {
 				return err
 			}
 			return o.emit(cmd.OutOrStdout(), pods, func(w *tabwriter.Writer) {
-				fmt.Fprintln(w, "NAMESPACE/NAME\tUID\tIPS\tINTERFACES\tOPTIONS")
+				fmt.Fprintln(w, "NAMESPACE/NAME\tUID\tIPS\tINTERFACES\tOPTIONS\tSTATE")
 				for _, pod := range pods {
-					fmt.Fprintf(w, "%s/%s\t%s\t%s\t%s<->%s\t%s\n", pod.Namespace, pod.Name, pod.UID, joinAddrs(pod.IPs),
-						pod.Interface, pod.HostInterface, optionString(pod.Options))
+					state := "enrolled"
+					if pod.Problem != "" {
+						state = "inconsistent: " + pod.Problem
+					}
+					fmt.Fprintf(w, "%s/%s\t%s\t%s\t%s<->%s\t%s\t%s\n", pod.Namespace, pod.Name, pod.UID, joinAddrs(pod.IPs),
+						pod.Interface, pod.HostInterface, optionString(pod.Options), state)
 				}
 			})
 		})

@@ -45,7 +45,18 @@ type Status struct {
 	// Pinned is what the pins say, agent or not.
 	Installed  bool
 	PinnedPods int
-	PinError   string
+	// Inconsistent are the pinned pods whose map entries do not all
+	// give them capture (dataplane.EnrolledPod.Problem): recorded as
+	// enrolled, they are not fully redirected.
+	Inconsistent []InconsistentPod
+	PinError     string
+}
+
+// InconsistentPod is a pinned pod with a problem.
+type InconsistentPod struct {
+	Pod     string `json:"pod"` // namespace/name
+	UID     string `json:"uid"`
+	Problem string `json:"problem"`
 }
 
 // statusJSON is Status on the wire, the agent's answer already encoded.
@@ -54,13 +65,16 @@ type statusJSON struct {
 	AgentError string          `json:"agentError"`
 	Installed  bool            `json:"installed"`
 	PinnedPods int             `json:"pinnedPods"`
-	PinError   string          `json:"pinError"`
+	// Inconsistent is [] when there are none: every field, always.
+	Inconsistent []InconsistentPod `json:"inconsistentPods"`
+	PinError     string            `json:"pinError"`
 }
 
 // MarshalJSON encodes the agent's protobuf answer with protojson, with its
 // zero fields.
 func (s Status) MarshalJSON() ([]byte, error) {
-	w := statusJSON{Agent: json.RawMessage("null"), AgentError: s.AgentError, Installed: s.Installed, PinnedPods: s.PinnedPods, PinError: s.PinError}
+	w := statusJSON{Agent: json.RawMessage("null"), AgentError: s.AgentError, Installed: s.Installed, PinnedPods: s.PinnedPods,
+		Inconsistent: append([]InconsistentPod{}, s.Inconsistent...), PinError: s.PinError}
 	if s.Agent != nil {
 		b, err := protojson.MarshalOptions{EmitUnpopulated: true}.Marshal(s.Agent)
 		if err != nil {
@@ -77,7 +91,7 @@ func (s *Status) UnmarshalJSON(b []byte) error {
 	if err := json.Unmarshal(b, &w); err != nil {
 		return err
 	}
-	*s = Status{AgentError: w.AgentError, Installed: w.Installed, PinnedPods: w.PinnedPods, PinError: w.PinError}
+	*s = Status{AgentError: w.AgentError, Installed: w.Installed, PinnedPods: w.PinnedPods, Inconsistent: w.Inconsistent, PinError: w.PinError}
 	if len(w.Agent) > 0 && string(w.Agent) != "null" {
 		s.Agent = &inspectv1.StatusResponse{}
 		if err := protojson.Unmarshal(w.Agent, s.Agent); err != nil {
@@ -91,9 +105,12 @@ func (s *Status) UnmarshalJSON(b []byte) error {
 // does not answer or is not ready: the command then exits non-zero.
 var ErrUnhealthy = errors.New("not healthy")
 
-// problem says what is wrong, nil when the agent answers ready.
+// problem says what is wrong, nil when the agent answers ready and every
+// pinned pod is fully redirected.
 func (s *Status) problem() error {
 	switch {
+	case len(s.Inconsistent) > 0:
+		return fmt.Errorf("%w: %d pods recorded as enrolled are not fully redirected (see inconsistent pod)", ErrUnhealthy, len(s.Inconsistent))
 	case s.Agent != nil && s.Agent.GetReady():
 		return nil
 	case s.Agent != nil:
@@ -154,6 +171,11 @@ the agent does not answer, or it is not ready yet.`,
 				st.Installed = true
 				if pods, err := p.Pods(); err == nil {
 					st.PinnedPods = len(pods)
+					for _, pod := range pods {
+						if pod.Problem != "" {
+							st.Inconsistent = append(st.Inconsistent, InconsistentPod{Pod: pod.Namespace + "/" + pod.Name, UID: pod.UID, Problem: pod.Problem})
+						}
+					}
 				}
 				p.Close()
 			}
@@ -193,6 +215,9 @@ the agent does not answer, or it is not ready yet.`,
 					fmt.Fprintf(w, "pin error\t%s\n", st.PinError)
 				}
 				fmt.Fprintf(w, "pinned pods\t%d\n", st.PinnedPods)
+				for _, p := range st.Inconsistent {
+					fmt.Fprintf(w, "inconsistent pod %s\t%s\n", p.Pod, p.Problem)
+				}
 			})
 			if err != nil {
 				return err

@@ -132,6 +132,19 @@ func checkDataPath(_ context.Context, n *node) []Finding {
 		out = append(out, Finding{Check: "trace", Status: Info, Summary: "someone is tracing: the programs write an event for each decision"})
 	}
 	out = append(out, checkAccel(n)...)
+	if pods, err := n.pinned.Pods(); err == nil {
+		var lost []string
+		for _, p := range pods {
+			if p.Problem != "" {
+				lost = append(lost, p.Namespace+"/"+p.Name+" ("+p.Problem+")")
+			}
+		}
+		if len(lost) > 0 {
+			out = append(out, Finding{Check: "datapath", Status: Fail, Summary: "pods recorded as enrolled are not fully redirected: " + list(lost, 5),
+				Meaning: "their traffic to the addresses named reaches the app past ztunnel and its policies (a duplicate pod IP, under an agent from before the refusal of duplicates)",
+				Action:  "restart the agent: it restores the entries unless another running pod has the address (its log names both pods); then remove the pod that should not have it"})
+		}
+	}
 	if len(partial) > 0 {
 		out = append(out, Finding{Check: "datapath", Status: Warn, Summary: "an agent stopped part way through " + list(partial, 5),
 			Meaning: "the journal keeps such pods from staying half redirected: the next agent to start undoes it and they are enrolled again",
