@@ -60,19 +60,37 @@ func (d *Dataplane) ownerOf(info sockPodInfo) *podState {
 	return nil
 }
 
-// holdsAddr reports whether the pod's netns still exists (its recorded
-// path still names the netns of its cookie) and has ip on an interface.
-// Anything that cannot be checked counts as no.
+// holdsAddr reports whether the pod's netns still exists and has ip on
+// an interface. Where its recorded path no longer names the netns of its
+// cookie (a /proc path whose process went), a scan of the node's netns
+// looks for it: an owner still running must never pass for stale. A netns
+// that is not found counts as gone.
 func (d *Dataplane) holdsAddr(st *podState, ip netip.Addr) bool {
-	if st.netnsPath == "" {
-		return false
+	held, ok := d.netnsHas(st.netnsPath, st.NetnsCookie, ip)
+	if !ok {
+		path := d.netnsFinder(1)(st.NetnsCookie)
+		if path == "" {
+			return false
+		}
+		st.netnsPath = path
+		held, _ = d.netnsHas(path, st.NetnsCookie, ip)
 	}
-	held := false
-	err := inNetns(st.netnsPath, func() error {
-		cookie, err := d.netnsCookie()
-		if err != nil || cookie != st.NetnsCookie {
+	return held
+}
+
+// netnsHas reports whether the netns at path, when it is the one of
+// cookie (ok), has ip on an interface; one whose addresses cannot be read
+// counts as having it.
+func (d *Dataplane) netnsHas(path string, cookie uint64, ip netip.Addr) (held, ok bool) {
+	if path == "" {
+		return false, false
+	}
+	err := inNetns(path, func() error {
+		got, err := d.netnsCookie()
+		if err != nil || got != cookie {
 			return err
 		}
+		ok = true
 		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 		if err != nil {
 			return fmt.Errorf("netlink: %w", err)
@@ -87,12 +105,18 @@ func (d *Dataplane) holdsAddr(st *podState, ip netip.Addr) bool {
 			return fmt.Errorf("list addresses: %w", err)
 		}
 		held = slices.ContainsFunc(addrs, func(a netlink.Addr) bool {
-			got, ok := netip.AddrFromSlice(a.IP)
-			return ok && got.Unmap() == ip
+			got, valid := netip.AddrFromSlice(a.IP)
+			return valid && got.Unmap() == ip
 		})
 		return nil
 	})
-	return err == nil && held
+	if err != nil && ok {
+		// The netns is the pod's but its addresses cannot be read: it
+		// counts as having it (the newcomer is refused, retried).
+		d.log.Warn("check a pod's address in its netns", "netns", path, "ip", ip, "error", err)
+		return true, true
+	}
+	return held, ok
 }
 
 // removeStale takes out a pod whose address another pod is being
@@ -173,6 +197,12 @@ func (d *Dataplane) repairIPs() {
 			d.putIP(st, ip)
 		}
 	}
+}
+
+// ownsEntry reports whether ip's ae_pods entry is st's.
+func ownsEntry(m *sockMaps, st *podState, ip netip.Addr) bool {
+	var info sockPodInfo
+	return m.AePods.Lookup(addrKey(ip), &info) == nil && info.NetnsCookie == st.NetnsCookie && info.Slot == st.Slot
 }
 
 // problem says what of a pod's capture its map entries do not give it,

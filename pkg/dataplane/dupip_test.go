@@ -159,6 +159,22 @@ func TestRestartRestoresTheEntriesADuplicateTook(t *testing.T) {
 			t.Errorf("pinned view of pod c: %+v, want both addresses and a problem naming each", p)
 		}
 	}
+	// why answers as the programs do: the lost addresses are not captured.
+	for _, ip := range e.c.IPs() {
+		from := simnode.OutsideV4
+		if ip.Is6() {
+			from = simnode.OutsideV6
+		}
+		a, err := view.Why(Query{FromAddr: from, To: netip.AddrPortFrom(ip, dupPort)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range a.Legs {
+			if l.To.Port() == standin.InboundPort {
+				t.Errorf("why says the connection to %s is captured (%s), which its lost entry does not do", ip, a.Summary)
+			}
+		}
+	}
 	if err := d1.Close(); err != nil {
 		t.Fatal(err)
 	}

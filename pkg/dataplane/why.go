@@ -125,7 +125,9 @@ func (p *Pinned) Why(q Query) (*Answer, error) {
 		pinnedPod(podDir(Config{BPFFSDir: p.dir}, st.UID), st) // its virtual interfaces, from its pins
 		w.byName[st.Namespace+"/"+st.Name] = st
 		for _, ip := range st.IPs {
-			w.byIP[ip] = st
+			if ownsEntry(&p.maps, st, ip) { // as the programs see it: not an address it lost (problem)
+				w.byIP[ip] = st
+			}
 		}
 	}
 	var (
