@@ -32,6 +32,13 @@
 // last map entry, "removing" before anything is taken away. New undoes
 // whatever a killed agent left enrolling or removing.
 //
+// ae_pods has one owner per address (H4). Enroll refuses an address
+// another enrolled pod still has in its netns (ErrDuplicateIP): a
+// duplicate never takes a running pod's inbound capture. An owner that no
+// longer has it (a missed DEL) is removed first. A pod whose entry is lost
+// anyway (pins of an agent before the refusal) keeps the address through
+// ae_netns, is reported (EnrolledPod.Problem), and New restores the entry.
+//
 // Pinned layout under Config.BPFFSDir (default /sys/fs/bpf/ambient-ebpf):
 //
 //	ae_layout           the layout record: the pins' layout, the oldest
