@@ -20,6 +20,7 @@ package podnetns
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -99,9 +100,10 @@ func (f *Finder) All() []NetNS {
 	return out
 }
 
-// Find returns the network namespace of the pod with this UID.
-func (f *Finder) Find(uid types.UID) (NetNS, error) {
-	found, err := f.FindAll([]types.UID{uid})
+// Find returns the network namespace of the pod with this UID (a Scan:
+// for several pods, Scan once).
+func (f *Finder) Find(ctx context.Context, uid types.UID) (NetNS, error) {
+	found, err := f.Scan(ctx)
 	if err != nil {
 		return NetNS{}, err
 	}
@@ -112,15 +114,12 @@ func (f *Finder) Find(uid types.UID) (NetNS, error) {
 	return ns, nil
 }
 
-// FindAll scans /proc once and returns the netns of each pod of uids that
-// has a process on this node. Of several processes of a pod the lowest PID
-// wins (usually the sandbox's pause process). Processes that exit during the
-// scan are passed over.
-func (f *Finder) FindAll(uids []types.UID) (map[types.UID]NetNS, error) {
-	want := map[types.UID]bool{}
-	for _, u := range uids {
-		want[u] = true
-	}
+// Scan reads the proc root once and returns, by pod UID, the netns of
+// every pod that has a process on this node. Of several processes of a pod
+// the lowest PID wins (usually the sandbox's pause process). Processes that
+// exit during the scan are passed over. A node runs thousands of
+// processes: the scan stops with ctx's error as soon as ctx ends.
+func (f *Finder) Scan(ctx context.Context) (map[types.UID]NetNS, error) {
 	entries, err := os.ReadDir(f.ProcRoot)
 	if err != nil {
 		return nil, fmt.Errorf("scan %s: %w", f.ProcRoot, err)
@@ -134,9 +133,12 @@ func (f *Finder) FindAll(uids []types.UID) (map[types.UID]NetNS, error) {
 	slices.Sort(pids)
 	found := map[types.UID]NetNS{}
 	for _, pid := range pids {
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("scan %s: %w", f.ProcRoot, err)
+		}
 		dir := filepath.Join(f.ProcRoot, strconv.Itoa(pid))
 		uid, ok, err := readPodUID(filepath.Join(dir, "cgroup"))
-		if err != nil || !ok || !want[uid] {
+		if err != nil || !ok {
 			continue
 		}
 		if _, done := found[uid]; done {
@@ -150,6 +152,22 @@ func (f *Finder) FindAll(uids []types.UID) (map[types.UID]NetNS, error) {
 		found[uid] = NetNS{Path: path, PID: pid, Dev: dev, Inode: ino}
 	}
 	return found, nil
+}
+
+// Current reports whether ns, as an earlier Scan found it for the pod
+// with this UID, still is: its process is still the pod's and still in
+// that netns. Two reads instead of a scan, so a scan's result can serve
+// many pods; false when the process exited (or its PID was reused).
+func (f *Finder) Current(uid types.UID, ns NetNS) bool {
+	if ns.PID <= 0 {
+		return false
+	}
+	got, ok, err := readPodUID(filepath.Join(f.ProcRoot, strconv.Itoa(ns.PID), "cgroup"))
+	if err != nil || !ok || got != uid {
+		return false
+	}
+	dev, ino, err := statNetNS(ns.Path)
+	return err == nil && dev == ns.Dev && ino == ns.Inode
 }
 
 // Same reports whether the paths a and b name the same network namespace,

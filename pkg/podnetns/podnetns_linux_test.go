@@ -42,7 +42,7 @@ func TestFindsRealProcessInPodCgroupAndNetns(t *testing.T) {
 		t.Fatalf("move pid %d into %s: %v", cmd.Process.Pid, cg, err)
 	}
 
-	got, err := New("/proc").Find(uid)
+	got, err := New("/proc").Find(t.Context(), uid)
 	if err != nil {
 		t.Fatalf("Find(%s): %v", uid, err)
 	}

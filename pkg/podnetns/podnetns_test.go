@@ -4,6 +4,7 @@
 package podnetns
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -61,7 +62,7 @@ func TestFindScansFakeProc(t *testing.T) {
 	f := New(root)
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := f.Find(tc.uid)
+			got, err := f.Find(t.Context(), tc.uid)
 			if tc.pid == 0 {
 				if !errors.Is(err, ErrNotFound) {
 					t.Fatalf("Find(%s) = %+v, %v; want ErrNotFound", tc.uid, got, err)
@@ -86,28 +87,90 @@ func TestFindScansFakeProc(t *testing.T) {
 	}
 }
 
-func TestFindAllScansOnce(t *testing.T) {
-	found, err := New(filepath.Join("testdata", "proc")).FindAll([]types.UID{
-		"0a1b2c3d-0000-4000-8000-000000000001", "0a1b2c3d-0000-4000-8000-000000000003", "0a1b2c3d-0000-4000-8000-0000000000ff",
-	})
+func TestScanFindsEveryPodOnce(t *testing.T) {
+	found, err := New(filepath.Join("testdata", "proc")).Scan(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(found) != 2 || found["0a1b2c3d-0000-4000-8000-000000000003"].PID != 300 {
-		t.Errorf("FindAll = %+v; want the two pods present", found)
+	want := map[types.UID]int{
+		"0a1b2c3d-0000-4000-8000-000000000001": 100, "0a1b2c3d-0000-4000-8000-000000000002": 200,
+		"0a1b2c3d-0000-4000-8000-000000000003": 300, "0a1b2c3d-0000-4000-8000-000000000004": 400,
+		"0a1b2c3d-0000-4000-8000-000000000005": 500,
+	}
+	if len(found) != len(want) {
+		t.Errorf("Scan = %+v; want the pods %v", found, want)
+	}
+	for uid, pid := range want {
+		if found[uid].PID != pid {
+			t.Errorf("Scan: pod %s at pid %d; want %d", uid, found[uid].PID, pid)
+		}
+	}
+}
+
+// A scan stops at once when its context ends: an agent told to stop does
+// not read thousands of processes' cgroups first.
+func TestScanStopsWhenTheContextEnds(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if found, err := New(filepath.Join("testdata", "proc")).Scan(ctx); !errors.Is(err, context.Canceled) {
+		t.Errorf("Scan with an ended context = %+v, %v; want context.Canceled", found, err)
+	}
+}
+
+// What a scan found stays current while the process is the pod's, and
+// stops being so once the PID names another pod, none, or no process.
+func TestCurrentRechecksOneProcess(t *testing.T) {
+	root := t.TempDir()
+	const uid = "0a1b2c3d-0000-4000-8000-000000000001"
+	writeProc := func(pid, cgroup string) {
+		t.Helper()
+		if err := os.MkdirAll(filepath.Join(root, pid, "ns"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(root, pid, "cgroup"), []byte(cgroup), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(root, pid, "ns", "net"), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	writeProc("42", "0::/kubepods/besteffort/pod"+uid+"/1\n")
+	f := New(root)
+	found, err := f.Scan(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns := found[uid]
+	if !f.Current(uid, ns) {
+		t.Fatalf("Current(%+v) = false right after the scan", ns)
+	}
+	if f.Current("0a1b2c3d-0000-4000-8000-000000000002", ns) {
+		t.Error("Current holds for another pod's UID")
+	}
+	// The PID reused by a process of no pod.
+	writeProc("42", "0::/system.slice/containerd.service\n")
+	if f.Current(uid, ns) {
+		t.Error("Current holds after the PID went to a process of no pod")
+	}
+	// The process gone.
+	if err := os.RemoveAll(filepath.Join(root, "42")); err != nil {
+		t.Fatal(err)
+	}
+	if f.Current(uid, ns) {
+		t.Error("Current holds after the process exited")
 	}
 }
 
 func TestFindOwnProcessInRealProc(t *testing.T) {
 	// This test process is in no pod cgroup (unless the suite itself runs
 	// in a pod), so the real /proc must scan cleanly and find nothing.
-	if _, err := New("").Find("0a1b2c3d-0000-4000-8000-0000000000ff"); !errors.Is(err, ErrNotFound) {
+	if _, err := New("").Find(t.Context(), "0a1b2c3d-0000-4000-8000-0000000000ff"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Find in /proc: %v; want ErrNotFound", err)
 	}
 }
 
 func TestFindMissingProcRoot(t *testing.T) {
-	if _, err := New(filepath.Join(t.TempDir(), "none")).Find("x"); err == nil || errors.Is(err, ErrNotFound) {
+	if _, err := New(filepath.Join(t.TempDir(), "none")).Find(t.Context(), "x"); err == nil || errors.Is(err, ErrNotFound) {
 		t.Errorf("Find over a missing proc root: %v; want a scan error", err)
 	}
 }

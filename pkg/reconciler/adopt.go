@@ -30,14 +30,7 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 	}
 	// One scan of /proc for every pod: a scan per pod made a restart with
 	// a thousand pods quadratic.
-	uids := make([]types.UID, 0, len(snapshot)+len(adopted))
-	for _, pod := range snapshot {
-		uids = append(uids, pod.UID)
-	}
-	for uid := range adopted {
-		uids = append(uids, types.UID(uid))
-	}
-	netnsOf, err := r.cfg.Netns.FindAll(uids)
+	netnsOf, err := r.netns.since(ctx, r.netns.next())
 	if err != nil {
 		r.log.Warn("scan for pods' netns failed", "error", err)
 		netnsOf = map[types.UID]podnetns.NetNS{}

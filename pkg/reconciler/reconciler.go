@@ -112,10 +112,14 @@ type Ztunnel interface {
 	DelWorkload(ctx context.Context, uid string) error
 }
 
-// NetnsFinder finds a running pod's netns (*podnetns.Finder).
+// NetnsFinder finds running pods' netns (*podnetns.Finder).
 type NetnsFinder interface {
-	Find(uid types.UID) (podnetns.NetNS, error)
-	FindAll(uids []types.UID) (map[types.UID]podnetns.NetNS, error)
+	// Scan reads /proc once: the netns of every pod with a process on
+	// this node. It ends early with ctx.
+	Scan(ctx context.Context) (map[types.UID]podnetns.NetNS, error)
+	// Current reports whether ns, found by an earlier Scan, still is pod
+	// uid's.
+	Current(uid types.UID, ns podnetns.NetNS) bool
 	Same(a, b string) (same, known bool)
 }
 
@@ -217,6 +221,10 @@ func (m *member) workload() zds.Workload {
 type desired struct {
 	pod *corev1.Pod
 	ns  *corev1.Namespace
+	// scan is the first scan of /proc that can find the pod's netns
+	// (netnsScans): the next one when it was reported, or after a look-up
+	// found none.
+	scan uint64
 }
 
 // Reconciler owns the per-pod state. Create it with New, start it with Run.
@@ -224,9 +232,15 @@ type Reconciler struct {
 	cfg   Config
 	log   *slog.Logger
 	queue workqueue.TypedRateLimitingInterface[string]
+	netns *netnsScans
 
 	synced   chan struct{}
 	syncOnce sync.Once
+
+	// startMu orders each pod's start with the stop: once Run logged
+	// that it stops (stopping), no pod starts.
+	startMu  sync.Mutex
+	stopping bool
 
 	keyMu sync.Mutex
 	keys  map[string]*keyLock // serializes the CNI path with the workers, per pod
@@ -263,6 +277,7 @@ func New(cfg Config) (*Reconciler, error) {
 		cfg: cfg, log: cfg.Logger,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(cfg.RateLimiter,
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "ambient-ebpf-pods"}),
+		netns:   &netnsScans{finder: cfg.Netns},
 		synced:  make(chan struct{}),
 		keys:    map[string]*keyLock{},
 		members: map[string]*member{},
@@ -312,8 +327,9 @@ func (r *Reconciler) decide(pod *corev1.Pod, ns *corev1.Namespace) enrollment.De
 // SetPod implements Desired.
 func (r *Reconciler) SetPod(pod *corev1.Pod, ns *corev1.Namespace) {
 	key := pod.Namespace + "/" + pod.Name
+	scan := r.netns.next()
 	r.mu.Lock()
-	r.desired[key] = desired{pod: pod, ns: ns}
+	r.desired[key] = desired{pod: pod, ns: ns, scan: scan}
 	r.mu.Unlock()
 	r.queue.Add(key)
 }
@@ -331,7 +347,12 @@ func (r *Reconciler) DeletePod(namespace, name string) {
 func (r *Reconciler) Synced() { r.syncOnce.Do(func() { close(r.synced) }) }
 
 // Run reconciles until ctx ends; the workers start once a source said
-// Synced (or ctx ends first). It returns after the workers have stopped.
+// Synced (or ctx ends first). When ctx ends no queued pod starts any more,
+// and the pods being reconciled see ctx end (a scan of /proc stops with
+// it), so Run returns in a bound whatever is queued: the pods left in the
+// queue (Queued) are not lost, as the next start reconciles every pod the
+// sources report and every pod the data path holds (Adopt). It returns
+// after the workers have stopped.
 func (r *Reconciler) Run(ctx context.Context) error {
 	defer r.queue.ShutDown()
 	select {
@@ -347,17 +368,31 @@ func (r *Reconciler) Run(ctx context.Context) error {
 		})
 	}
 	<-ctx.Done()
+	r.startMu.Lock()
+	r.stopping = true
+	r.log.Info("reconciler stopping: no queued pod starts from now on", "queued", r.queue.Len())
+	r.startMu.Unlock()
 	r.queue.ShutDown()
 	wg.Wait()
 	return nil
 }
 
+// Queued is the number of pods waiting in the queue (not those waiting
+// out a retry's backoff).
+func (r *Reconciler) Queued() int { return r.queue.Len() }
+
 func (r *Reconciler) processNext(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return false // leave the next pod queued
+	}
 	key, quit := r.queue.Get()
 	if quit {
 		return false
 	}
 	defer r.queue.Done(key)
+	if !r.start(ctx, key) {
+		return false
+	}
 	if err := r.reconcile(ctx, key); err != nil {
 		if ctx.Err() == nil {
 			r.log.Warn("reconcile failed; retrying", "pod", key, "attempt", r.queue.NumRequeues(key)+1, "error", err)
@@ -366,6 +401,18 @@ func (r *Reconciler) processNext(ctx context.Context) bool {
 		return true
 	}
 	r.queue.Forget(key)
+	return true
+}
+
+// start says whether the pod with key may start now: not once ctx ended,
+// even when a worker took it from the queue before the queue shut down.
+func (r *Reconciler) start(ctx context.Context, key string) bool {
+	r.startMu.Lock()
+	defer r.startMu.Unlock()
+	if r.stopping || ctx.Err() != nil {
+		return false
+	}
+	r.log.Debug("reconciling pod", "pod", key)
 	return true
 }
 
@@ -537,7 +584,7 @@ func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment
 	}
 	key := pod.Namespace + "/" + pod.Name
 	var retry error
-	ns, err := r.cfg.Netns.Find(pod.UID)
+	ns, err := r.findNetns(ctx, key, pod.UID)
 	if err == nil {
 		mb := &member{uid: string(pod.UID), namespace: pod.Namespace, name: pod.Name,
 			serviceAccount: pod.Spec.ServiceAccountName, netns: ns.Path, ips: podIPs(pod), opts: dec.Options, claimed: true}
@@ -553,6 +600,10 @@ func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment
 		}
 	} else {
 		err = fmt.Errorf("find netns of pod %s: %w", key, err)
+	}
+	if err != nil && ctx.Err() != nil {
+		// Stopping: not a failure to report; the next start repairs it.
+		return fmt.Errorf("repair: add running pod %s to the mesh: %w", key, err)
 	}
 	if err != nil {
 		// Retried; meanwhile istiod must not take the pod as captured.
@@ -582,7 +633,7 @@ func (r *Reconciler) applyOptions(ctx context.Context, mb *member, opts enrollme
 	key := mb.key()
 	netns := mb.netns
 	if netns == "" {
-		ns, err := r.cfg.Netns.Find(types.UID(mb.uid))
+		ns, err := r.findNetns(ctx, key, types.UID(mb.uid))
 		if err != nil {
 			return fmt.Errorf("update options of pod %s: find netns: %w", key, err)
 		}

@@ -108,22 +108,20 @@ func (f *fakeZtunnel) addedCount() int {
 	return len(f.added)
 }
 
-// fakeFinder finds every pod's netns at /proc/1/ns/net. Different netns
-// paths are of unknown sameness, unless distinct says they are different
-// namespaces.
+// fakeFinder finds the netns of each of the tests' pods at
+// /proc/1/ns/net. Different netns paths are of unknown sameness, unless
+// distinct says they are different namespaces.
 type fakeFinder struct{ distinct bool }
 
-func (fakeFinder) Find(types.UID) (podnetns.NetNS, error) {
-	return podnetns.NetNS{Path: "/proc/1/ns/net"}, nil
-}
-
-func (f fakeFinder) FindAll(uids []types.UID) (map[types.UID]podnetns.NetNS, error) {
+func (fakeFinder) Scan(context.Context) (map[types.UID]podnetns.NetNS, error) {
 	out := map[types.UID]podnetns.NetNS{}
-	for _, u := range uids {
-		out[u], _ = f.Find(u)
+	for _, uid := range []types.UID{"uid-web", "uid-web2", "uid-web-2", "uid-job", "uid-db"} {
+		out[uid] = podnetns.NetNS{Path: "/proc/1/ns/net", PID: 1}
 	}
 	return out, nil
 }
+
+func (fakeFinder) Current(types.UID, podnetns.NetNS) bool { return true }
 
 func (f fakeFinder) Same(a, b string) (same, known bool) {
 	if a == b {

@@ -83,7 +83,7 @@ func (mb *member) takeoverPod(pinned bool) TakeoverPod {
 func (r *Reconciler) takeOver(ctx context.Context, mb *member) error {
 	key := mb.key()
 	if mb.netns == "" {
-		ns, err := r.cfg.Netns.Find(types.UID(mb.uid))
+		ns, err := r.findNetns(ctx, key, types.UID(mb.uid))
 		if err != nil {
 			return fmt.Errorf("istio-cni takeover of pod %s: find netns: %w", key, err)
 		}

@@ -31,17 +31,15 @@ func (nopDataplane) Enroll(context.Context, dataplane.Pod) error { return nil }
 func (nopDataplane) Remove(context.Context, string) error        { return nil }
 func (nopDataplane) List() []dataplane.EnrolledPod               { return nil }
 
-// selfNetns finds every pod in this process's netns, a real one ZDS can
-// pass to ztunnel.
+// selfNetns finds the pod uid-web in this process's netns, a real one
+// ZDS can pass to ztunnel.
 type selfNetns struct{}
 
-func (selfNetns) Find(types.UID) (podnetns.NetNS, error) {
-	return podnetns.NetNS{Path: "/proc/self/ns/net"}, nil
+func (selfNetns) Scan(context.Context) (map[types.UID]podnetns.NetNS, error) {
+	return map[types.UID]podnetns.NetNS{"uid-web": {Path: "/proc/self/ns/net"}}, nil
 }
-func (selfNetns) FindAll([]types.UID) (map[types.UID]podnetns.NetNS, error) {
-	return map[types.UID]podnetns.NetNS{}, nil
-}
-func (selfNetns) Same(a, b string) (bool, bool) { return a == b, a == b }
+func (selfNetns) Current(types.UID, podnetns.NetNS) bool { return true }
+func (selfNetns) Same(a, b string) (bool, bool)          { return a == b, a == b }
 
 // heldZtunnel acks every Add and Keep, and holds SnapshotSent until
 // released: whatever the agent learns before that, it learnt from the

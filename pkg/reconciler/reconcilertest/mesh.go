@@ -45,6 +45,8 @@ type Mesh struct {
 	mu      sync.Mutex
 	calls   []Call
 	adopted map[types.UID]bool
+	// reported: every pod UID SetPod carried, which fakeNetns finds.
+	reported map[types.UID]bool
 	// pending makes ztunnel's AddWorkload find no ztunnel, leaving pods
 	// pending until Ack.
 	pending bool
@@ -56,7 +58,7 @@ var _ reconciler.Desired = (*Mesh)(nil)
 
 // NewMesh returns fakes whose AddWorkload enables pods at once; Start
 // runs the reconciler over them.
-func NewMesh() *Mesh { return &Mesh{adopted: map[types.UID]bool{}} }
+func NewMesh() *Mesh { return &Mesh{adopted: map[types.UID]bool{}, reported: map[types.UID]bool{}} }
 
 // Start builds the reconciler over the fakes with cfg (its Dataplane,
 // Ztunnel and Netns are the fakes; its Enrollment defaults to
@@ -94,9 +96,14 @@ func (m *Mesh) Reconciler() *reconciler.Reconciler {
 }
 
 // SetPod, DeletePod and Synced make the Mesh a reconciler.Desired.
-func (m *Mesh) SetPod(pod *corev1.Pod, ns *corev1.Namespace) { m.Reconciler().SetPod(pod, ns) }
-func (m *Mesh) DeletePod(namespace, name string)             { m.Reconciler().DeletePod(namespace, name) }
-func (m *Mesh) Synced()                                      { m.Reconciler().Synced() }
+func (m *Mesh) SetPod(pod *corev1.Pod, ns *corev1.Namespace) {
+	m.mu.Lock()
+	m.reported[pod.UID] = true
+	m.mu.Unlock()
+	m.Reconciler().SetPod(pod, ns)
+}
+func (m *Mesh) DeletePod(namespace, name string) { m.Reconciler().DeletePod(namespace, name) }
+func (m *Mesh) Synced()                          { m.Reconciler().Synced() }
 
 // SetPending makes later hand-overs find no ztunnel, so pods stay pending
 // until Ack.
@@ -190,16 +197,21 @@ func (f fakeZtunnel) AddWorkload(context.Context, zds.Workload) error {
 
 func (fakeZtunnel) DelWorkload(context.Context, string) error { return nil }
 
-// fakeNetns finds every running pod's netns at /proc/1/ns/net; the
-// start-up scan finds none (the tests' adoption is Adopt).
+// fakeNetns finds the netns of every pod reported through the Mesh at
+// /proc/1/ns/net; the start-up scan, before the sources report, finds
+// none (the tests' adoption is Adopt).
 type fakeNetns struct{ m *Mesh }
 
-func (fakeNetns) Find(types.UID) (podnetns.NetNS, error) {
-	return podnetns.NetNS{Path: "/proc/1/ns/net"}, nil
+func (f fakeNetns) Scan(context.Context) (map[types.UID]podnetns.NetNS, error) {
+	f.m.mu.Lock()
+	defer f.m.mu.Unlock()
+	out := map[types.UID]podnetns.NetNS{}
+	for uid := range f.m.reported {
+		out[uid] = podnetns.NetNS{Path: "/proc/1/ns/net", PID: 1}
+	}
+	return out, nil
 }
 
-func (fakeNetns) FindAll([]types.UID) (map[types.UID]podnetns.NetNS, error) {
-	return map[types.UID]podnetns.NetNS{}, nil
-}
+func (fakeNetns) Current(types.UID, podnetns.NetNS) bool { return true }
 
 func (fakeNetns) Same(a, b string) (same, known bool) { return a == b, a == b }
