@@ -17,6 +17,10 @@
 // way out stops all servers first, so Run returns with their sockets gone.
 // On shutdown everything stays in place (redirection keeps working while
 // the agent restarts or upgrades) unless the agent is being uninstalled.
+// The stop is bounded whatever the reconciler has queued: the servers are
+// told to stop (no queued pod starts), the uninstall is decided while they
+// do, the queue is given up (the next start reconciles every pod again),
+// then the data path is kept or removed.
 package agent
 
 import (
@@ -185,10 +189,17 @@ func (a *agent) run(parent context.Context) error {
 		return fmt.Errorf("load data path: %w", err)
 	}
 	// From here every way out stops the servers (which use the data path)
-	// before the data path is kept or removed.
+	// before the data path is kept or removed. Whether to uninstall is
+	// decided while they stop, not after: the reconciler's queue may hold
+	// thousands of pods, and a DaemonSet's grace period is 30 s.
 	stop := func(err error) error {
+		srv.halt()
+		uninstall := a.uninstalling()
 		srv.stop()
-		return a.shutdown(dp, err)
+		if a.rec != nil {
+			a.log.Info("stopped; the pods left queued are reconciled at the next start", "queued", a.rec.Queued())
+		}
+		return a.shutdown(dp, uninstall, err)
 	}
 	a.metrics.bpf.setSource(dp)
 	a.metrics.decisions.setSource(dp)
@@ -344,11 +355,10 @@ func (a *agent) watchInstall(ctx context.Context) {
 	}
 }
 
-// shutdown keeps or removes the node state, then reports runErr.
-func (a *agent) shutdown(dp *dataplane.Dataplane, runErr error) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if a.uninstalling(ctx) {
+// shutdown keeps the node state, or removes it when uninstall, then
+// reports runErr.
+func (a *agent) shutdown(dp *dataplane.Dataplane, uninstall bool, runErr error) error {
+	if uninstall {
 		if a.cfg.IstioCNIHandBack != "" && a.rec != nil {
 			if err := a.handBack(dp); err != nil {
 				// The pods not handed back keep their eBPF redirection (and
@@ -401,10 +411,19 @@ func (a *agent) handBack(dp *dataplane.Dataplane) error {
 // HandBackTimeout bounds an uninstall's hand-back to istio-cni.
 const HandBackTimeout = 2 * time.Minute
 
-// uninstalling tells an uninstall from a restart or upgrade: the agent's
-// DaemonSet is gone, being deleted, or its nodeSelector no longer matches
-// this node's labels.
-func (a *agent) uninstalling(ctx context.Context) bool {
+// uninstalling tells an uninstall from a restart or upgrade, and logs
+// the decision.
+func (a *agent) uninstalling() bool {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	uninstall := a.decideUninstall(ctx)
+	a.log.Info("stopping: uninstall decided", "uninstall", uninstall)
+	return uninstall
+}
+
+// decideUninstall says uninstall when the agent's DaemonSet is gone,
+// being deleted, or its nodeSelector no longer matches this node's labels.
+func (a *agent) decideUninstall(ctx context.Context) bool {
 	if a.cfg.UninstallOnExit {
 		return true
 	}

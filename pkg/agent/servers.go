@@ -57,6 +57,9 @@ func (s *servers) background(f func()) { s.wg.Go(f) }
 // stopped delivers the reason the first server stopped on its own.
 func (s *servers) stopped() <-chan error { return s.first }
 
+// halt cancels every server without waiting for them.
+func (s *servers) halt() { s.cancel() }
+
 // stop cancels every server and waits until all have returned. It may be
 // called more than once.
 func (s *servers) stop() {
