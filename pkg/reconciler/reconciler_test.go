@@ -115,7 +115,7 @@ type fakeFinder struct{ distinct bool }
 
 func (fakeFinder) Scan(context.Context) (map[types.UID]podnetns.NetNS, error) {
 	out := map[types.UID]podnetns.NetNS{}
-	for _, uid := range []types.UID{"uid-web", "uid-web2", "uid-web-2", "uid-job", "uid-db"} {
+	for _, uid := range []types.UID{"uid-web", "uid-web2", "uid-web-2", "uid-job", "uid-db", "uid-lost", "uid-fine"} {
 		out[uid] = podnetns.NetNS{Path: "/proc/1/ns/net", PID: 1}
 	}
 	return out, nil
