@@ -172,19 +172,22 @@ func statNetns(path string) (netnsID, error) {
 }
 
 // nodeNetnsIDs are the namespaces no pod may name: the node's
-// (Config.NodeNetns) and the agent's own. Enrolling either would capture
-// the node's own TCP (kubelet, the API server's clients, ssh) and, since
-// a veth's node side then equals its peer, pass the host interface check.
+// (Config.NodeNetns) and that of the node's init process (1 under
+// Config.ProcRoot, the host's /proc in the agent's pod). Enrolling either
+// would capture the node's own TCP (kubelet, the API server's clients,
+// ssh) and, since a veth's node side then equals its peer, pass the host
+// interface check. Not /proc/self/ns/net: that is the main thread's, which
+// a process switching threads into pod netns does not keep.
 func nodeNetnsIDs(cfg Config) ([]netnsID, error) {
-	var ids []netnsID
-	for _, path := range []string{cfg.NodeNetns, "/proc/self/ns/net"} {
-		id, err := statNetns(path)
-		if err != nil {
-			return nil, fmt.Errorf("node netns: %w", err)
-		}
-		if !slices.Contains(ids, id) {
-			ids = append(ids, id)
-		}
+	node, err := statNetns(cfg.NodeNetns)
+	if err != nil {
+		return nil, fmt.Errorf("node netns: %w", err)
+	}
+	ids := []netnsID{node}
+	// Best effort: a procfs without PID 1's netns to read (another pid
+	// namespace, no ptrace access) leaves the node's alone to compare.
+	if init, err := statNetns(filepath.Join(cfg.ProcRoot, "1/ns/net")); err == nil && init != node {
+		ids = append(ids, init)
 	}
 	return ids, nil
 }
