@@ -433,11 +433,6 @@ func sameCgroup(l link.Link, want uint64) error {
 func (d *Dataplane) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	for _, p := range d.pods {
-		for _, l := range p.links {
-			l.Close()
-		}
-	}
 	for _, l := range d.nodeLinks {
 		l.Close()
 	}

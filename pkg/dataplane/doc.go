@@ -76,7 +76,11 @@
 // The uid is validated before it names a directory (ValidUID). Each tc
 // pin is the program of a classic tc filter: clsact qdisc (created when
 // missing, never deleted), cls_bpf at priority 0xae00, handle 0xae, named
-// ae_<pin>; only that filter is ever replaced or deleted. The mechanisms
+// ae_<pin>; only that filter is ever replaced or deleted. The agent keeps
+// no descriptor of a pod's programs or links: the pins (and the filters)
+// hold them, every filter runs the one shared program of its kind (its
+// classid names the pod), and a removal opens the pins it needs, so the
+// agent's descriptors do not grow with its pods. The mechanisms
 // follow the kernel (package features, README: Compatibility): where
 // sk_lookup sees the ingress interface (5.17) it alone captures inbound
 // flows; before that a tc program on the pod's interface files each flow

@@ -14,6 +14,7 @@ import (
 	"strings"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 )
 
 // Journal states of a pod's ae_pod_meta slot (AE_META_* in bpf/common.h).
@@ -119,6 +120,17 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		// The pin directory the attachments create goes with them (it
 		// is empty by then: each undone attachment removes its pin).
 		undo = append(undo, func() { _ = os.Remove(podDir(d.cfg, pod.UID)) })
+		if old != nil {
+			// The new netns's programs take the old one's pins, which
+			// are held meanwhile: the old link runs on until the new
+			// state is in, and all go back to their pins if it fails.
+			held, err := holdPins(old)
+			if err != nil {
+				return fail(err)
+			}
+			defer held.close()
+			undo = append(undo, held.restore)
+		}
 	}
 	if err := d.setupReturnPath(&pod); err != nil {
 		return fail(err)
@@ -168,12 +180,8 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
 		// Links of the old state that the new one does not use go; so do
 		// its entries the new state does not cover.
 		for pin, l := range old.links {
-			if st.links[pin] != l {
-				if cur := st.links[pin]; cur == nil {
-					_ = l.detach() // what is no longer planned
-				} else {
-					l.Close() // its pin now holds the new link
-				}
+			if st.links[pin] == nil {
+				_ = l.detach() // what is no longer planned
 			}
 		}
 		d.deleteStaleEntries(old, st)
@@ -547,8 +555,8 @@ func (d *Dataplane) removeUnplanned(st *podState, plan []attachment) {
 		}
 		pin := filepath.Join(dir, e.Name())
 		d.log.Info("removing a pod program of another layout", "pod", st.Namespace+"/"+st.Name, "pin", e.Name())
-		if l, err := (netnsHooks{}).load(pin); err == nil {
-			_ = l.detach()
+		if l, err := link.LoadPinnedLink(pin, nil); err == nil {
+			_ = detachLink(l)
 			continue
 		}
 		for _, where := range []struct{ netns, iface string }{{st.netnsPath, st.Interface}, {st.netnsPath, "lo"}, {d.cfg.NodeNetns, st.HostInterface}} {
@@ -573,10 +581,8 @@ func (d *Dataplane) pinnedAttachments(st *podState) map[string]tcProgram {
 	out := map[string]tcProgram{}
 	for _, a := range d.podPlan(st) {
 		pin := filepath.Join(podDir(d.cfg, st.UID), a.pin)
-		if h, ok := d.hooksFor(a).(netnsHooks); ok {
-			if l, err := h.load(pin); err == nil {
-				out[a.pin] = l
-			}
+		if _, ok := d.hooksFor(a).(netnsHooks); ok {
+			out[a.pin] = pinnedLink(pin)
 			continue
 		}
 		out[a.pin] = &tcFilter{a: a, pin: pin}

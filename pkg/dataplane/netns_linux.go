@@ -29,30 +29,34 @@ func inNetns(path string, fn func() error) error {
 	}
 	defer target.Close()
 
+	// The result is sent once switchNetns has returned, with its handle
+	// of the thread's own netns closed: the caller sees no descriptor
+	// that is about to go.
 	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("open current netns: %w", err)
-			return
-		}
-		defer orig.Close()
-		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("setns %s: %w", path, err)
-			return
-		}
-		ferr := fn()
-		if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("setns back from %s: %w", path, err)
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
+	go func() { errc <- switchNetns(path, target, fn) }()
 	return <-errc
+}
+
+// switchNetns runs fn on the calling goroutine's thread switched into
+// target, and switches back; see inNetns.
+func switchNetns(path string, target *os.File, fn func() error) error {
+	runtime.LockOSThread()
+	orig, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
+	if err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("open current netns: %w", err)
+	}
+	defer orig.Close()
+	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("setns %s: %w", path, err)
+	}
+	ferr := fn()
+	if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
+		return fmt.Errorf("setns back from %s: %w", path, err)
+	}
+	runtime.UnlockOSThread()
+	return ferr
 }
 
 // soNetnsCookie returns the cookie of the calling thread's netns, the

@@ -36,12 +36,13 @@ type tcHooks interface {
 // CNI runs before ours, a classic filter of lower priority too.
 func pickTCHooks() tcHooks { return classicHooks{} }
 
-// tcProgram is one attached per-pod program.
+// tcProgram is one attached per-pod program. It holds no descriptor:
+// its pin (and a tc filter in the kernel) keeps it attached, and what
+// needs it opens the pin. A node of 8192 pods would otherwise need tens
+// of thousands of descriptors (a program and its BTF per filter, a link).
 type tcProgram interface {
 	// detach removes the program from its interface and its pin.
 	detach() error
-	// Close drops the agent's handle; the attachment and pin stay.
-	Close() error
 }
 
 // attachedTo resolves a's interface inside its netns and runs fn there.
@@ -66,17 +67,106 @@ func replacePin(pin string, obj interface{ Pin(string) error }) error {
 	return nil
 }
 
-// linkProgram is a program attached by a bpf_link: closing the link
-// after unpinning detaches it, and a link no pin holds dies with the
-// agent that made it.
-type linkProgram struct{ link.Link }
+// pinnedLink is a program attached by a bpf_link, held by its pin (the
+// path): a link no pin and no descriptor holds is detached.
+type pinnedLink string
 
-func (p linkProgram) detach() error {
+// detach detaches the link pinned at pin and removes the pin; a pin that
+// is gone took its link with it.
+func (pin pinnedLink) detach() error {
+	l, err := link.LoadPinnedLink(string(pin), nil)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("load pinned link %s: %w", pin, err)
+	}
+	return detachLink(l)
+}
+
+// detachLink detaches a link loaded from its pin, removes the pin and
+// closes the link.
+func detachLink(l link.Link) error {
+	defer l.Close()
 	// Detach first (BPF_LINK_DETACH, 5.9+): the program leaves the hook
-	// even while another handle of the link (an adopted pin's) is open.
-	_ = p.Link.Detach()
-	_ = p.Unpin()
-	return p.Link.Close()
+	// even while another process holds the link open.
+	_ = l.Detach()
+	if err := l.Unpin(); err != nil {
+		return fmt.Errorf("remove link pin: %w", err)
+	}
+	return nil
+}
+
+// pinnedObject is a program or link loaded from its pin.
+type pinnedObject interface {
+	Pin(string) error
+	Unpin() error
+	Close() error
+}
+
+// heldPin is a pod's pinned program or link, opened for the length of an
+// enrolment that pins another in its place (the pod's new netns): it
+// runs on until the enrolment is done, and goes back to its pin if the
+// enrolment fails.
+type heldPin struct {
+	pin string
+	obj pinnedObject
+}
+
+// restore pins the object again in place of whatever its pin holds now.
+func (h heldPin) restore() error {
+	// Forget the path it was loaded from, or Pin takes it as done.
+	if err := h.obj.Unpin(); err != nil {
+		return fmt.Errorf("remove pin %s: %w", h.pin, err)
+	}
+	return replacePin(h.pin, h.obj)
+}
+
+// heldPins are the pins of a pod that an enrolment holds.
+type heldPins []heldPin
+
+// holdPins opens the pinned programs and links of st.
+func holdPins(st *podState) (heldPins, error) {
+	var held heldPins
+	for _, l := range st.links {
+		var (
+			obj pinnedObject
+			pin string
+			err error
+		)
+		switch l := l.(type) {
+		case pinnedLink:
+			pin = string(l)
+			obj, err = link.LoadPinnedLink(pin, nil)
+		case *tcFilter:
+			pin = l.pin
+			obj, err = ebpf.LoadPinnedProgram(pin, nil)
+		}
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			held.close()
+			return nil, fmt.Errorf("hold pin %s: %w", pin, err)
+		}
+		held = append(held, heldPin{pin: pin, obj: obj})
+	}
+	return held, nil
+}
+
+// restore pins everything held again (the enrolment failed).
+func (held heldPins) restore() {
+	for _, h := range held {
+		_ = h.restore()
+	}
+}
+
+// close drops the handles: a link that is pinned no more is detached
+// (a tc program stays while its filter runs it).
+func (held heldPins) close() {
+	for _, h := range held {
+		_ = h.obj.Close()
+	}
 }
 
 // netnsHooks attaches sk_lookup programs to a netns with a bpf_link
@@ -97,32 +187,23 @@ func (netnsHooks) attach(a attachment, pin string) (tcProgram, error) {
 	if err != nil {
 		return nil, fmt.Errorf("attach %s: %w", a, err)
 	}
+	defer l.Close() // the pin holds it
 	if err := replacePin(pin, l); err != nil {
-		l.Close()
 		return nil, err
 	}
-	return linkProgram{l}, nil
+	return pinnedLink(pin), nil
 }
 
-// load takes the link pinned at pin.
-func (netnsHooks) load(pin string) (linkProgram, error) {
+func (netnsHooks) adopt(a attachment, pin string) (tcProgram, error) {
 	l, err := link.LoadPinnedLink(pin, nil)
 	if err != nil {
-		return linkProgram{}, fmt.Errorf("load pinned link %s: %w", pin, err)
+		return nil, fmt.Errorf("load pinned link %s: %w", pin, err)
 	}
-	return linkProgram{l}, nil
-}
-
-func (h netnsHooks) adopt(a attachment, pin string) (tcProgram, error) {
-	l, err := h.load(pin)
-	if err != nil {
-		return nil, err
-	}
+	defer l.Close() // the pin holds it
 	if err := l.Update(a.prog); err != nil {
-		l.Close()
 		return nil, fmt.Errorf("update %s: %w", a, err)
 	}
-	return l, nil
+	return pinnedLink(pin), nil
 }
 
 // Our classic tc filters are recognised by priority, handle and name
@@ -142,10 +223,11 @@ const (
 // kernel while no agent runs.
 type classicHooks struct{}
 
+// tcFilter is our filter on a's interface, with its program pinned at
+// pin.
 type tcFilter struct {
-	a    attachment
-	prog *ebpf.Program // the pinned clone
-	pin  string
+	a   attachment
+	pin string
 }
 
 func tcParent(attach ebpf.AttachType) uint32 {
@@ -217,16 +299,11 @@ func (a attachment) setFilter(prog *ebpf.Program) error {
 }
 
 func (classicHooks) attach(a attachment, pin string) (tcProgram, error) {
-	prog, err := a.prog.Clone() // a pin of its own: the shared program is not moved
-	if err != nil {
-		return nil, fmt.Errorf("clone program for %s: %w", a, err)
-	}
-	if err := a.setFilter(prog); err != nil {
-		prog.Close()
+	if err := a.setFilter(a.prog); err != nil {
 		return nil, err
 	}
-	f := &tcFilter{a: a, prog: prog, pin: pin}
-	if err := replacePin(pin, prog); err != nil {
+	f := &tcFilter{a: a, pin: pin}
+	if err := pinProgram(pin, a.prog); err != nil {
 		_ = f.detach()
 		return nil, err
 	}
@@ -242,19 +319,26 @@ func (classicHooks) adopt(a attachment, pin string) (tcProgram, error) {
 	if a.netns == "" {
 		return nil, fmt.Errorf("adopt %s: the pod's netns is not known", a)
 	}
-	prog, err := a.prog.Clone()
+	if err := a.setFilter(a.prog); err != nil {
+		return nil, err
+	}
+	if err := pinProgram(pin, a.prog); err != nil {
+		return nil, err
+	}
+	return &tcFilter{a: a, pin: pin}, nil
+}
+
+// pinProgram pins the shared program prog (one for all pods: the filter's
+// classid names the pod) at pin, in place of what an earlier agent left.
+// The pin is made through a short-lived clone: the shared program's own
+// Pin would move its earlier pin instead of adding one.
+func pinProgram(pin string, prog *ebpf.Program) error {
+	c, err := prog.Clone()
 	if err != nil {
-		return nil, fmt.Errorf("clone program for %s: %w", a, err)
+		return fmt.Errorf("pin %s: clone program: %w", pin, err)
 	}
-	if err := a.setFilter(prog); err != nil {
-		prog.Close()
-		return nil, err
-	}
-	if err := replacePin(pin, prog); err != nil {
-		prog.Close()
-		return nil, err
-	}
-	return &tcFilter{a: a, prog: prog, pin: pin}, nil
+	defer c.Close()
+	return replacePin(pin, c)
 }
 
 func (classicHooks) count(netnsPath, iface string, attach ebpf.AttachType) (int, error) {
@@ -319,17 +403,7 @@ func (f *tcFilter) detach() error {
 	if err := os.Remove(f.pin); err != nil && !errors.Is(err, os.ErrNotExist) {
 		errs = append(errs, fmt.Errorf("remove pin %s: %w", f.pin, err))
 	}
-	if f.prog != nil {
-		errs = append(errs, f.prog.Close())
-	}
 	return errors.Join(errs...)
-}
-
-func (f *tcFilter) Close() error {
-	if f.prog == nil {
-		return nil
-	}
-	return f.prog.Close()
 }
 
 // isNoSuchInterface reports the errors of an interface that is gone:

@@ -38,7 +38,6 @@ func TestClassicTCTouchesOnlyItsOwnFilter(t *testing.T) {
 		t.Fatalf("filters after attach = %v, want the other one, then ours", got)
 	}
 	before := filterProgIDs(t, a)
-	f.Close()
 	// A restarted agent brings freshly loaded programs.
 	next := a
 	next.prog = d.tc.AePodReroute
