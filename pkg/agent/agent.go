@@ -109,6 +109,9 @@ func (a *agent) run(parent context.Context) error {
 	log := a.log
 	bi := buildinfo.Read()
 	log.Info("agent starting", "version", bi.Version, "revision", bi.Revision, "modified", bi.Modified, "go", bi.GoVersion)
+	if err := a.checkFileLimit(); err != nil {
+		return err
+	}
 
 	// Liveness answers from the first moment; readiness waits for the end.
 	healthDone, err := serveHTTP(ctx, a.cfg.HealthAddr, healthHandler(a.ready), log)

@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 )
@@ -105,7 +106,7 @@ func New(cfg Config) (*Dataplane, error) {
 	if err != nil && fresh {
 		_ = os.RemoveAll(cfg.BPFFSDir)
 	}
-	return d, err
+	return d, fdlimit.Annotate(err)
 }
 
 func load(cfg Config, cgroupID uint64) (*Dataplane, error) {

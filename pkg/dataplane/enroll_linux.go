@@ -15,6 +15,8 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 )
 
 // Journal states of a pod's ae_pod_meta slot (AE_META_* in bpf/common.h).
@@ -46,7 +48,9 @@ func journalName(state uint32) string {
 // Nothing here waits for the kernel: every per-pod program is a classic
 // tc filter or an sk_lookup link, neither of which waits for an RCU grace
 // period the way a TCX attach does (about 16 ms each on a 2-core node).
-func (d *Dataplane) Enroll(ctx context.Context, pod Pod) error {
+// Running out of descriptors is an error that names the limit.
+func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
+	defer func() { err = fdlimit.Annotate(err) }()
 	pod.IPs = slices.Clone(pod.IPs)
 	pod.Options.RerouteInterfaces = slices.Clone(pod.Options.RerouteInterfaces)
 	pod.normalize()
@@ -323,7 +327,8 @@ func (d *Dataplane) clearSlot(slot uint32) {
 // Remove takes a pod out of the data path: its traffic flows directly
 // again (R16). Removing a pod that is not enrolled is not an error. Entries
 // of a reused IP that now belong to another pod are left alone (H4).
-func (d *Dataplane) Remove(ctx context.Context, uid string) error {
+func (d *Dataplane) Remove(ctx context.Context, uid string) (err error) {
+	defer func() { err = fdlimit.Annotate(err) }()
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -333,7 +338,7 @@ func (d *Dataplane) Remove(ctx context.Context, uid string) error {
 	if !ok {
 		return nil
 	}
-	err := d.detachPod(st, false)
+	err = d.detachPod(st, false)
 	delete(d.pods, uid)
 	d.slots.release(st.Slot)
 	d.restoreSurvivors(st)
@@ -606,6 +611,10 @@ func (d *Dataplane) removeOrphanPins() {
 }
 
 const maxPods = 8192 // AE_MAX_PODS in bpf/common.h
+
+// MaxPods is how many pods the data path can enrol: AE_MAX_PODS, the
+// size of its per-pod maps.
+const MaxPods = maxPods
 
 // slotAllocator hands out indexes into ae_pod_meta and ae_stats.
 type slotAllocator struct {

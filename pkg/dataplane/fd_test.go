@@ -5,11 +5,14 @@ package dataplane
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/nstest"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -103,15 +106,11 @@ func TestFailedMoveToANewNetnsKeepsTheOldPins(t *testing.T) {
 		t.Fatal(err)
 	}
 	pins := func() []string {
-		entries, err := os.ReadDir(podDir(d.cfg, a.UID))
+		paths, err := filepath.Glob(filepath.Join(podDir(d.cfg, a.UID), "*"))
 		if err != nil {
 			t.Fatal(err)
 		}
-		var names []string
-		for _, e := range entries {
-			names = append(names, e.Name())
-		}
-		return names
+		return paths
 	}
 	before := pins()
 	moved := podOf(b)
@@ -146,4 +145,35 @@ func TestFailedMoveToANewNetnsKeepsTheOldPins(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("removed", a, 0)
+}
+
+// Running out of descriptors fails an enrolment with an error that names
+// the pod and the limit, and leaves nothing of it behind.
+func TestEnrollOutOfDescriptorsNamesTheLimit(t *testing.T) {
+	n := simnode.New(t)
+	p := n.AddPod("a")
+	d := newDataplane(t, n)
+	var orig unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &orig); err != nil {
+		t.Fatal(err)
+	}
+	// Room for none: the limit is the lowest free descriptor.
+	free, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = unix.Close(free)
+	squeezed := unix.Rlimit{Cur: uint64(free), Max: orig.Max}
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &squeezed); err != nil {
+		t.Fatal(err)
+	}
+	err = d.Enroll(context.Background(), podOf(p))
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &orig); err != nil {
+		t.Fatal(err)
+	}
+	if !errors.Is(err, unix.EMFILE) || !strings.Contains(err.Error(), fmt.Sprintf("RLIMIT_NOFILE, of %d", squeezed.Cur)) || !strings.Contains(err.Error(), p.Name) {
+		t.Fatalf("Enroll with no descriptor left: %v, want an error naming the pod and the limit", err)
+	}
+	t.Logf("Enroll with no descriptor left: %v", err)
+	checkUntouched(t, d, p)
 }

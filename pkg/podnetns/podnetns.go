@@ -30,7 +30,10 @@ import (
 	"strconv"
 	"strings"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 )
 
 // ErrNotFound is returned when no process of the pod runs on this node.
@@ -122,7 +125,7 @@ func (f *Finder) Find(ctx context.Context, uid types.UID) (NetNS, error) {
 func (f *Finder) Scan(ctx context.Context) (map[types.UID]NetNS, error) {
 	entries, err := os.ReadDir(f.ProcRoot)
 	if err != nil {
-		return nil, fmt.Errorf("scan %s: %w", f.ProcRoot, err)
+		return nil, fdlimit.Annotate(fmt.Errorf("scan %s: %w", f.ProcRoot, err))
 	}
 	var pids []int
 	for _, e := range entries {
@@ -138,6 +141,11 @@ func (f *Finder) Scan(ctx context.Context) (map[types.UID]NetNS, error) {
 		}
 		dir := filepath.Join(f.ProcRoot, strconv.Itoa(pid))
 		uid, ok, err := readPodUID(filepath.Join(dir, "cgroup"))
+		if errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) {
+			// Not a process that exited: every later one would be
+			// passed over too, and its pod taken for gone.
+			return nil, fdlimit.Annotate(fmt.Errorf("scan %s: %w", f.ProcRoot, err))
+		}
 		if err != nil || !ok {
 			continue
 		}

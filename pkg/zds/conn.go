@@ -18,6 +18,7 @@ import (
 	"istio.io/istio/pkg/zdsapi"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/zdswire"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 )
 
 // request is one live AddWorkload or DelWorkload handed to a connection.
@@ -403,7 +404,7 @@ var errTimeout = errors.New("timeout")
 func openNetns(path string) (int, error) {
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return -1, fmt.Errorf("open netns %s: %w", path, err)
+		return -1, fdlimit.Annotate(fmt.Errorf("open netns %s: %w", path, err))
 	}
 	typ, err := unix.IoctlRetInt(fd, unix.NS_GET_NSTYPE)
 	if err != nil || typ != unix.CLONE_NEWNET {

@@ -49,6 +49,9 @@ type Node struct {
 	Dir, PodFile, ZDS, CNI, Inspect string
 	Bin                             string
 	Agent                           *simnode.Process // the last one started
+	// Wrapper runs before the agent's command line, which it execs
+	// (prlimit with its options, say); none when empty.
+	Wrapper []string
 }
 
 // New builds the agent binary for a node and names its files; the pod
@@ -72,7 +75,7 @@ func (n *Node) AgentArgs(extra ...string) []string {
 // StartAgent starts the agent in the node netns without waiting for it.
 func (n *Node) StartAgent(t *testing.T, extra ...string) {
 	t.Helper()
-	n.Agent = simnode.StartProcess(t, n.NodeNS, "", n.AgentArgs(extra...)...)
+	n.Agent = simnode.StartProcess(t, n.NodeNS, "", append(slices.Clone(n.Wrapper), n.AgentArgs(extra...)...)...)
 }
 
 // StartReadyAgent starts the agent and waits until it is ready and every
