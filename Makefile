@@ -177,9 +177,9 @@ test-takeover-crash: deps ## the takeover's crash tests alone (test/takeover; ma
 	$(GO) test $(GOTESTFLAGS) -run '^TestTakeoverKilledMidwayFinishesOnRestart$$' -v ./test/takeover
 
 .PHONY: bench
-bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json, bench/chart.svg and docs/BENCHMARKS.md
+bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json, bench/chart.svg, docs/BENCHMARKS.md and the README's table
 	@mkdir -p bench
-	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md BENCH_CHART=$(CURDIR)/bench/chart.svg \
+	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md BENCH_README=$(CURDIR)/README.md BENCH_CHART=$(CURDIR)/bench/chart.svg \
 		$(GO) test -tags bench -count=1 -timeout 40m -run '^TestBench$$' -v ./test/bench
 
 # The sockmap acceleration's figures (--sockmap-accel off, ztunnel, both) on

@@ -19,6 +19,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/bench/benchdoc"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -42,6 +43,7 @@ type settings struct {
 	churnReps  int           // BENCH_CHURN_REPS: churn runs per path
 	results    string        // BENCH_RESULTS: path of results.json
 	doc        string        // BENCH_DOC: path of BENCHMARKS.md
+	readme     string        // BENCH_README: path of the README ("-": none)
 	chart      string        // BENCH_CHART: path of the chart (SVG)
 	// parts are the parts of the run (BENCH_PARTS, comma-separated; all
 	// by default): traffic, lean, churn, profile, enroll, scale. "render"
@@ -57,7 +59,7 @@ type settings struct {
 
 func loadSettings() settings {
 	s := settings{reps: 5, duration: 1500 * time.Millisecond, conc: 8, rtts: 3000, enrollPods: 30, scalePods: 1000, churnReps: 3,
-		results: "../../bench/results.json", doc: "../../docs/BENCHMARKS.md", chart: "../../bench/chart.svg", parts: map[string]bool{}}
+		results: "../../bench/results.json", doc: "../../docs/BENCHMARKS.md", readme: "../../README.md", chart: "../../bench/chart.svg", parts: map[string]bool{}}
 	envInt := func(key string, v *int) {
 		if n, err := strconv.Atoi(os.Getenv(key)); err == nil && n > 0 {
 			*v = n
@@ -78,6 +80,9 @@ func loadSettings() settings {
 	}
 	if v := os.Getenv("BENCH_DOC"); v != "" {
 		s.doc = v
+	}
+	if v := os.Getenv("BENCH_README"); v != "" {
+		s.readme = strings.TrimPrefix(v, "-")
 	}
 	if v := os.Getenv("BENCH_CHART"); v != "" {
 		s.chart = v
@@ -119,11 +124,11 @@ func TestBench(t *testing.T) {
 	}
 	s := loadSettings()
 	if s.parts["render"] {
-		res, err := readJSON(s.results)
+		res, err := benchdoc.ReadJSON(s.results)
 		if err != nil {
 			t.Fatalf("render: %v", err)
 		}
-		if err := writeDoc(s.doc, res); err != nil {
+		if err := writeDoc(s.doc, s.readme, res); err != nil {
 			t.Fatalf("write doc: %v", err)
 		}
 		if err := writeChart(s.chart, res); err != nil {
@@ -168,16 +173,16 @@ func TestBench(t *testing.T) {
 		}
 	}
 
-	if err := writeJSON(s.results, res); err != nil {
+	if err := benchdoc.WriteJSON(s.results, res); err != nil {
 		t.Fatalf("write results: %v", err)
 	}
-	if err := writeDoc(s.doc, res); err != nil {
+	if err := writeDoc(s.doc, s.readme, res); err != nil {
 		t.Fatalf("write doc: %v", err)
 	}
 	if err := writeChart(s.chart, res); err != nil {
 		t.Fatalf("write chart: %v", err)
 	}
-	t.Logf("results in %s, %s and %s:\n%s", s.results, s.doc, s.chart, markdown(res))
+	t.Logf("results in %s, %s and %s:\n%s", s.results, s.doc, s.chart, benchdoc.Markdown(res))
 	e.teardown()
 }
 

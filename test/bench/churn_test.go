@@ -91,8 +91,8 @@ func (e *env) churn(res *Results) {
 		"the client and the server pod's conntrack tables filled to nf_conntrack_max (%d) less %d with established, assured entries first; %d runs per path",
 		churnConc, churnDuration, churnTimeout, limit, churnHeadroom, e.s.churnReps)
 	res.Figures = append(res.Figures,
-		newFigure("churn_failed_conns", "conns", "lower", "0 for ebpf where iptables fails", failed).withNote("connections that failed or timed out in a storm: "+how),
-		newFigure("churn_conn_rate", "conn/s", "higher", "", rates).withNote("connections completed per second in the same storm"),
+		newFigure("churn_failed_conns", "conns", "lower", "0 for ebpf where iptables fails", failed).WithNote("connections that failed or timed out in a storm: "+how),
+		newFigure("churn_conn_rate", "conn/s", "higher", "", rates).WithNote("connections completed per second in the same storm"),
 	)
 	var firsts []string
 	for _, v := range base {

@@ -113,11 +113,11 @@ func (e *env) enrollment(res *Results) {
 		"node netns, iptables-restore per family in the pod netns, ip rule/route by netlink; no agent hop, no ZDS); in place = its exit 0 " +
 		"after iptables-restore committed, with iptables-save and the ipsets checked after the batch"
 	res.Figures = append(res.Figures,
-		newFigure("enroll_cni_p50", "ms", "lower", "", cni50).withNote(cniNote),
-		newFigure("enroll_cni_p99", "ms", "lower", "ebpf <= 5 ms and <= 0.2x iptables", cni99).withNote("as enroll_cni_p50"),
-		newFigure("enroll_latency_p50", "ms", "lower", "", p50).withNote("kept for comparison: ebpf is dataplane.Enroll in a process of its own "+
+		newFigure("enroll_cni_p50", "ms", "lower", "", cni50).WithNote(cniNote),
+		newFigure("enroll_cni_p99", "ms", "lower", "ebpf <= 5 ms and <= 0.2x iptables", cni99).WithNote("as enroll_cni_p50"),
+		newFigure("enroll_latency_p50", "ms", "lower", "", p50).WithNote("kept for comparison: ebpf is dataplane.Enroll in a process of its own "+
 			"(the CNI plugin and the agent are not included); iptables is the reference's eight commands (nsenter iptables-restore, ip, ipset)"),
-		newFigure("enroll_latency_p99", "ms", "lower", "", p99).withNote("as enroll_latency_p50"),
+		newFigure("enroll_latency_p99", "ms", "lower", "", p99).WithNote("as enroll_latency_p50"),
 	)
 	if res.Distributions == nil {
 		res.Distributions = map[string]map[string][]float64{}

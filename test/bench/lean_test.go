@@ -238,20 +238,20 @@ func (e *env) lean(res *Results) {
 		newFigure("lean_conn_rate_conc", "conn/s", "higher", ">= 1.3x iptables", conc),
 		newFigure("lean_rr_latency_p50", "us", "lower", "<= 0.8x iptables", p50),
 		newFigure("lean_rr_latency_p99", "us", "lower", "<= 0.8x iptables", p99),
-		newFigure("lean_throughput", "Gbit/s", "higher", "", tput).withNote("as throughput, through the lean proxy (128 KiB writes; the proxy relays up to 64 KiB a read)"),
-		newFigure("lean_conn_cpu_us", "us CPU/conn", "lower", "", cpu).withNote(cpuNote+"; direct: no proxy"),
-		newFigure("redirect_cpu_us", "us CPU/conn", "lower", "ebpf <= 0.5x iptables", redirect).withNote(
+		newFigure("lean_throughput", "Gbit/s", "higher", "", tput).WithNote("as throughput, through the lean proxy (128 KiB writes; the proxy relays up to 64 KiB a read)"),
+		newFigure("lean_conn_cpu_us", "us CPU/conn", "lower", "", cpu).WithNote(cpuNote+"; direct: no proxy"),
+		newFigure("redirect_cpu_us", "us CPU/conn", "lower", "ebpf <= 0.5x iptables", redirect).WithNote(
 			"lean_conn_cpu_us of the meshed path minus direct+proxy's of the same repetition: what the redirection costs (capture, "+
 				"SO_ORIGINAL_DST, the return path, conntrack and NAT where there are any), the relays and the three TCP connections being "+
 				"the same on both sides"),
-		newFigure("meshed_extra_cpu_us", "us CPU/conn", "lower", "", meshExtra).withNote(
+		newFigure("meshed_extra_cpu_us", "us CPU/conn", "lower", "", meshExtra).WithNote(
 			"lean_conn_cpu_us minus direct's (no proxy) of the same repetition: the redirection plus the proxy's two relays and the two "+
 				"extra TCP connections a meshed connection makes"),
-		newFigure("lean_proxy_cpu_us", "us CPU/conn", "lower", "", proxyCPU).withNote("the lean proxy's cgroup alone (both relays), per connection of conn_rate_seq"),
-		newFigure("conntrack_entries_per_conn", "entries/conn", "lower", "0 for ebpf", ctPod).withNote(
+		newFigure("lean_proxy_cpu_us", "us CPU/conn", "lower", "", proxyCPU).WithNote("the lean proxy's cgroup alone (both relays), per connection of conn_rate_seq"),
+		newFigure("conntrack_entries_per_conn", "entries/conn", "lower", "0 for ebpf", ctPod).WithNote(
 			"conntrack entries in the client and the server pod's netns per connection: both tables and the node's flushed (ctnetlink), "+
 				fmt.Sprint(ctConns)+" sequential connections, then nf_conntrack_count in each netns"),
-		newFigure("conntrack_node_entries_per_conn", "entries/conn", "lower", "", ctNode).withNote(
+		newFigure("conntrack_node_entries_per_conn", "entries/conn", "lower", "", ctNode).WithNote(
 			"the same in the node netns: every path's pod-to-pod hop is routed there, and the node tracks it (its iptables rules: "+
 				"the reference's host-probe SNAT, as kube-proxy's would)"),
 	)

@@ -17,6 +17,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/test/bench/benchdoc"
 )
 
 const bpfStatsSysctl = "/proc/sys/kernel/bpf_stats_enabled"
@@ -44,7 +46,7 @@ func (e *env) profile(res *Results) {
 		return r.Conns, rate(r), r.ztCPU
 	})
 	res.Notes["bpf program stats (one ebpf conn_rate_seq run)"] = fmt.Sprintf("%d connections at %s conn/s; all programs %.1f us per connection, stand-in %.0f us CPU per connection; %s",
-		r.conns, num(r.rate), us(total), float64(r.other.Microseconds())/float64(max(r.conns, 1)), parts)
+		r.conns, benchdoc.Num(r.rate), us(total), float64(r.other.Microseconds())/float64(max(r.conns, 1)), parts)
 	perConn := map[string][]float64{}
 	for _, v := range e.leanVariants(res) {
 		if v.name != pathEBPF && v.name != variantTrace {
@@ -58,13 +60,13 @@ func (e *env) profile(res *Results) {
 			})
 			perConn[v.name] = append(perConn[v.name], us(total))
 			res.Notes["bpf program stats (ebpf-lean conn_rate_seq runs), "+v.name] = fmt.Sprintf("%d connections at %s conn/s; all programs %.2f us per connection; %s",
-				r.conns, num(r.rate), us(total), parts)
+				r.conns, benchdoc.Num(r.rate), us(total), parts)
 		}
 	}
 	if err := os.WriteFile(bpfStatsSysctl, old, 0o644); err != nil {
 		e.t.Fatalf("restore %s: %v", bpfStatsSysctl, err)
 	}
-	res.Figures = append(res.Figures, newFigure("bpf_us_per_conn", "us/conn", "lower", "ebpf+trace: the same as ebpf without tracers", perConn).withNote(
+	res.Figures = append(res.Figures, newFigure("bpf_us_per_conn", "us/conn", "lower", "ebpf+trace: the same as ebpf without tracers", perConn).WithNote(
 		"run time of all the dataplane's programs per connection (kernel.bpf_stats_enabled, three conn_rate_seq runs each) on the ebpf-lean "+
 			"pair; ebpf+trace: the same while someone traces (every decision also written to the ring buffer); with nobody tracing each "+
 			"decision costs one load of ae_tracing and a branch"))

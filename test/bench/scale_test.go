@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
+	"github.com/ambient-ebpf/ambient-ebpf/test/bench/benchdoc"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -110,16 +111,16 @@ func (e *env) scale(res *Results) {
 	one := func(v float64) map[string][]float64 { return map[string][]float64{pathEBPF: {v}} }
 	scaleNote := fmt.Sprintf("%d pods (BENCH_SCALE_PODS), each a netns with a veth and a pause process in its pod cgroup; ", n)
 	res.Figures = append(res.Figures,
-		newFigure("scale_enroll_1000_s", "s", "lower", "<= 5 s", one(add.Total.Seconds())).withNote(scaleNote+
+		newFigure("scale_enroll_1000_s", "s", "lower", "<= 5 s", one(add.Total.Seconds())).WithNote(scaleNote+
 			fmt.Sprintf("CNI ADD execs of ambient-ebpf-cni, %d in flight, from the first exec to the last pod's ae_netns entry (each call as enroll_cni)", scaleConc)),
-		newFigure("scale_remove_1000_s", "s", "lower", "<= 5 s", one(del.Total.Seconds())).withNote(
+		newFigure("scale_remove_1000_s", "s", "lower", "<= 5 s", one(del.Total.Seconds())).WithNote(
 			fmt.Sprintf("the same pods' CNI DEL execs, %d in flight, to the last ae_netns entry gone, after the adoption", scaleConc)),
-		newFigure("scale_adopt_1000_s", "s", "lower", "<= 2 s", one(adopt.Seconds())).withNote(
+		newFigure("scale_adopt_1000_s", "s", "lower", "<= 2 s", one(adopt.Seconds())).WithNote(
 			"the agent SIGTERMed with every pod enrolled (pins stay) and started again: from the exec to /readyz 200 with every pod adopted "+
 				"(the inspection API's enrolled pods and the pinned maps' pods both at the count before)"),
-		newFigure("agent_cpu_ms_per_enroll", "ms", "lower", "<= 1 ms", one(ms(agentCPU)/float64(n))).withNote(
+		newFigure("agent_cpu_ms_per_enroll", "ms", "lower", "<= 1 ms", one(ms(agentCPU)/float64(n))).WithNote(
 			"the agent process's user+system time (/proc/<pid>/stat) over scale_enroll_1000_s, divided by the pods"),
-		newFigure("scale_agent_rss_mib", "MiB", "lower", "<= 64 MiB", one(mib(mem.RSSBytes))).withNote("the node agent's VmRSS with the scale pods enrolled"),
+		newFigure("scale_agent_rss_mib", "MiB", "lower", "<= 64 MiB", one(mib(mem.RSSBytes))).WithNote("the node agent's VmRSS with the scale pods enrolled"),
 		newFigure("scale_bpf_map_mib", "MiB", "lower", "", one(mib(mem.MapBytes))),
 		newFigure("scale_rate_1000_vs_1", "ratio", "higher", ">= 0.95", map[string][]float64{pathEBPF: ratios}),
 	)
@@ -143,7 +144,7 @@ func (e *env) scale(res *Results) {
 		mib(memBefore.RSSBytes), mib(memBefore.AnonBytes), mib(mem.RSSBytes), n, mib(mem.AnonBytes), mib(mem.HWMBytes), mem.MapsCount, mib(mem.MapBytes), mib(memBefore.MapBytes))
 	res.Notes["scale: conn_rate_seq on the ebpf path"] = fmt.Sprintf("%s conn/s at 1 enrolled pair, %s conn/s at %d more pods; "+
 		"raw ratio %.2fx; relative to the iptables path alternated with it, %.2f and %.2f (the figure uses these)",
-		num(summarize(at1).Median), num(summarize(atN).Median), n, summarize(atN).Median/summarize(at1).Median,
+		benchdoc.Num(summarize(at1).Median), benchdoc.Num(summarize(atN).Median), n, summarize(atN).Median/summarize(at1).Median,
 		summarize(norm1).Median, summarize(normN).Median)
 }
 

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/test/bench/benchdoc"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -271,7 +272,7 @@ func (r *SockmapResults) markdown() string {
 		fmt.Fprintf(&b, "| %s (%s) ", f.Name, f.Unit)
 		for _, m := range sockmapModes {
 			if s := f.Modes[string(m)]; s != nil {
-				fmt.Fprintf(&b, "| %s (%s-%s) ", num(s.Median), num(s.Min), num(s.Max))
+				fmt.Fprintf(&b, "| %s (%s-%s) ", benchdoc.Num(s.Median), benchdoc.Num(s.Min), benchdoc.Num(s.Max))
 			} else {
 				b.WriteString("| - ")
 			}

@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/test/bench/benchdoc"
 )
 
 // traffic measures connection rates, round-trip latency and throughput on
@@ -82,7 +84,7 @@ func last(m map[string][]float64) map[string]string {
 	out := map[string]string{}
 	for k, v := range m {
 		if len(v) > 0 {
-			out[k] = num(v[len(v)-1])
+			out[k] = benchdoc.Num(v[len(v)-1])
 		}
 	}
 	return out
