@@ -134,6 +134,29 @@ $(KUBE_BINS)/etcd: hack/tools/etcd/go.mod hack/tools/etcd/go.sum hack/tools/etcd
 	@mkdir -p $(KUBE_BINS)
 	cd hack/tools/etcd && nice $(GO) build -trimpath -o $@.tmp . && mv $@.tmp $@
 
+# The suites make test-unit leaves out: they build binaries and images,
+# start API servers, nodes and the demo, and most of them need root.
+E2E_PKGS := ./demo ./test/agente2e ./test/cnichain ./test/conformance ./test/kubee2e ./test/node ./test/takeover
+UNIT_GOTESTFLAGS ?= -race -count=1 -short -timeout 5m
+
+# -short: tests that need root, the kernel or kube-apiserver skip
+# (testenv.RequireRoot, kubeapi.ErrShort), also as root, and CI is unset so
+# those skips are not failures. GOPROXY=off: nothing is downloaded; the
+# modules come from the module cache (make deps, or any earlier build).
+.PHONY: test-unit
+test-unit: ## the fast loop: every test that needs no root, kernel or download (-short, the e2e suites left out); under 2 min warm
+	CI= GOPROXY=off $(GO) test $(UNIT_GOTESTFLAGS) \
+		$$($(GO) list ./... | grep -vE '/($(subst $(eval) ,|,$(E2E_PKGS:./%=%)))$$')
+
+# One suite, or one test of it: make test-one PKG=./pkg/zds RUN='^TestZ9'.
+# As root for the kernel suites; nothing is installed or built first.
+PKG ?=
+RUN ?= .
+.PHONY: test-one
+test-one: ## run one package's tests matching RUN: make test-one PKG=./pkg/zds RUN=TestZ9 (verbose, race on)
+	@test -n "$(PKG)" || { echo "test-one: name the package: make test-one PKG=./pkg/zds RUN=TestZ9"; exit 2; }
+	CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test $(GOTESTFLAGS) -v -run '$(RUN)' $(PKG)
+
 .PHONY: test
 test: deps vet cni-plugins kube-bins ## run every test, kernel suites included (as root), then the fuzzers; the README's test command
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport

@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -46,6 +47,10 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	if testing.Short() {
+		os.Exit(runShort(m))
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	cluster, clusterErr = kubeapi.Start(ctx)
 	if clusterErr == nil {
@@ -60,6 +65,13 @@ func TestMain(m *testing.M) {
 		cluster.Stop()
 	}
 	os.Exit(code)
+}
+
+// runShort runs the render-only tests: under -short (make test-unit) no
+// API server starts, and the tests that need one skip.
+func runShort(m *testing.M) int {
+	clusterErr = kubeapi.ErrShort
+	return m.Run()
 }
 
 func createNamespace(c kubernetes.Interface, name string) error {

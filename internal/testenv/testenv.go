@@ -26,8 +26,14 @@ func SkipOrFail(tb testing.TB, format string, args ...any) {
 }
 
 // RequireRoot skips (fails under CI) when the test does not run as root.
+// Under -short (make test-unit) it always skips, also as root: the short
+// loop runs what needs no kernel, and a skip there is expected, not a
+// failure.
 func RequireRoot(tb testing.TB) {
 	tb.Helper()
+	if testing.Short() {
+		tb.Skip("needs root for netns, cgroups and BPF: not under -short (make test-unit)")
+	}
 	if os.Geteuid() != 0 {
 		SkipOrFail(tb, "needs root for netns, cgroups and BPF")
 	}

@@ -49,6 +49,10 @@ const BinsEnv = "AMBIENT_EBPF_KUBE_BINS"
 // built; tests skip on it (or fail under CI=true).
 var ErrNoBinaries = errors.New("kube-apiserver and etcd not built (run make kube-bins)")
 
+// ErrShort is what a TestMain reports instead of starting the API server
+// under -short (make test-unit): tests that need it skip on it.
+var ErrShort = errors.New("no kube-apiserver under -short (make test-unit)")
+
 const token = "ambient-ebpf-test-token"
 
 // Cluster is a running etcd + kube-apiserver pair.
@@ -344,6 +348,9 @@ func (c *Cluster) ServiceAccount(namespace, name string) *rest.Config {
 // not start.
 func Require(tb testing.TB, c *Cluster, startErr error) *Cluster {
 	tb.Helper()
+	if errors.Is(startErr, ErrShort) {
+		tb.Skip(startErr)
+	}
 	if errors.Is(startErr, ErrNoBinaries) {
 		testenv.SkipOrFail(tb, "%v", startErr)
 	}
