@@ -69,6 +69,15 @@ deps: ## install the toolchain (apt) and download Go modules; quick when done al
 	fi
 	$(GO) mod download
 
+# The repository's git hooks (hack/git-hooks: commit-msg checks the
+# conventions of CONTRIBUTING.md). Installed once into the clone; a tree
+# without .git (a tarball, the image's context) has nothing to install.
+.PHONY: hooks
+hooks: ## install the git hooks of hack/git-hooks into this clone (core.hooksPath)
+	@git rev-parse --git-dir >/dev/null 2>&1 || exit 0; \
+	[ "$$(git config core.hooksPath)" = hack/git-hooks ] || git config core.hooksPath hack/git-hooks || \
+		echo "hooks: could not set core.hooksPath (not this clone's owner?); commits go unchecked"
+
 .PHONY: generate
 generate: ## run bpf2go (clang-19) for every BPF object; outputs are committed
 	$(GO) generate $(GEN_PKGS)
@@ -106,7 +115,7 @@ cni-plugins: ## build bridge, ptp, host-local and loopback $(CNI_PLUGINS_VERSION
 		github.com/containernetworking/plugins/plugins/main/loopback@$(CNI_PLUGINS_VERSION)
 
 .PHONY: build
-build: ## build all binaries into bin/
+build: hooks ## build all binaries into bin/
 	@mkdir -p bin
 	$(GO) build -trimpath -ldflags '$(VERSION_LDFLAGS)' -o bin/ ./cmd/...
 
@@ -144,7 +153,7 @@ UNIT_GOTESTFLAGS ?= -race -count=1 -short -timeout 5m
 # those skips are not failures. GOPROXY=off: nothing is downloaded; the
 # modules come from the module cache (make deps, or any earlier build).
 .PHONY: test-unit
-test-unit: ## the fast loop: every test that needs no root, kernel or download (-short, the e2e suites left out); under 2 min warm
+test-unit: hooks ## the fast loop: every test that needs no root, kernel or download (-short, the e2e suites left out); under 2 min warm
 	CI= GOPROXY=off $(GO) test $(UNIT_GOTESTFLAGS) \
 		$$($(GO) list ./... | grep -vE '/($(subst $(eval) ,|,$(E2E_PKGS:./%=%)))$$')
 
@@ -153,12 +162,12 @@ test-unit: ## the fast loop: every test that needs no root, kernel or download (
 PKG ?=
 RUN ?= .
 .PHONY: test-one
-test-one: ## run one package's tests matching RUN: make test-one PKG=./pkg/zds RUN=TestZ9 (verbose, race on)
+test-one: hooks ## run one package's tests matching RUN: make test-one PKG=./pkg/zds RUN=TestZ9 (verbose, race on)
 	@test -n "$(PKG)" || { echo "test-one: name the package: make test-one PKG=./pkg/zds RUN=TestZ9"; exit 2; }
 	CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test $(GOTESTFLAGS) -v -run '$(RUN)' $(PKG)
 
 .PHONY: test
-test: deps vet cni-plugins kube-bins ## run every test, kernel suites included (as root), then the fuzzers; the README's test command
+test: hooks deps vet cni-plugins kube-bins ## run every test, kernel suites included (as root), then the fuzzers; the README's test command
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport
 	CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
 	$(MAKE) --no-print-directory fuzz
@@ -189,7 +198,7 @@ image: ## build the container image and its -takeover flavor (needs docker; depl
 	docker build --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) --target takeover -t $(IMAGE)-takeover .
 
 .PHONY: demo
-demo: deps build cni-plugins ## run a self-contained demo node (root): CNI chain, agent, ztunnel stand-in, real traffic
+demo: hooks deps build cni-plugins ## run a self-contained demo node (root): CNI chain, agent, ztunnel stand-in, real traffic
 	$(GO) run ./demo --bin bin --cni-plugins $(CNI_PLUGINS_DIR) --pods demo/pods.yaml
 
 # Knobs: BENCH_REPS, BENCH_DURATION, BENCH_CONC, BENCH_RTTS, BENCH_ENROLL_PODS,
