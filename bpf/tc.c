@@ -2,13 +2,18 @@
 /* Copyright ambient-ebpf authors */
 
 /*
- * TC programs (TCX, chained: traffic that is not ours goes on to the next
- * program). Kernels without TCX (before 6.6) run them as classic tc
- * filters in direct-action mode, where TCX_NEXT (-1) is TC_ACT_UNSPEC: the
- * next filter runs, as with TCX.
+ * The per-pod programs: tc programs and the pod netns' sk_lookup program.
+ * The tc programs are attached on every kernel as classic tc filters
+ * (cls_bpf, direct action, priority 0xae00, handle 0xae; a TCX attach waits
+ * for an RCU grace period). They chain: traffic that is not ours goes on
+ * to the next filter (TCX_NEXT, -1, is TC_ACT_UNSPEC there).
  *
  * Inside the pod netns:
- *   ae_pod_ingress    on the pod's interface: inbound capture (R5-R7).
+ *   ae_pod_steer      sk_lookup: inbound capture (R5-R7) where the kernel
+ *                     gives sk_lookup the ingress interface (5.17), and
+ *                     the hand-over of flows the tc programs filed.
+ *   ae_pod_ingress    on the pod's interface, before 5.17 only: inbound
+ *                     capture (R5-R7) by tc.
  *   ae_pod_lo_ingress on lo: marks ztunnel's connections to the app so the
  *                     app's replies route back to ztunnel (R10).
  *   ae_pod_reroute    on virtual interfaces: their TCP goes to :15001 (R14).
@@ -16,10 +21,12 @@
  *   ae_host_egress / ae_host_ingress: host-probe SNAT (H1-H3).
  *
  * R5: a TCP flow to an enrolled pod's IP that no socket owns yet is handed
- * to ztunnel's :15006 listener with bpf_sk_assign (on kernels without TCX:
- * through ae_pod_steer, see steer()). No packet is rewritten:
- * the accepted socket's local address is the original destination, which
- * is what ztunnel reads when SO_ORIGINAL_DST has nothing to say.
+ * to ztunnel's :15006 listener with bpf_sk_assign: by ae_pod_steer, or
+ * before 5.17 by ae_pod_ingress (before 6.5, whose tc bpf_sk_assign refuses
+ * reuseport listeners, through ae_steer and ae_pod_steer: see steer()). No
+ * packet is rewritten: the accepted socket's local address is the original
+ * destination, which is what ztunnel reads when SO_ORIGINAL_DST has
+ * nothing to say.
  * R6: :15008 (HBONE) and R7: flows from the probe SNAT address pass.
  */
 #include "vmlinux.h"
