@@ -19,8 +19,8 @@
 #
 # VMTEST_RUN (a -test.run pattern) narrows the run, for debugging.
 # CI is passed into the guest, so the suites keep CI=true semantics
-# there: only documented kernel-floor skips (see the README's
-# Compatibility table) are allowed, every other skip fails.
+# there: only documented kernel-floor skips (see docs/KERNELS.md's
+# feature table) are allowed, every other skip fails.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
