@@ -152,9 +152,11 @@ UNIT_GOTESTFLAGS ?= -race -count=1 -short -timeout 5m
 # (testenv.RequireRoot, kubeapi.ErrShort), also as root, and CI is unset so
 # those skips are not failures. GOPROXY=off: nothing is downloaded; the
 # modules come from the module cache (make deps, or any earlier build).
+# /usr/sbin joins PATH: a user's PATH on Debian lacks it, and a few tests
+# look for bpftool, iptables and nft before they skip without root.
 .PHONY: test-unit
 test-unit: hooks ## the fast loop: every test that needs no root, kernel or download (-short, the e2e suites left out); under 2 min warm
-	CI= GOPROXY=off $(GO) test $(UNIT_GOTESTFLAGS) \
+	CI= GOPROXY=off PATH="$$PATH:/usr/sbin:/sbin" $(GO) test $(UNIT_GOTESTFLAGS) \
 		$$($(GO) list ./... | grep -vE '/($(subst $(eval) ,|,$(E2E_PKGS:./%=%)))$$')
 
 # One suite, or one test of it: make test-one PKG=./pkg/zds RUN='^TestZ9'.
