@@ -169,7 +169,7 @@ func (d *Dataplane) nodeHookNames() []string {
 
 // pickMechanisms chooses, from the kernel's features, how TC programs are
 // attached, how netns cookies are read and which helpers the programs may
-// call (see the README's Compatibility table).
+// call (see docs/KERNELS.md).
 func (d *Dataplane) pickMechanisms() {
 	d.hooks, d.netnsCookie = pickTCHooks(), soNetnsCookie
 	if !features.HasSONetnsCookie() {

@@ -81,7 +81,7 @@
 // hold them, every filter runs the one shared program of its kind (its
 // classid names the pod), and a removal opens the pins it needs, so the
 // agent's descriptors do not grow with its pods. The mechanisms
-// follow the kernel (package features, README: Compatibility): where
+// follow the kernel (package features, docs/KERNELS.md): where
 // sk_lookup sees the ingress interface (5.17) it alone captures inbound
 // flows; before that a tc program on the pod's interface files each flow
 // for it.

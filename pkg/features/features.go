@@ -16,7 +16,7 @@ import (
 )
 
 // MinimumKernel is the oldest Linux release the data path runs on: the
-// oldest one tested; every Required feature is older (README: Compatibility).
+// oldest one tested; every Required feature is older (docs/KERNELS.md).
 const MinimumKernel = "5.10"
 
 // Feature is one probed kernel capability.

@@ -16,7 +16,7 @@ import (
 
 // The documented kernel of every feature is checked against the running
 // kernel: a feature missing on a kernel at least that new means the table
-// (and the README's Compatibility section) is wrong or the probe is broken.
+// (and docs/KERNELS.md) is wrong or the probe is broken.
 // A feature found on an older kernel is a vendor backport, which is fine.
 func TestProbesAgreeWithTheDocumentedKernels(t *testing.T) {
 	if os.Geteuid() != 0 {
