@@ -82,7 +82,8 @@ struct pod_meta {
 	__u32 saved_fwmark_accept; /* the pod's tcp_fwmark_accept before enrollment, read once */
 };
 
-/* Key of ae_listeners: one of ztunnel's listeners in an enrolled pod. */
+/* Key of ae_listeners: one of ztunnel's listeners in an enrolled pod (only
+ * an enrolled netns's are filed: at most AE_LISTENER_SLOTS each). */
 struct listener_key {
 	__u64 netns_cookie;
 	__u16 port; /* host byte order */
@@ -205,6 +206,7 @@ enum ae_reason {
 	AE_R_REWRITE_ERROR,    /* dropped: the packet could not be rewritten (H1) */
 	AE_R_ORIG_DST_FULL,    /* error: ae_orig_dst full (R1) */
 	AE_R_LOCAL_FLOW_FULL,  /* error: ae_local_flows full (R10) */
+	AE_R_LISTENER_FULL,    /* error: ae_listeners full, ztunnel's listener not filed (R5) */
 	AE_R_MAX,
 };
 

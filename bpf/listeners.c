@@ -6,12 +6,16 @@
  * ae_listeners, for the pod's sk_lookup program (R5).
  *
  * sockops files a listener when it starts listening (on_listen in
- * sock.c), which is after the pod's enrolment in the usual order: the
- * pod is enrolled, then handed to ztunnel, which then opens its
- * listeners. When ztunnel listened first (a takeover from istio-cni,
- * whose pods ztunnel already serves, or pins lost while ztunnel ran), no
- * sockops event comes: the agent runs this iterator over the pod netns's
- * TCP sockets (the netns it is created in) at enrolment instead. It runs
+ * sock.c), and only in an enrolled pod's netns, which is after the pod's
+ * enrolment in the usual order: the pod is enrolled, then handed to
+ * ztunnel, which then opens its listeners. When ztunnel listened first (a
+ * takeover from istio-cni, whose pods ztunnel already serves, pins lost
+ * while ztunnel ran, or a listener that started before the pod's ae_netns
+ * entry was written), sockops filed nothing: the agent runs this iterator
+ * over the pod netns's TCP sockets (the netns it is created in) at
+ * enrolment, before the pod's entries for a running pod and after them
+ * for every pod, and when its resync finds an enrolled pod with no
+ * listener filed (one the full map left out). It runs
  * only in the sk_lookup mode (Linux 5.17), whose kernels have everything
  * it uses: iter/tcp (5.9), sockhash updates from an iterator (5.10) and
  * struct net's net_cookie (5.12).

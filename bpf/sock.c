@@ -632,17 +632,25 @@ static __always_inline void on_close(struct bpf_sock_ops *skops)
  * R5: ztunnel's inbound listener starts listening in a pod netns. It is
  * filed, by netns, for the pod's sk_lookup program, which hands new
  * inbound flows to it. Only ztunnel's (marked) sockets count, so an app
- * that listens on the same port never receives captured traffic. Filed
- * whether or not the pod is enrolled yet: ztunnel may listen first, and
- * the entry lives exactly as long as the socket (the kernel drops a
- * closed socket from the map). Several may exist (a ztunnel rollout): each
- * takes a free slot, and since they share one reuseport group, any one of
- * them reaches all.
+ * that listens on the same port never receives captured traffic. Only an
+ * enrolled pod's netns counts: ae_listeners is shared by the node, and
+ * anyone who can make a user namespace holds CAP_NET_ADMIN over a netns
+ * of their own, and so can set the mark and listen there; filed, such
+ * listeners would take every slot and leave the next pods' ztunnel
+ * listeners out (their inbound refused). An enrolled netns has
+ * AE_LISTENER_SLOTS keys, so no pod takes more than its share. A
+ * listener that started before its pod's ae_netns entry existed is filed
+ * by the enrolment (the iterator in bpf/listeners.c runs after the entry
+ * is written) or by the agent's resync. The entry lives exactly as long
+ * as the socket (the kernel drops a closed socket from the map). Several
+ * may exist (a ztunnel rollout): each takes a free slot, and since they
+ * share one reuseport group, any one of them reaches all.
  */
 static __always_inline void on_listen(struct bpf_sock_ops *skops)
 {
 	struct listener_key key = {};
 	struct bpf_sock *sk = skops->sk;
+	struct netns_info *ns;
 	__u16 i;
 
 	/* Netns cookies in sockops (5.15) come with sk_lookup's ingress
@@ -652,6 +660,9 @@ static __always_inline void on_listen(struct bpf_sock_ops *skops)
 	if (skops->local_port != ae_cfg.inbound_port || !mark_is_ztunnel(sk->mark))
 		return;
 	key.netns_cookie = bpf_get_netns_cookie(skops);
+	ns = bpf_map_lookup_elem(&ae_netns, &key.netns_cookie);
+	if (!ns)
+		return;
 	key.port = ae_cfg.inbound_port;
 	for (i = 0; i < AE_LISTENER_SLOTS; i++) {
 		key.idx = i;
@@ -660,7 +671,15 @@ static __always_inline void on_listen(struct bpf_sock_ops *skops)
 	}
 	/* Every slot taken by live listeners: the newest replaces slot 0. */
 	key.idx = 0;
-	bpf_sock_hash_update(skops, &ae_listeners, &key, BPF_ANY);
+	if (bpf_sock_hash_update(skops, &ae_listeners, &key, BPF_ANY) == 0)
+		return;
+	/* The map is full: the agent's resync files it when room returns. */
+	count_decision(AE_R_LISTENER_FULL);
+	if (ae_tracing) {
+		struct ae_addr none = {};
+
+		trace_sockops(skops, AE_R_LISTENER_FULL, ns->slot, &none, 0);
+	}
 }
 
 /*

@@ -119,7 +119,8 @@ const (
 	accelAeReasonAE_R_REWRITE_ERROR    accelAeReason = 25
 	accelAeReasonAE_R_ORIG_DST_FULL    accelAeReason = 26
 	accelAeReasonAE_R_LOCAL_FLOW_FULL  accelAeReason = 27
-	accelAeReasonAE_R_MAX              accelAeReason = 28
+	accelAeReasonAE_R_LISTENER_FULL    accelAeReason = 28
+	accelAeReasonAE_R_MAX              accelAeReason = 29
 )
 
 type accelListenerKey struct {

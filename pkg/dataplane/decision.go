@@ -70,6 +70,7 @@ const (
 	ReasonRewriteError           // the packet could not be rewritten
 	ReasonOrigDstFull            // ae_orig_dst is full: ztunnel cannot read SO_ORIGINAL_DST
 	ReasonLocalFlowFull          // ae_local_flows is full: the delivery may be captured
+	ReasonListenerFull           // ae_listeners is full: ztunnel's listener was not filed
 	reasonCount
 )
 
@@ -109,6 +110,7 @@ var reasonInfos = [reasonCount]reasonInfo{
 	ReasonRewriteError:    {"rewrite_error", DecisionDropped, "H1", "the packet could not be rewritten"},
 	ReasonOrigDstFull:     {"orig_dst_table_full", DecisionError, "R1", "ae_orig_dst is full: ztunnel cannot read SO_ORIGINAL_DST"},
 	ReasonLocalFlowFull:   {"local_flow_table_full", DecisionError, "R10", "ae_local_flows is full: ztunnel's delivery may be captured"},
+	ReasonListenerFull:    {"listener_table_full", DecisionError, "R5", "ae_listeners is full: ztunnel's listener was not filed (the agent's resync files it when room returns)"},
 }
 
 func (r Reason) info() reasonInfo {

@@ -160,9 +160,9 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 	// A running pod's listeners that ztunnel opened before our hooks
 	// were there (a takeover from istio-cni) are filed before the pod's
 	// entries, with which its sk_lookup program starts capturing: a SYN
-	// in between found no listener and was refused. Sockops files every
-	// listener ztunnel opens from the hooks' attachment on, enrolled pod
-	// or not, so none falls between the two.
+	// in between found no listener and was refused. Sockops files only
+	// an enrolled netns's listeners, so one opened from here until the
+	// ae_netns entry is written is filed after it (below).
 	if pod.Running {
 		if err := d.fileExistingListeners(pod.Netns, ns.cookie); err != nil {
 			return fail(err)
@@ -195,6 +195,14 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 		if !samePod {
 			_ = teardownPodNetns(d.cfg.ProcRoot, old.netnsPath, old.savedFwmark, false)
 		}
+	}
+	// The ae_netns entry is in: sockops files every listener ztunnel
+	// opens from now on. One it opened before that and was not filed
+	// above (the pod is not running yet, or it listened in between) is
+	// filed now; four map lookups when one is filed already. A failure
+	// leaves the pod enrolled: the agent's resync files it later.
+	if err := d.fileExistingListeners(pod.Netns, ns.cookie); err != nil {
+		d.log.Warn("file ztunnel's existing listeners; the resync tries again", "pod", pod.Namespace+"/"+pod.Name, "error", err)
 	}
 	st.journal = metaEnrolled
 	d.pods[pod.UID] = st
@@ -257,6 +265,7 @@ func (d *Dataplane) deleteStaleEntries(old, cur *podState) {
 		d.clearSlot(old.Slot)
 	}
 	d.pruneLocalFlows()
+	d.pruneListeners()
 }
 
 // deletePodEntries removes every map entry st owns.
@@ -266,6 +275,7 @@ func (d *Dataplane) deletePodEntries(st *podState) {
 		d.deleteOwnedIP(ip, st)
 	}
 	d.clearSlot(st.Slot)
+	d.pruneListeners()
 }
 
 func (d *Dataplane) deleteOwnedIP(ip netip.Addr, st *podState) {
@@ -295,29 +305,42 @@ func (d *Dataplane) deleteOwnedNetns(st *podState) {
 // straight to the app, past ztunnel. The programs file entries only for
 // addresses in ae_pods, so none comes back once a pod's entries are gone.
 func (d *Dataplane) pruneLocalFlows() {
+	var info sockPodInfo
+	n := pruneEntries(d, d.sock.AeLocalFlows, func(k *sockSteerKey, _ *uint32) bool {
+		return errors.Is(d.sock.AePods.Lookup(k.Daddr, &info), ebpf.ErrKeyNotExist)
+	})
+	if n > 0 {
+		d.log.Debug("pruned ztunnel deliveries of addresses no pod is enrolled with", "entries", n)
+	}
+}
+
+// pruneEntries deletes the entries of m that stale picks, and returns how
+// many it deleted; errors are logged, the next prune tries again.
+func pruneEntries[K, V any](d *Dataplane, m *ebpf.Map, stale func(*K, *V) bool) int {
 	var (
-		k     sockSteerKey
-		v     uint32
-		info  sockPodInfo
-		stale []sockSteerKey
+		k    K
+		v    V
+		keys []K
 	)
-	it := d.sock.AeLocalFlows.Iterate()
+	name := m.String()
+	it := m.Iterate()
 	for it.Next(&k, &v) {
-		if err := d.sock.AePods.Lookup(k.Daddr, &info); errors.Is(err, ebpf.ErrKeyNotExist) {
-			stale = append(stale, k)
+		if stale(&k, &v) {
+			keys = append(keys, k)
 		}
 	}
 	if err := it.Err(); err != nil {
-		d.log.Warn("prune ae_local_flows: iterate", "error", err)
+		d.log.Warn("prune: iterate", "map", name, "error", err)
 	}
-	for i := range stale {
-		if err := d.sock.AeLocalFlows.Delete(&stale[i]); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			d.log.Warn("prune ae_local_flows: delete", "error", err)
+	n := 0
+	for i := range keys {
+		if err := m.Delete(&keys[i]); err == nil {
+			n++
+		} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
+			d.log.Warn("prune: delete", "map", name, "error", err)
 		}
 	}
-	if len(stale) > 0 {
-		d.log.Debug("pruned ztunnel deliveries of addresses no pod is enrolled with", "entries", len(stale))
-	}
+	return n
 }
 
 func (d *Dataplane) clearSlot(slot uint32) {
@@ -378,6 +401,7 @@ func (d *Dataplane) detachPod(st *podState, undo bool) error {
 		d.deleteOwnedIP(ip, st)
 	}
 	d.pruneLocalFlows()
+	d.pruneListeners()
 	d.cfg.failpoint(StepRemoveEntries)
 	for _, l := range st.links {
 		if err := l.detach(); err != nil {
@@ -486,6 +510,7 @@ func (d *Dataplane) adoptPods() error {
 	d.repairIPs()
 	d.removeOrphanPins()
 	d.pruneLocalFlows()
+	d.pruneListeners()
 	if adopted+undone > 0 {
 		d.log.Info("adopted enrolled pods", "count", adopted, "undone", undone)
 	}

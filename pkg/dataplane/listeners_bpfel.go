@@ -80,7 +80,8 @@ const (
 	listenersAeReasonAE_R_REWRITE_ERROR    listenersAeReason = 25
 	listenersAeReasonAE_R_ORIG_DST_FULL    listenersAeReason = 26
 	listenersAeReasonAE_R_LOCAL_FLOW_FULL  listenersAeReason = 27
-	listenersAeReasonAE_R_MAX              listenersAeReason = 28
+	listenersAeReasonAE_R_LISTENER_FULL    listenersAeReason = 28
+	listenersAeReasonAE_R_MAX              listenersAeReason = 29
 )
 
 type listenersListenerKey struct {

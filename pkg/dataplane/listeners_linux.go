@@ -4,12 +4,17 @@
 package dataplane
 
 import (
+	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink/nl"
+	"golang.org/x/sys/unix"
 )
 
 // loadListenerIterator loads ae_file_listeners (bpf/listeners.c), in the
@@ -42,26 +47,32 @@ func (d *Dataplane) loadListenerIterator() error {
 }
 
 // fileExistingListeners files the inbound listeners ztunnel already has
-// in the pod's netns (path, cookie), when none of the pod's is filed (the
-// caller runs it for a running pod only: Pod.Running):
-// sockops files a listener only as it starts listening, and ztunnel
-// listened before this enrolment when it took the pod from istio-cni (a
-// takeover) or the pins were lost while it ran. Without the entry the
-// pod's sk_lookup program would let inbound connections past ztunnel.
+// in the pod's netns (path, cookie), when none of the pod's is filed.
+// sockops files a listener only as it starts listening, and only in an
+// enrolled netns (on_listen in bpf/sock.c): ztunnel listened before this
+// enrolment when it took the pod from istio-cni (a takeover), the pins
+// were lost while it ran, or it listened between the pod's creation and
+// its ae_netns entry; a full ae_listeners leaves a listener out too.
+// Without the entry the pod's sk_lookup program refuses inbound
+// connections (fail closed) or, before the pod's entries exist, lets them
+// past ztunnel.
 func (d *Dataplane) fileExistingListeners(path string, cookie uint64) error {
 	if d.listenerIter == nil {
 		return nil
 	}
-	for i := range uint16(listenerSlots) {
-		key := sockListenerKey{NetnsCookie: cookie, Port: DefaultInboundPort, Idx: i}
-		var v uint64
-		err := d.sock.AeListeners.Lookup(&key, &v)
-		if err == nil {
-			return nil
-		}
-		if !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("look up ae_listeners: %w", err)
-		}
+	if filed, err := listenerFiled(&d.sock.sockMaps, cookie); err != nil || filed {
+		return err
+	}
+	// The iterator walks every TCP socket of the node (about 2 ms with
+	// 262144 established-hash buckets); asking sock_diag for listeners
+	// only walks the listening hash (about 60 us with the netns switch).
+	// Nearly every enrolment finds none: ztunnel is handed a pod after it.
+	var listening bool
+	if err := inNetns(path, func() (err error) { listening, err = listeningOn(DefaultInboundPort); return err }); err != nil {
+		return fmt.Errorf("look for ztunnel's listeners in the pod netns: %w", err)
+	}
+	if !listening {
+		return nil
 	}
 	it, err := link.AttachIter(link.IterOptions{Program: d.listenerIter})
 	if err != nil {
@@ -83,3 +94,188 @@ func (d *Dataplane) fileExistingListeners(path string, cookie uint64) error {
 	}
 	return nil
 }
+
+// listenerFiled reports whether one of ztunnel's inbound listeners of the
+// netns is in ae_listeners.
+func listenerFiled(m *sockMaps, cookie uint64) (bool, error) {
+	for i := range uint16(listenerSlots) {
+		key := sockListenerKey{NetnsCookie: cookie, Port: DefaultInboundPort, Idx: i}
+		var v uint64
+		err := m.AeListeners.Lookup(&key, &v)
+		if err == nil {
+			return true, nil
+		}
+		if !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return false, fmt.Errorf("look up ae_listeners: %w", err)
+		}
+	}
+	return false, nil
+}
+
+// pruneListeners deletes the ae_listeners entries of netns that are not
+// enrolled: a removed pod's (ztunnel closes its listeners only when the
+// Del reaches it), and any that sockops filed before it checked the netns
+// (pins of an earlier agent, whose sockops filed every marked listener of
+// the node: anyone with a user namespace could fill the map). sockops
+// files nothing for them again, so the room they took returns.
+func (d *Dataplane) pruneListeners() int {
+	var ns sockNetnsInfo
+	n := pruneEntries(d, d.sock.AeListeners, func(k *sockListenerKey, _ *uint64) bool {
+		return errors.Is(d.sock.AeNetns.Lookup(k.NetnsCookie, &ns), ebpf.ErrKeyNotExist)
+	})
+	if n > 0 {
+		d.log.Info("pruned listeners of netns that are not enrolled from ae_listeners", "entries", n)
+	}
+	return n
+}
+
+// ListenerStatus is the state of ae_listeners, ztunnel's inbound
+// listeners by netns (R5; the sk_lookup mode only).
+type ListenerStatus struct {
+	// Entries is how many listeners are filed, of Capacity.
+	Entries  int `json:"entries"`
+	Capacity int `json:"capacity"`
+	// NotEnrolled is how many of them are of a netns that is not
+	// enrolled (the agent prunes them).
+	NotEnrolled int `json:"notEnrolled"`
+	// Missing names the enrolled pods (namespace/name) none of whose
+	// listeners is filed: their inbound connections are refused until
+	// ztunnel listens there (it has not been handed the pod yet, or is
+	// down) and the listener is filed.
+	Missing []string `json:"missing,omitempty"`
+	// Pruned and Refiled count what a resync did: entries of netns not
+	// enrolled deleted, pods whose listener it filed.
+	Pruned  int `json:"pruned,omitempty"`
+	Refiled int `json:"refiled,omitempty"`
+}
+
+// listenerStatus reads ae_listeners against the enrolled pods (by netns
+// cookie: their namespace/name).
+func listenerStatus(m *sockMaps, pods map[uint64]string) (ListenerStatus, error) {
+	st := ListenerStatus{Capacity: int(m.AeListeners.MaxEntries())}
+	filed := map[uint64]bool{}
+	var (
+		k sockListenerKey
+		v uint64
+	)
+	it := m.AeListeners.Iterate()
+	for it.Next(&k, &v) {
+		st.Entries++
+		filed[k.NetnsCookie] = true
+		if _, ok := pods[k.NetnsCookie]; !ok {
+			st.NotEnrolled++
+		}
+	}
+	if err := it.Err(); err != nil {
+		return st, fmt.Errorf("read ae_listeners: %w", err)
+	}
+	for cookie, name := range pods {
+		if !filed[cookie] {
+			st.Missing = append(st.Missing, name)
+		}
+	}
+	slices.Sort(st.Missing)
+	return st, nil
+}
+
+// ResyncListeners prunes ae_listeners of netns that are not enrolled and
+// files the listeners of enrolled pods none of whose is filed (the
+// iterator, bpf/listeners.c): a listener the full map left out is filed
+// once room returns, not only when ztunnel opens it again. The agent runs
+// it periodically. Only the sk_lookup mode (Linux 5.17) files listeners;
+// elsewhere it reports an empty status.
+func (d *Dataplane) ResyncListeners(ctx context.Context) (ListenerStatus, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.listenerIter == nil {
+		return ListenerStatus{}, nil
+	}
+	pruned := d.pruneListeners()
+	refiled := 0
+	pods := map[uint64]string{}
+	for _, st := range d.pods {
+		if err := ctx.Err(); err != nil {
+			return ListenerStatus{}, err
+		}
+		name := st.Namespace + "/" + st.Name
+		pods[st.NetnsCookie] = name
+		filed, err := listenerFiled(&d.sock.sockMaps, st.NetnsCookie)
+		if err != nil {
+			return ListenerStatus{}, err
+		}
+		if filed || CheckNetns(st.netnsPath, st.NetnsCookie) != nil {
+			continue // a pod whose netns is gone is removed soon
+		}
+		if err := d.fileExistingListeners(st.netnsPath, st.NetnsCookie); err != nil {
+			d.log.Warn("file ztunnel's listeners of an enrolled pod", "pod", name, "error", err)
+			continue
+		}
+		if filed, _ := listenerFiled(&d.sock.sockMaps, st.NetnsCookie); filed {
+			d.log.Info("filed ztunnel's inbound listener of an enrolled pod that had none filed", "pod", name)
+			refiled++
+		}
+	}
+	status, err := listenerStatus(&d.sock.sockMaps, pods)
+	status.Pruned, status.Refiled = pruned, refiled
+	return status, err
+}
+
+// Listeners reads ae_listeners against the pods enrolled in the pins; the
+// status is empty (Capacity 0) where the data path does not use it (before
+// Linux 5.17, inbound goes through tc).
+func (p *Pinned) Listeners() (ListenerStatus, error) {
+	if !readNodeConfig(&p.maps).skLookupInbound {
+		return ListenerStatus{}, nil
+	}
+	pods, err := p.Pods()
+	if err != nil {
+		return ListenerStatus{}, err
+	}
+	byNetns := map[uint64]string{}
+	for _, e := range pods {
+		byNetns[e.NetnsCookie] = e.Namespace + "/" + e.Name
+	}
+	return listenerStatus(&p.maps, byNetns)
+}
+
+// inetDiagReq is struct inet_diag_req_v2 asking for the thread netns's
+// TCP sockets in the states of the mask (sock_diag, <linux/inet_diag.h>).
+type inetDiagReq struct {
+	family uint8
+	states uint32
+}
+
+func (r *inetDiagReq) Len() int { return 56 }
+
+func (r *inetDiagReq) Serialize() []byte {
+	b := make([]byte, r.Len())
+	b[0] = r.family
+	b[1] = unix.IPPROTO_TCP
+	binary.NativeEndian.PutUint32(b[4:], r.states)
+	return b // the socket id (b[8:]) stays zero: a dump matches every socket
+}
+
+// listeningOn reports whether a TCP socket of the calling thread's netns
+// listens on port. A dump of listeners only (the state mask) never walks
+// the established hash.
+func listeningOn(port uint16) (bool, error) {
+	for _, fam := range []uint8{unix.AF_INET, unix.AF_INET6} {
+		req := nl.NewNetlinkRequest(nl.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP)
+		req.AddData(&inetDiagReq{family: fam, states: 1 << tcpListenState})
+		msgs, err := req.Execute(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY)
+		if err != nil {
+			return false, fmt.Errorf("sock_diag dump of tcp listeners (family %d): %w", fam, err)
+		}
+		for _, m := range msgs {
+			// struct inet_diag_msg: family, state, timer, retrans,
+			// then the socket id, whose source port comes first (big endian).
+			if len(m) >= 6 && m[1] == tcpListenState && binary.BigEndian.Uint16(m[4:6]) == port {
+				return true, nil
+			}
+		}
+	}
+	return false, nil
+}
+
+// tcpListenState is TCP_LISTEN (include/net/tcp_states.h).
+const tcpListenState = 10

@@ -32,8 +32,8 @@ type Pod struct {
 	// Running: the pod's containers run already (adopted, repaired or
 	// taken over in place, not a CNI ADD), so ztunnel may be listening in
 	// its netns before this enrolment: Enroll then files those listeners
-	// (bpf/listeners.c), which walks the node's TCP tables, a few
-	// milliseconds a pod.
+	// (bpf/listeners.c) before the pod's entries too, not only after them
+	// as for every pod. Each run walks the node's TCP tables.
 	Running bool
 }
 

@@ -80,7 +80,8 @@ const (
 	sockAeReasonAE_R_REWRITE_ERROR    sockAeReason = 25
 	sockAeReasonAE_R_ORIG_DST_FULL    sockAeReason = 26
 	sockAeReasonAE_R_LOCAL_FLOW_FULL  sockAeReason = 27
-	sockAeReasonAE_R_MAX              sockAeReason = 28
+	sockAeReasonAE_R_LISTENER_FULL    sockAeReason = 28
+	sockAeReasonAE_R_MAX              sockAeReason = 29
 )
 
 type sockListenerKey struct {

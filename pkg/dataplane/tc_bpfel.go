@@ -80,7 +80,8 @@ const (
 	tcAeReasonAE_R_REWRITE_ERROR    tcAeReason = 25
 	tcAeReasonAE_R_ORIG_DST_FULL    tcAeReason = 26
 	tcAeReasonAE_R_LOCAL_FLOW_FULL  tcAeReason = 27
-	tcAeReasonAE_R_MAX              tcAeReason = 28
+	tcAeReasonAE_R_LISTENER_FULL    tcAeReason = 28
+	tcAeReasonAE_R_MAX              tcAeReason = 29
 )
 
 type tcListenerKey struct {

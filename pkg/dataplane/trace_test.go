@@ -27,6 +27,7 @@ func TestReasonsAreTheProgramsEnum(t *testing.T) {
 		ReasonProbeSNAT: sockAeReasonAE_R_PROBE_SNAT, ReasonForwarded: sockAeReasonAE_R_FORWARDED, ReasonProbePortTaken: sockAeReasonAE_R_PROBE_PORT_TAKEN,
 		ReasonProbeTableFull: sockAeReasonAE_R_PROBE_TABLE_FULL, ReasonRewriteError: sockAeReasonAE_R_REWRITE_ERROR,
 		ReasonOrigDstFull: sockAeReasonAE_R_ORIG_DST_FULL, ReasonLocalFlowFull: sockAeReasonAE_R_LOCAL_FLOW_FULL,
+		ReasonListenerFull: sockAeReasonAE_R_LISTENER_FULL,
 	}
 	if len(c) != int(reasonCount) || sockAeReasonAE_R_MAX != sockAeReason(reasonCount) {
 		t.Fatalf("%d Go reasons, the C enum has %d", reasonCount, sockAeReasonAE_R_MAX)

@@ -60,6 +60,8 @@ func RunHelper() {
 		err = serveJSON(newApp())
 	case RoleZtunnel:
 		err = runZtunnel()
+	case RoleListenFlood:
+		err = runListenFlood()
 	default:
 		err = fmt.Errorf("unknown helper role %q", role)
 	}

@@ -139,6 +139,12 @@ type Process struct {
 // It is ended by PID at cleanup (SIGTERM, then SIGKILL).
 func StartProcess(t TB, ns, cgroup string, argv ...string) *Process {
 	t.Helper()
+	return startProcess(t, ns, cgroup, nil, argv...)
+}
+
+// startProcess is StartProcess, run as cred's user when not nil.
+func startProcess(t TB, ns, cgroup string, cred *syscall.Credential, argv ...string) *Process {
+	t.Helper()
 	cmd := exec.Command(argv[0], argv[1:]...)
 	if ns != "" {
 		cmd = exec.Command("nsenter", append([]string{"--net=" + NetnsPath(ns), "--"}, argv...)...)
@@ -146,6 +152,12 @@ func StartProcess(t TB, ns, cgroup string, argv ...string) *Process {
 	p := &Process{t: t, cmd: cmd, done: make(chan struct{}), Output: &lockedBuffer{}}
 	cmd.Stdout, cmd.Stderr = p.Output, p.Output
 	defer startInCgroup(t, cmd, cgroup)()
+	if cred != nil {
+		if cmd.SysProcAttr == nil {
+			cmd.SysProcAttr = &syscall.SysProcAttr{}
+		}
+		cmd.SysProcAttr.Credential = cred
+	}
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start %s: %v", argv[0], err)
 	}
