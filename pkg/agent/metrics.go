@@ -44,6 +44,10 @@ type metrics struct {
 	leftOnIstioCNI  prometheus.GaugeFunc
 	istioCNIPods    atomic.Pointer[func() int] // counts them, once the reconciler exists
 	handbacks       *prometheus.CounterVec
+	noListener      prometheus.Gauge
+	listenerEntries prometheus.Gauge
+	refiled         prometheus.Counter
+	pruned          prometheus.Counter
 	bpf             *bpfCollector
 	decisions       *decisionCollector
 }
@@ -98,6 +102,14 @@ func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 			Help: "Pods taken over from istio-cni whose connections istio-cni redirected still run (their conntrack drain is in place)."}),
 		handbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ambient_ebpf_istio_cni_handbacks_total",
 			Help: "Pods handed back to istio-cni's rules on uninstall, by result (handed_back, failed: left on eBPF)."}, []string{"result"}),
+		noListener: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ambient_ebpf_pods_without_inbound_listener",
+			Help: "Enrolled pods none of whose ztunnel inbound listeners is filed in ae_listeners at the last resync: their inbound connections are refused (ztunnel has not been handed the pod yet, or is down, or the table was full)."}),
+		listenerEntries: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ambient_ebpf_listener_table_entries",
+			Help: "ztunnel inbound listeners filed in ae_listeners at the last resync, of 32768 (4 per enrolled pod at most)."}),
+		refiled: prometheus.NewCounter(prometheus.CounterOpts{Name: "ambient_ebpf_listeners_refiled_total",
+			Help: "Enrolled pods whose ztunnel inbound listener the agent's resync filed because none was (the table had no room when ztunnel listened)."}),
+		pruned: prometheus.NewCounter(prometheus.CounterOpts{Name: "ambient_ebpf_listeners_pruned_total",
+			Help: "ae_listeners entries of netns that are not enrolled, deleted by the agent (removed pods', or filed by an earlier agent's sockops for any netns)."}),
 		bpf:       newBPFCollector(perPod),
 		decisions: newDecisionCollector(),
 	}
@@ -135,8 +147,17 @@ func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 	}
 	m.reg.MustRegister(m.installs, m.installReady, m.pluginRequests, m.repaired, m.reconcile, m.ztunnel,
 		m.delRequests, m.enrolled, m.enrollSeconds, m.removeSeconds, m.dataplaneErrors,
-		m.takeovers, m.draining, m.leftOnIstioCNI, m.handbacks, m.bpf, m.decisions)
+		m.takeovers, m.draining, m.leftOnIstioCNI, m.handbacks, m.noListener, m.listenerEntries, m.refiled, m.pruned,
+		m.bpf, m.decisions)
 	return m
+}
+
+// observeListeners records a listener resync (dataplane.ListenerStatus).
+func (m *metrics) observeListeners(st dataplane.ListenerStatus) {
+	m.noListener.Set(float64(len(st.Missing)))
+	m.listenerEntries.Set(float64(st.Entries))
+	m.refiled.Add(float64(st.Refiled))
+	m.pruned.Add(float64(st.Pruned))
 }
 
 // observer is what the reconciler reports to the metrics.
