@@ -145,10 +145,44 @@ func checkDataPath(_ context.Context, n *node) []Finding {
 				Action:  "restart the agent: it restores the entries unless another running pod has the address (its log names both pods); then remove the pod that should not have it"})
 		}
 	}
+	out = append(out, checkListeners(n)...)
 	if len(partial) > 0 {
 		out = append(out, Finding{Check: "datapath", Status: Warn, Summary: "an agent stopped part way through " + list(partial, 5),
 			Meaning: "the journal keeps such pods from staying half redirected: the next agent to start undoes it and they are enrolled again",
 			Action:  "make sure the agent is running (ambient-ebpf status)"})
+	}
+	return out
+}
+
+// checkListeners reports ae_listeners, ztunnel's inbound listeners by pod
+// (R5, the sk_lookup mode): pods with none filed refuse inbound
+// connections.
+func checkListeners(n *node) []Finding {
+	const check = "listeners"
+	st, err := n.pinned.Listeners()
+	if err != nil {
+		return []Finding{{Check: check, Status: Warn, Summary: err.Error()}}
+	}
+	if st.Capacity == 0 {
+		return nil // inbound goes through tc on this kernel
+	}
+	var out []Finding
+	if len(st.Missing) > 0 {
+		out = append(out, Finding{Check: check, Status: Warn, Summary: fmt.Sprintf("%d enrolled pods have no ztunnel inbound listener filed: %s", len(st.Missing), list(st.Missing, 5)),
+			Meaning: "their inbound connections are refused (fail closed) until one is: ztunnel has not been handed them yet, is down, or ae_listeners had no room when it listened; the agent files them within 30 s of ztunnel listening",
+			Action:  "check ztunnel on this node and that the agent runs (ambient-ebpf status)"})
+	}
+	if st.NotEnrolled > 0 {
+		out = append(out, Finding{Check: check, Status: Warn, Summary: fmt.Sprintf("%d of the %d ae_listeners entries are of netns that are not enrolled", st.NotEnrolled, st.Entries),
+			Meaning: "removed pods' listeners, or ones an earlier agent filed for any netns (a local user with a user namespace can fill the table that way); the agent prunes them every 30 s",
+			Action:  "make sure the agent is running (ambient-ebpf status)"})
+	}
+	if d, err := n.pinned.Decisions(); err == nil && d.ByReason[dataplane.ReasonListenerFull] > 0 {
+		out = append(out, Finding{Check: check, Status: Warn, Summary: fmt.Sprintf("ztunnel's listeners found ae_listeners full %d times since the maps were made", d.ByReason[dataplane.ReasonListenerFull]),
+			Meaning: "those listeners were not filed when they started; the agent's resync files them once there is room"})
+	}
+	if len(out) == 0 {
+		out = append(out, Finding{Check: check, Status: OK, Summary: fmt.Sprintf("every enrolled pod has ztunnel's inbound listener filed (ae_listeners: %d of %d)", st.Entries, st.Capacity)})
 	}
 	return out
 }

@@ -24,6 +24,11 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
+func TestMain(m *testing.M) {
+	simnode.RunHelper() // the ztunnel stand-in the listeners check meets
+	os.Exit(m.Run())
+}
+
 // want is a finding expected in a report: its check, status, and words
 // its summary must contain.
 type want struct {
@@ -155,12 +160,30 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 			t.Errorf("an installed node fails:\n%s", dump(r))
 		}
 		forbidStatus(t, r, "trace", Info, Warn, Fail) // nobody traces
+		if skLookupInbound() {
+			// No ztunnel has been handed the pod: nothing listens in it.
+			requireFindings(t, r, want{"listeners", Warn, []string{"1 enrolled pods have no ztunnel inbound listener filed: shop/web"}})
+		} else {
+			forbidStatus(t, r, "listeners", OK, Info, Warn, Fail)
+		}
 		if features.HasSockmapAccel() {
 			requireFindings(t, r, want{"sockmap", Info, []string{"sockmap acceleration on: 0 senders and 0 receivers"}})
 			requireFindings(t, r, want{"cgroup-hooks", OK, []string{"no other program on the socket hooks"}})
 		} else {
 			forbidStatus(t, r, "sockmap", Info, Warn, Fail)
 		}
+	})
+
+	t.Run("listeners", func(t *testing.T) {
+		if !skLookupInbound() {
+			t.Log("inbound goes through tc on this kernel: ae_listeners is not used") // no skip: the check must stay silent
+			forbidStatus(t, Run(ctx, cfg), "listeners", OK, Info, Warn, Fail)
+			return
+		}
+		n.StartZtunnel().Add(pod) // it listens in the pod, and sockops files that
+		r := Run(ctx, cfg)
+		requireFindings(t, r, want{"listeners", OK, []string{"every enrolled pod has ztunnel's inbound listener filed (ae_listeners: "}})
+		forbidStatus(t, r, "listeners", Warn, Fail)
 	})
 
 	t.Run("conflicts", func(t *testing.T) {
@@ -279,4 +302,11 @@ func deleteOurFilter(t *testing.T, ns, iface string) {
 	}); err != nil {
 		t.Fatalf("delete our filter on %s: %v", iface, err)
 	}
+}
+
+// skLookupInbound says whether the data path files ztunnel's listeners
+// (ae_listeners) on this kernel: only where sk_lookup alone captures
+// inbound.
+func skLookupInbound() bool {
+	return features.HasSkLookupIfindex() && features.HasNetnsCookieSockops()
 }
