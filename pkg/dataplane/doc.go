@@ -12,8 +12,11 @@
 //     sockops and getsockopt let ztunnel read the original destination with
 //     an unmodified getsockopt(SO_ORIGINAL_DST). Pods are recognised by
 //     netns cookie, so the hooks cost one hash lookup for everyone else.
-//     sockops also files ztunnel's inbound listeners (ae_listeners) and its
-//     deliveries to the app (ae_local_flows) for the pod's sk_lookup.
+//     sockops also files ztunnel's inbound listeners in enrolled pods
+//     (ae_listeners) and its deliveries to the app (ae_local_flows) for
+//     the pod's sk_lookup; the agent's resync files those the full table
+//     left out (ResyncListeners). Who can fill each shared map:
+//     docs/CONTRACT.md, "Shared capacity".
 //   - bpf/accel.c, only with Config.SockmapAccel (Linux 5.15): a second
 //     sockops program on the cgroup root puts both ends of each pod-local
 //     app <-> ztunnel connection into sockhashes, and an sk_msg program
