@@ -6,6 +6,7 @@
 #define AMBIENT_LIB_H
 
 #include "common.h"
+#include "maps.h" /* pod_stats() looks up ae_stats */
 
 #define AF_INET  2
 #define AF_INET6 10
