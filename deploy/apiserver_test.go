@@ -241,10 +241,8 @@ func TestChartRBACIsEnoughForEachRepairMode(t *testing.T) {
 
 func waitFor(t *testing.T, what string, logs *syncBuffer, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting: %s; controller log:\n%s", what, logs.String())
-		}
+	if !testenv.Poll(30*time.Second, cond) {
+		t.Fatalf("timed out waiting: %s; controller log:\n%s", what, logs.String())
 	}
 }
 

@@ -2,14 +2,19 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package testenv holds the few rules every kernel test follows: who may
-// skip, and how names are made unique per run so parallel runs never collide.
+// skip, how names are made unique per run so parallel runs never collide,
+// and the one way a test waits for something to become true.
 package testenv
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"os"
 	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
 )
 
 // InCI reports whether the tests run under CI=true, where a test that cannot
@@ -47,4 +52,29 @@ func RunID() string {
 		panic(err)
 	}
 	return hex.EncodeToString(b[:])
+}
+
+// pollInterval is how often Poll and Eventually ask again: short enough
+// that a wait ends soon after its condition holds, long enough that a
+// condition asking an API server or reading a map stays cheap.
+const pollInterval = 20 * time.Millisecond
+
+// Poll calls cond at once and then every 20 ms until it returns true or
+// timeout passes, and reports whether it returned true. It is the tests'
+// one wait loop: use it directly where running out of time is a finding
+// to report in the caller's own words (or no failure at all), and
+// Eventually where it just fails the test.
+func Poll(timeout time.Duration, cond func() bool) bool {
+	err := wait.PollUntilContextTimeout(context.Background(), pollInterval, timeout, true,
+		func(context.Context) (bool, error) { return cond(), nil })
+	return err == nil
+}
+
+// Eventually polls cond (see Poll) until it returns true, and fails the
+// test, naming what it waited for, when timeout passes first.
+func Eventually(tb testing.TB, timeout time.Duration, what string, cond func() bool) {
+	tb.Helper()
+	if !Poll(timeout, cond) {
+		tb.Fatalf("timed out after %v waiting: %s", timeout, what)
+	}
 }

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -116,12 +117,14 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 
 	tr := startTrace(t, n.BPFFSDir)
 	// The tracer is on once a loopback connect shows up.
-	deadline := time.Now().Add(10 * time.Second)
-	for len(tr.collect(200*time.Millisecond)) == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("no trace event for a loopback connect in 10s")
+	if !testenv.Poll(10*time.Second, func() bool {
+		if len(tr.collect(200*time.Millisecond)) > 0 {
+			return true
 		}
 		_, _ = appA.Dial("tcp", simnode.AppRequest{Addr: netip.MustParseAddrPort("127.0.0.1:8081")})
+		return false
+	}) {
+		t.Fatal("no trace event for a loopback connect in 10s")
 	}
 
 	out4, out6 := simnode.OutsideV4, simnode.OutsideV6

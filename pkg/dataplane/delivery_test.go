@@ -15,6 +15,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -77,11 +78,8 @@ func overtake(t *testing.T, n *simnode.Node, p *simnode.Pod, port uint16, timeou
 			done <- overtaken{fam, resp, err}
 		}()
 	}
-	for end := time.Now().Add(10 * time.Second); held() < len(fams); {
-		if time.Now().After(end) {
-			t.Fatalf("the deliveries' first SYNs never came (%d held)", held())
-		}
-		time.Sleep(10 * time.Millisecond)
+	if !testenv.Poll(10*time.Second, func() bool { return held() >= len(fams) }) {
+		t.Fatalf("the deliveries' first SYNs never came (%d held)", held())
 	}
 
 	d := newDataplane(t, n)
@@ -97,12 +95,8 @@ func overtake(t *testing.T, n *simnode.Node, p *simnode.Pod, port uint16, timeou
 // waitNoLocalFlows waits (5 s at most) for ae_local_flows to be empty.
 func waitNoLocalFlows(t *testing.T, d *Dataplane, after string) {
 	t.Helper()
-	for end := time.Now().Add(5 * time.Second); countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows) > 0; {
-		if time.Now().After(end) {
-			t.Errorf("ae_local_flows holds %d entries after %s", countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows), after)
-			return
-		}
-		time.Sleep(20 * time.Millisecond)
+	if !testenv.Poll(5*time.Second, func() bool { return countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows) == 0 }) {
+		t.Errorf("ae_local_flows holds %d entries after %s", countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows), after)
 	}
 }
 
@@ -157,12 +151,9 @@ func TestRemovingAPodPrunesItsLeftoverDeliveries(t *testing.T) {
 	// through an enrolment that takes seconds under emulation.
 	d, delivery, done := overtake(t, n, p, 7017, 10*time.Second)
 	if d.bpfFlags&flagSkLookupIfindex != 0 {
-		for end := time.Now().Add(10 * time.Second); countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows) < len(delivery); {
-			if time.Now().After(end) {
-				t.Fatalf("ae_local_flows holds %d entries, want the %d deliveries' (filed as their SYNs were retransmitted)",
-					countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows), len(delivery))
-			}
-			time.Sleep(20 * time.Millisecond)
+		if !testenv.Poll(10*time.Second, func() bool { return countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows) >= len(delivery) }) {
+			t.Fatalf("ae_local_flows holds %d entries, want the %d deliveries' (filed as their SYNs were retransmitted)",
+				countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows), len(delivery))
 		}
 	}
 	if err := d.Remove(context.Background(), p.UID); err != nil {

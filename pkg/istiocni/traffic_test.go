@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -150,10 +151,8 @@ func drainTakeover(t *testing.T, b istiocni.Backend, drain bool) {
 // for: the stand-in writes it as it accepts, after the client's connect
 // has returned.
 func awaitRecord(zt *simnode.Ztunnel, peer netip.AddrPort) (standin.Record, bool) {
-	r, ok := zt.RecordFor(peer)
-	for deadline := time.Now().Add(5 * time.Second); !ok && time.Now().Before(deadline); r, ok = zt.RecordFor(peer) {
-		time.Sleep(20 * time.Millisecond)
-	}
+	var r standin.Record
+	ok := testenv.Poll(5*time.Second, func() (found bool) { r, found = zt.RecordFor(peer); return found })
 	return r, ok
 }
 
@@ -172,10 +171,11 @@ func flows(t *testing.T, p *simnode.Pod, want int) {
 // FIN exchange goes through ztunnel's relay).
 func waitFlows(t *testing.T, p *simnode.Pod, want int) {
 	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		if got, err := istiocni.RedirectedFlows(context.Background(), p.NetnsPath()); err == nil && got == want {
-			return
-		}
+	if testenv.Poll(5*time.Second, func() bool {
+		got, err := istiocni.RedirectedFlows(context.Background(), p.NetnsPath())
+		return err == nil && got == want
+	}) {
+		return
 	}
 	flows(t, p, want)
 }

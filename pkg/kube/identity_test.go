@@ -8,22 +8,21 @@ import (
 	"log/slog"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
 )
 
-var (
-	serve   = reconcilertest.Serve
-	waitFor = reconcilertest.WaitFor
-)
+var serve = reconcilertest.Serve
 
 // hostilePods are pods no API server would store. The fake clientset does
 // not validate, so they reach the informers as a broken or compromised API
@@ -77,7 +76,7 @@ func TestControllerSkipsPodsWithInvalidIdentity(t *testing.T) {
 			t.Errorf("snapshot = %d pods, %v; want none of the invalid ones", len(snap), err)
 		}
 	})
-	waitFor(t, "the valid pod enrolled", func() bool { return mesh.Redirection("uid-good") == reconciler.Enabled })
+	testenv.Eventually(t, 10*time.Second, "the valid pod enrolled", func() bool { return mesh.Redirection("uid-good") == reconciler.Enabled })
 	stop()
 	for _, call := range mesh.Calls() {
 		if call.UID != "uid-good" {

@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/workqueue"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
@@ -213,15 +214,6 @@ func (e *testEnv) liveAdd(t *testing.T, pod *corev1.Pod) error {
 	return e.r.reconcile(context.Background(), pod.Namespace+"/"+pod.Name)
 }
 
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(10 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting: %s", what)
-		}
-	}
-}
-
 func TestCNIAddEnrollsAmbientPodsAndPublishesThem(t *testing.T) {
 	e := newTestEnv(t, 1)
 	res, err := e.r.CNIAdd(context.Background(), addReq(e.web, e.ns["shop"], "uid-web"))
@@ -323,7 +315,7 @@ func TestNACKedAddIsRetriedWithExponentialBackoff(t *testing.T) {
 	e.zt.nacks = 4
 	e.run(t)
 	e.r.SetPod(e.web, e.ns["shop"])
-	eventually(t, "pod enabled once ztunnel takes it", func() bool { return e.r.State(e.web.UID) == Enabled })
+	testenv.Eventually(t, 10*time.Second, "pod enabled once ztunnel takes it", func() bool { return e.r.State(e.web.UID) == Enabled })
 	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
 	if got := rl.of("shop/web"); !slices.Equal(got, want) {
 		t.Errorf("retry delays %v; want %v", got, want)
@@ -338,7 +330,7 @@ func TestNACKedAddIsRetriedWithExponentialBackoff(t *testing.T) {
 	other := e.web.DeepCopy()
 	other.Name, other.UID = "db", "uid-db"
 	e.r.SetPod(other, e.ns["shop"])
-	eventually(t, "second pod enabled", func() bool { return e.r.State(other.UID) == Enabled })
+	testenv.Eventually(t, 10*time.Second, "second pod enabled", func() bool { return e.r.State(other.UID) == Enabled })
 	if got := rl.of("shop/db"); !slices.Equal(got, want[:1]) {
 		t.Errorf("second pod's retry delays %v; want %v", got, want[:1])
 	}
@@ -369,7 +361,7 @@ func TestNACKedSnapshotEntryIsRetried(t *testing.T) {
 	e.zt.mu.Unlock()
 	e.run(t)
 	e.r.OnAck(zds.Ack{Conn: 1, UID: "uid-web", Op: zds.OpAdd, Snapshot: true, Err: fmt.Errorf("%w: busy", zds.ErrNack)})
-	eventually(t, "pod enabled by the retry", func() bool { return e.r.State(e.web.UID) == Enabled })
+	testenv.Eventually(t, 10*time.Second, "pod enabled by the retry", func() bool { return e.r.State(e.web.UID) == Enabled })
 	if e.zt.addedCount() != 1 {
 		t.Errorf("ztunnel took %d live Adds; want 1", e.zt.addedCount())
 	}

@@ -10,11 +10,13 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 )
 
@@ -136,7 +138,7 @@ func TestStopStartsNoQueuedPod(t *testing.T) {
 	e.r.Synced()
 	// Both workers took a pod: one scans, the other waits for that scan.
 	<-finder.scanning
-	eventually(t, "both workers busy", func() bool { return e.r.Queued() == queued-2 })
+	testenv.Eventually(t, 10*time.Second, "both workers busy", func() bool { return e.r.Queued() == queued-2 })
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("run: %v", err)
@@ -169,7 +171,7 @@ func TestRepairOfABacklogScansProcOnce(t *testing.T) {
 		e.r.SetPod(pod, e.ns["shop"])
 	}
 	e.run(t)
-	eventually(t, "every pod repaired", func() bool { return e.dp.count() == backlog })
+	testenv.Eventually(t, 10*time.Second, "every pod repaired", func() bool { return e.dp.count() == backlog })
 	if scans, _ := finder.counts(); scans != 1 {
 		t.Errorf("%d scans of /proc for %d pods; want 1", scans, backlog)
 	}
@@ -183,12 +185,12 @@ func TestPodNotFoundIsLookedForByANewerScan(t *testing.T) {
 	pod := runningPods(1)[0]
 	e.r.SetPod(pod, e.ns["shop"])
 	e.run(t)
-	eventually(t, "the repair failed", func() bool {
+	testenv.Eventually(t, 10*time.Second, "the repair failed", func() bool {
 		c, ok := e.chg.last(pod.UID)
 		return ok && c.Repair == RepairFailed
 	})
 	finder.start(pod.UID)
-	eventually(t, "the pod repaired on a retry", func() bool { return e.dp.has(string(pod.UID)) })
+	testenv.Eventually(t, 10*time.Second, "the pod repaired on a retry", func() bool { return e.dp.has(string(pod.UID)) })
 	if scans, _ := finder.counts(); scans < 2 {
 		t.Errorf("%d scans; want the retry's own", scans)
 	}

@@ -12,6 +12,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
@@ -105,7 +106,7 @@ func TestTakeoverEnrolsFirstThenFinishesUntilDrained(t *testing.T) {
 	}
 	e.r.SetPod(pod, e.ns["shop"])
 	e.run(t)
-	eventually(t, "three Finish calls (two draining)", func() bool { return tk.finished() == 3 })
+	testenv.Eventually(t, 10*time.Second, "three Finish calls (two draining)", func() bool { return tk.finished() == 3 })
 	if !e.dp.has("uid-web") {
 		t.Fatal("not enrolled after the takeover")
 	}
@@ -133,7 +134,7 @@ func TestTakeoverRefusedLeavesThePodOnIstioCNI(t *testing.T) {
 	e.r.Adopt(context.Background(), []*corev1.Pod{pod})
 	e.r.SetPod(pod, e.ns["shop"])
 	e.run(t)
-	eventually(t, "the inspection", func() bool {
+	testenv.Eventually(t, 10*time.Second, "the inspection", func() bool {
 		p, _ := e.pod("uid-web")
 		return p.Note == "hand-edited"
 	})
@@ -155,7 +156,7 @@ func TestTakeoverRefusedLeavesThePodOnIstioCNI(t *testing.T) {
 	}
 	// It leaves like any pod.
 	e.r.DeletePod("shop", "web")
-	eventually(t, "the pod left", func() bool { _, ok := e.pod("uid-web"); return !ok })
+	testenv.Eventually(t, 10*time.Second, "the pod left", func() bool { _, ok := e.pod("uid-web"); return !ok })
 }
 
 // A failed inspection is retried; meanwhile the pod stays as istio-cni
@@ -167,7 +168,7 @@ func TestTakeoverInspectFailureIsRetried(t *testing.T) {
 	e.r.Adopt(context.Background(), []*corev1.Pod{pod})
 	e.r.SetPod(pod, e.ns["shop"])
 	e.run(t)
-	eventually(t, "the takeover after the retry", func() bool { return tk.finished() == 1 })
+	testenv.Eventually(t, 10*time.Second, "the takeover after the retry", func() bool { return tk.finished() == 1 })
 	if !e.dp.has("uid-web") {
 		t.Error("not enrolled")
 	}
@@ -186,7 +187,7 @@ func TestTakeoverOfAPinnedPodIsInspectedAsPinned(t *testing.T) {
 	}
 	e.r.SetPod(pod, e.ns["shop"])
 	e.run(t)
-	eventually(t, "the inspection", func() bool {
+	testenv.Eventually(t, 10*time.Second, "the inspection", func() bool {
 		tk.mu.Lock()
 		defer tk.mu.Unlock()
 		return len(tk.inspects) == 1

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
@@ -50,10 +51,7 @@ func writeAtomically(t *testing.T, path, content string) {
 	}
 }
 
-var (
-	serve   = reconcilertest.Serve
-	waitFor = reconcilertest.WaitFor
-)
+var serve = reconcilertest.Serve
 
 var discard = slog.New(slog.DiscardHandler)
 
@@ -78,8 +76,8 @@ func TestFileSourceEnrollsAndRemovesPodsAsTheFileChanges(t *testing.T) {
 	src, mesh, path, stop := serveFile(t, strings.ReplaceAll(podFile, "NSMODE", "ambient"))
 
 	web := types.UID("web-uid")
-	waitFor(t, "web enrolled from the file", func() bool { return mesh.Redirection(web) == reconciler.Enabled })
-	waitFor(t, "redirection published", func() bool { return src.Redirection(web) == reconciler.Enabled })
+	testenv.Eventually(t, 10*time.Second, "web enrolled from the file", func() bool { return mesh.Redirection(web) == reconciler.Enabled })
+	testenv.Eventually(t, 10*time.Second, "redirection published", func() bool { return src.Redirection(web) == reconciler.Enabled })
 
 	writeAtomically(t, path, "apiVersion: v1\nkind: Pod\nmetadata: {name: [broken")
 	time.Sleep(200 * time.Millisecond)
@@ -88,8 +86,8 @@ func TestFileSourceEnrollsAndRemovesPodsAsTheFileChanges(t *testing.T) {
 	}
 
 	writeAtomically(t, path, strings.ReplaceAll(podFile, "NSMODE", "none"))
-	waitFor(t, "web removed when the namespace label goes", func() bool { return mesh.Redirection(web) == reconciler.None })
-	waitFor(t, "redirection withdrawn", func() bool { return src.Redirection(web) == reconciler.None })
+	testenv.Eventually(t, 10*time.Second, "web removed when the namespace label goes", func() bool { return mesh.Redirection(web) == reconciler.None })
+	testenv.Eventually(t, 10*time.Second, "redirection withdrawn", func() bool { return src.Redirection(web) == reconciler.None })
 
 	if calls := mesh.CallsFor("other-uid"); len(calls) != 0 {
 		t.Errorf("pod of another node got mesh calls %+v", calls)
@@ -105,7 +103,7 @@ func TestFileSourceGivesUIDlessPodsASafeStandaloneUID(t *testing.T) {
 		"spec: {nodeName: node-1, containers: [{name: app, image: app}]}\nstatus: {phase: Running, podIP: 198.18.0.5}\n"
 	_, mesh, _, stop := serveFile(t, strings.ReplaceAll(pod, "NAME", "web"))
 	uid := types.UID(identity.StandaloneUID("shop", "web"))
-	waitFor(t, "web enrolled under its standalone uid", func() bool { return mesh.Redirection(uid) == reconciler.Enabled })
+	testenv.Eventually(t, 10*time.Second, "web enrolled under its standalone uid", func() bool { return mesh.Redirection(uid) == reconciler.Enabled })
 	stop()
 	for _, call := range mesh.Calls() {
 		if err := identity.PodUID(string(call.UID)); err != nil || call.UID != uid {

@@ -17,6 +17,7 @@ import (
 	"istio.io/istio/pkg/zdsapi"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/nstest"
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 )
 
 func mustMarshal(tb testing.TB, m proto.Message) []byte {
@@ -94,7 +95,7 @@ func TestBadInputEndsOnlyThatConnection(t *testing.T) {
 			h := startServer(t, Config{Snapshot: func() []Workload { return []Workload{{UID: "s1"}} }})
 			good := dialRaw(t, h.path)
 			good.handshake(1)
-			eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "good peer registered")
+			testenv.Eventually(t, time.Second, "good peer registered", func() bool { return h.srv.Connections() == 1 })
 
 			bad := dialRaw(t, h.path)
 			if tc.phase != atHello {
@@ -118,7 +119,7 @@ func TestBadInputEndsOnlyThatConnection(t *testing.T) {
 			}
 			line := h.logs.waitLine(t, "connection ended", tc.reason)
 			t.Logf("logged: %s", line)
-			eventually(t, 2*time.Second, func() bool { return h.srv.Connections() == 1 }, "only the good peer left")
+			testenv.Eventually(t, 2*time.Second, "only the good peer left", func() bool { return h.srv.Connections() == 1 })
 
 			// The good peer is unaffected.
 			h.delThrough(t, "s1", good)
@@ -199,7 +200,7 @@ func TestPanicWhileServingEndsOnlyThatConnection(t *testing.T) {
 	if !strings.Contains(line, "goroutine") {
 		t.Errorf("logged without a stack: %s", line)
 	}
-	eventually(t, 2*time.Second, func() bool { return h.srv.Connections() == 1 }, "only the good peer left")
+	testenv.Eventually(t, 2*time.Second, "only the good peer left", func() bool { return h.srv.Connections() == 1 })
 	h.delThrough(t, "s1", good)
 	if got := uids(dialRaw(t, h.path).handshake(1)); len(got) != 1 || got[0] != "keep:s1" {
 		t.Fatalf("new peer snapshot %v", got)

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"istio.io/istio/pkg/zdsapi"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/zdswire"
 )
 
@@ -66,7 +67,7 @@ func (a *attrSink) Handle(_ context.Context, r slog.Record) error { return a.sin
 func (l *logSink) waitLine(tb testing.TB, subs ...string) string {
 	tb.Helper()
 	var found string
-	eventually(tb, 5*time.Second, func() bool {
+	testenv.Eventually(tb, 5*time.Second, fmt.Sprintf("log line with %q", subs), func() bool {
 		l.mu.Lock()
 		defer l.mu.Unlock()
 	lines:
@@ -80,7 +81,7 @@ func (l *logSink) waitLine(tb testing.TB, subs ...string) string {
 			return true
 		}
 		return false
-	}, "log line with %q", subs)
+	})
 	return found
 }
 
@@ -88,17 +89,6 @@ func (l *logSink) dump() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return strings.Join(l.lines, "\n")
-}
-
-func eventually(tb testing.TB, within time.Duration, cond func() bool, format string, args ...any) {
-	tb.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			tb.Fatalf("timed out after %v waiting for "+format, append([]any{within}, args...)...)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 // harness is one running Server on a socket in a temp dir.

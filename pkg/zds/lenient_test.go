@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"istio.io/istio/pkg/zdsapi"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 )
 
 // Z1: a hello with a version after V1 connects (and is logged), as
@@ -25,7 +27,7 @@ func TestHelloWithALaterVersionConnects(t *testing.T) {
 	}
 	p.ack("")
 	h.logs.waitLine(t, "ztunnel connected", "version=7")
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "peer registered")
+	testenv.Eventually(t, time.Second, "peer registered", func() bool { return h.srv.Connections() == 1 })
 }
 
 // Z6: a malformed answer to a live request fails that request; the
@@ -35,7 +37,7 @@ func TestMalformedAckToALiveRequestKeepsTheConnection(t *testing.T) {
 	h := startServer(t, Config{})
 	p := dialRaw(t, h.path)
 	p.handshake(0)
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "peer registered")
+	testenv.Eventually(t, time.Second, "peer registered", func() bool { return h.srv.Connections() == 1 })
 	done := doAsync(func() error { return h.srv.AddWorkload(context.Background(), Workload{UID: "p", Netns: ns}) })
 	if req, _ := p.recv(); req.GetAdd().GetUid() != "p" {
 		t.Fatalf("got %v", req)
@@ -71,7 +73,7 @@ func TestEveryAnswerIsReported(t *testing.T) {
 	p.ack("busy")
 	p.recv() // snapshot_sent
 	p.ack("")
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "peer registered")
+	testenv.Eventually(t, time.Second, "peer registered", func() bool { return h.srv.Connections() == 1 })
 	for _, reply := range []string{"", "netns gone"} {
 		done := doAsync(func() error {
 			return h.srv.AddWorkload(context.Background(), Workload{UID: "p", Netns: "/proc/self/ns/net"})

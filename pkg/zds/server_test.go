@@ -96,7 +96,7 @@ func TestRunRemovesStaleSocketAndListensRootOnly(t *testing.T) {
 	}
 	p := dialRaw(t, path)
 	p.handshake(0)
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "one connection")
+	testenv.Eventually(t, time.Second, "one connection", func() bool { return h.srv.Connections() == 1 })
 	h.stop()
 	if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("socket left behind after stop: %v", err)
@@ -118,7 +118,7 @@ func TestSecondServerOnALiveSocketIsRefused(t *testing.T) {
 		t.Fatalf("Run on a live socket: %v", err)
 	}
 	dialRaw(t, path).handshake(0)
-	eventually(t, time.Second, func() bool { return first.srv.Connections() == 1 }, "the first server still serves")
+	testenv.Eventually(t, time.Second, "the first server still serves", func() bool { return first.srv.Connections() == 1 })
 }
 
 func TestRunRefusesToRemoveANonSocket(t *testing.T) {
@@ -166,7 +166,7 @@ func TestZ2SnapshotOnConnectAndAfterAgentRestart(t *testing.T) {
 	if got := uids(p2.handshake(3)); strings.Join(got, " ") != strings.Trim(want, "[]") {
 		t.Fatalf("restarted agent snapshot %v, want %s", got, want)
 	}
-	eventually(t, time.Second, func() bool { return h2.srv.Connections() == 1 }, "connection registered")
+	testenv.Eventually(t, time.Second, "connection registered", func() bool { return h2.srv.Connections() == 1 })
 }
 
 // TestZ4LiveAddDelOneInFlight: live requests are acked one at a time; a
@@ -207,7 +207,7 @@ func TestZ4AckTimeoutFailsRequestAndEndsConnection(t *testing.T) {
 	h := startServer(t, Config{AckTimeout: 300 * time.Millisecond})
 	p := dialRaw(t, h.path)
 	p.handshake(0)
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "registered")
+	testenv.Eventually(t, time.Second, "registered", func() bool { return h.srv.Connections() == 1 })
 	start := time.Now()
 	err := h.srv.DelWorkload(context.Background(), "p1")
 	if err == nil || !strings.Contains(err.Error(), "deadline") {
@@ -217,7 +217,7 @@ func TestZ4AckTimeoutFailsRequestAndEndsConnection(t *testing.T) {
 		t.Fatalf("timeout took %v", took)
 	}
 	p.expectClosed(2 * time.Second)
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 0 }, "connection dropped")
+	testenv.Eventually(t, time.Second, "connection dropped", func() bool { return h.srv.Connections() == 0 })
 	h.logs.waitLine(t, "connection ended", "no ack for del p1 within deadline")
 }
 
@@ -228,7 +228,7 @@ func TestZ4PeerLeavingMidRequestFailsTheCall(t *testing.T) {
 	h := startServer(t, Config{})
 	p := dialRaw(t, h.path)
 	p.handshake(0)
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "registered")
+	testenv.Eventually(t, time.Second, "registered", func() bool { return h.srv.Connections() == 1 })
 	done := doAsync(func() error { return h.srv.AddWorkload(context.Background(), Workload{UID: "p1", Netns: ns}) })
 	p.recv()
 	_ = p.uc.Close()
@@ -236,7 +236,7 @@ func TestZ4PeerLeavingMidRequestFailsTheCall(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "peer closed the connection") {
 		t.Fatalf("AddWorkload to a departed peer: %v", err)
 	}
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 0 }, "connection dropped")
+	testenv.Eventually(t, time.Second, "connection dropped", func() bool { return h.srv.Connections() == 0 })
 	if err := h.srv.AddWorkload(context.Background(), Workload{UID: "p1", Netns: ns}); !errors.Is(err, ErrNoZtunnel) {
 		t.Fatalf("AddWorkload with nobody left: %v", err)
 	}
@@ -248,7 +248,7 @@ func TestZ6Z7NackFromOneConnectionFailsDelButReachesTheOther(t *testing.T) {
 	a, b := dialRaw(t, h.path), dialRaw(t, h.path)
 	a.handshake(0)
 	b.handshake(0)
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 2 }, "two connections")
+	testenv.Eventually(t, time.Second, "two connections", func() bool { return h.srv.Connections() == 2 })
 	done := doAsync(func() error { return h.srv.DelWorkload(context.Background(), "p1") })
 	a.recv()
 	b.recv()
@@ -355,7 +355,7 @@ func TestZ7ZtunnelRestartOverlappingConnections(t *testing.T) {
 	if got := uids(newZ.handshake(1)); len(got) != 1 || got[0] != "add:existing" {
 		t.Fatalf("new ztunnel snapshot %v", got)
 	}
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 2 }, "two connections")
+	testenv.Eventually(t, time.Second, "two connections", func() bool { return h.srv.Connections() == 2 })
 
 	done := doAsync(func() error {
 		return h.srv.AddWorkload(ctx, Workload{UID: "fresh", Name: "f", Namespace: "d", ServiceAccount: "sa", Netns: nsNew})
@@ -374,7 +374,7 @@ func TestZ7ZtunnelRestartOverlappingConnections(t *testing.T) {
 
 	// The old ztunnel exits; the new one keeps receiving.
 	_ = oldZ.uc.Close()
-	eventually(t, 5*time.Second, func() bool { return h.srv.Connections() == 1 }, "old connection dropped")
+	testenv.Eventually(t, 5*time.Second, "old connection dropped", func() bool { return h.srv.Connections() == 1 })
 	h.delThrough(t, "fresh", newZ)
 }
 
@@ -388,7 +388,7 @@ func TestZ7LiveAddDuringSnapshotIsQueuedBehindIt(t *testing.T) {
 	if req.GetKeep().GetUid() != "s1" {
 		t.Fatalf("got %v", req)
 	}
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "registered")
+	testenv.Eventually(t, time.Second, "registered", func() bool { return h.srv.Connections() == 1 })
 	done := doAsync(func() error { return h.srv.DelWorkload(context.Background(), "late") })
 	p.ack("")
 	if req, _ := p.recv(); req.GetSnapshotSent() == nil {
@@ -418,11 +418,11 @@ func TestZ8IdleClosedConnectionIsDropped(t *testing.T) {
 	h := startServer(t, Config{})
 	p := dialRaw(t, h.path)
 	p.handshake(0)
-	eventually(t, time.Second, func() bool { return h.srv.Connections() == 1 }, "registered")
+	testenv.Eventually(t, time.Second, "registered", func() bool { return h.srv.Connections() == 1 })
 	time.Sleep(100 * time.Millisecond) // idle
 	start := time.Now()
 	_ = p.uc.Close()
-	eventually(t, 5*time.Second, func() bool { return h.srv.Connections() == 0 }, "closed connection dropped")
+	testenv.Eventually(t, 5*time.Second, "closed connection dropped", func() bool { return h.srv.Connections() == 0 })
 	t.Logf("dropped after %v", time.Since(start))
 	h.logs.waitLine(t, "ztunnel disconnected")
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
@@ -53,7 +54,7 @@ func TestAgentKilledAtEveryStepConverges(t *testing.T) {
 					}
 					_ = n.tryPodDel(a)
 				}
-				died := agentrun.WaitExit(n.Agent, 5*time.Second)
+				died := testenv.Poll(5*time.Second, n.Agent.Exited)
 				t.Setenv(agent.FailpointEnv, "")
 				if !died {
 					// This kernel has fewer programs per pod than nth:

@@ -9,7 +9,9 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
@@ -51,7 +53,7 @@ func TestAgentPinsUnderSafeUIDsAndDelsWithoutUID(t *testing.T) {
 	if _, err := n.podAdd(t, &traversal); err == nil || !strings.Contains(err.Error(), "invalid pod uid") {
 		t.Errorf("ADD with uid ../../links = %v; want it refused", err)
 	}
-	agentrun.WaitFor(t, "ztunnel connected", func() bool {
+	testenv.Eventually(t, time.Minute, "ztunnel connected", func() bool {
 		_, body := n.Get("/metrics")
 		return strings.Contains(body, "ztunnel_connected 1")
 	})

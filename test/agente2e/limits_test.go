@@ -11,9 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
-	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 )
 
 // The agent lifts its soft open file limit to the hard one and weighs it
@@ -25,7 +25,7 @@ func TestAgentWeighsItsOpenFileLimit(t *testing.T) {
 	n := newAgentNode(t, "a")
 	n.Wrapper = []string{"prlimit", "--nofile=256:512", "--"}
 	n.StartAgent(t)
-	if !agentrun.WaitExit(n.Agent, time.Minute) {
+	if !testenv.Poll(time.Minute, n.Agent.Exited) {
 		t.Fatalf("agent with a hard limit of 512 still runs:\n%s", n.Agent.Output.String())
 	}
 	out := n.Agent.Output.String()

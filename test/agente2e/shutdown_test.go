@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 )
 
@@ -39,7 +40,7 @@ func TestAgentSIGTERMWithALargeQueueUninstallsWithoutDrainingIt(t *testing.T) {
 	}
 	n.StartAgent(t, "--uninstall-on-exit", "--log-format=json", "--proc-root", fakeProc(t, procs))
 	// The source reported every pod before the first one starts.
-	agentrun.WaitFor(t, "the first pod reconciled", func() bool {
+	testenv.Eventually(t, time.Minute, "the first pod reconciled", func() bool {
 		return strings.Contains(n.Agent.Output.String(), `"msg":"`+logReconciling+`"`)
 	})
 	// SIGTERM, and SIGKILL should the agent still run a minute later.

@@ -20,10 +20,10 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
-	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -156,7 +156,7 @@ func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 	if err := <-cliDone; err != nil {
 		t.Errorf("trace through the agent: %v", err)
 	}
-	agentrun.WaitFor(t, "the agent to let go of the trace", func() bool {
+	testenv.Eventually(t, time.Minute, "the agent to let go of the trace", func() bool {
 		tr, err := dataplane.OpenTracer(n.BPFFSDir)
 		if err == nil {
 			tr.Close()
@@ -185,7 +185,7 @@ func TestTraceSinceReplaysTheAgentsHistory(t *testing.T) {
 	dst := netip.AddrPortFrom(simnode.OutsideV4, 8080)
 
 	// The agent holds the reader from the start, with no client.
-	agentrun.WaitFor(t, "the agent to trace for its history", func() bool {
+	testenv.Eventually(t, time.Minute, "the agent to trace for its history", func() bool {
 		tr, err := dataplane.OpenTracer(n.BPFFSDir)
 		if err == nil {
 			tr.Close()

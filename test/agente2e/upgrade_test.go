@@ -18,6 +18,7 @@ import (
 	"github.com/cilium/ebpf/link"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testbin"
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
@@ -193,7 +194,7 @@ func (n *agentNode) crashAgent(t *testing.T, step string) {
 	// Generous: under emulation (hack/vmtest) a migration's steps take
 	// seconds each; 20 s was too little for migrate/switched on 5.10 and
 	// 6.1.
-	if !agentrun.WaitExit(n.Agent, 2*time.Minute) {
+	if !testenv.Poll(2*time.Minute, n.Agent.Exited) {
 		n.Agent.Kill()
 		t.Fatalf("the agent did not reach %s:\n%s", step, n.Agent.Output.String())
 	}
@@ -432,7 +433,7 @@ func (n *agentNode) startTraffic(t *testing.T, zt *simnode.Ztunnel, pods ...*sim
 func (tr *traffic) check(t *testing.T) {
 	t.Helper()
 	const enough = 5
-	agentrun.WaitFor(t, "connections", func() bool {
+	testenv.Eventually(t, time.Minute, "connections", func() bool {
 		tr.mu.Lock()
 		in := tr.inbound
 		tr.mu.Unlock()
@@ -465,17 +466,13 @@ func (tr *traffic) check(t *testing.T) {
 // connection from peer to dst after its first seen records (client ports
 // are reused for other destinations, so older records do not count).
 func inboundRecorded(zt *simnode.Ztunnel, seen int, peer, dst netip.AddrPort) bool {
-	deadline := time.Now().Add(100 * time.Millisecond)
-	for {
+	return testenv.Poll(100*time.Millisecond, func() bool {
 		recs := zt.Records()
 		for _, r := range recs[min(seen, len(recs)):] {
 			if r.Peer == peer && r.Listener == standin.InboundPort && r.OrigDst == dst {
 				return true
 			}
 		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return false
+	})
 }

@@ -20,6 +20,7 @@ import (
 
 	"github.com/cilium/ebpf/rlimit"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -85,24 +86,22 @@ func (n *Node) StartReadyAgent(t *testing.T, extra ...string) {
 	n.StartAgent(t, extra...)
 	// Generous: under emulation (hack/vmtest) loading the programs alone
 	// takes seconds.
-	deadline := time.Now().Add(2 * time.Minute)
-	for {
-		if code, _ := n.Get("/readyz"); code == http.StatusOK {
-			for _, s := range []struct{ network, path string }{
-				{"unixpacket", n.ZDS}, {"unix", n.CNI}, {"unix", n.Inspect},
-			} {
-				c, err := net.Dial(s.network, s.path)
-				if err != nil {
-					t.Fatalf("agent ready but %s does not answer: %v", s.path, err)
-				}
-				_ = c.Close()
-			}
-			return
+	var code int
+	testenv.Poll(2*time.Minute, func() bool {
+		code, _ = n.Get("/readyz")
+		return code == http.StatusOK || n.Agent.Exited()
+	})
+	if code != http.StatusOK {
+		t.Fatalf("agent not ready; output:\n%s", n.Agent.Output.String())
+	}
+	for _, s := range []struct{ network, path string }{
+		{"unixpacket", n.ZDS}, {"unix", n.CNI}, {"unix", n.Inspect},
+	} {
+		c, err := net.Dial(s.network, s.path)
+		if err != nil {
+			t.Fatalf("agent ready but %s does not answer: %v", s.path, err)
 		}
-		if n.Agent.Exited() || time.Now().After(deadline) {
-			t.Fatalf("agent not ready; output:\n%s", n.Agent.Output.String())
-		}
-		time.Sleep(50 * time.Millisecond)
+		_ = c.Close()
 	}
 }
 
@@ -124,7 +123,7 @@ func (n *Node) Get(path string) (int, string) {
 // the agent.
 func (n *Node) WaitZtunnel(t *testing.T) {
 	t.Helper()
-	WaitFor(t, "ztunnel connected", func() bool {
+	testenv.Eventually(t, time.Minute, "ztunnel connected", func() bool {
 		_, body := n.Get("/metrics")
 		return strings.Contains(body, "\nztunnel_connected 1\n")
 	})
@@ -189,37 +188,4 @@ func PinnedPods(t *testing.T, dir string) []dataplane.EnrolledPod {
 		t.Fatal(err)
 	}
 	return pods
-}
-
-// WaitFor polls cond until it holds, failing the test after a minute.
-func WaitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	if !Eventually(time.Minute, cond) {
-		t.Fatalf("timed out waiting for %s", what)
-	}
-}
-
-// Eventually polls cond until it holds or d passed, and says whether it
-// held.
-func Eventually(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	return true
-}
-
-// WaitExit waits up to d for the process to exit and says whether it did.
-func WaitExit(p *simnode.Process, d time.Duration) bool {
-	deadline := time.Now().Add(d)
-	for time.Now().Before(deadline) {
-		if p.Exited() {
-			return true
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return false
 }

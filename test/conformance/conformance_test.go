@@ -21,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -537,8 +538,8 @@ func TestConformance(t *testing.T) {
 					defer t.Run("sockmap_accelerated_the_hops", func(t *testing.T) { checkAccelerated(t, eb.dp, e.node) })
 				}
 				defer t.Run("H1_probe_translations_of_finished_connections_go_away", func(t *testing.T) {
-					deadline := time.Now().Add(5 * time.Second)
-					for {
+					var left []dataplane.ProbeNATEntry
+					if !testenv.Poll(5*time.Second, func() bool {
 						view, err := dataplane.OpenPinned(e.node.BPFFSDir)
 						if err != nil {
 							t.Fatal(err)
@@ -548,13 +549,10 @@ func TestConformance(t *testing.T) {
 						if err != nil {
 							t.Fatal(err)
 						}
-						if len(d.ProbeNAT) == 0 {
-							return
-						}
-						if time.Now().After(deadline) {
-							t.Fatalf("%d probe translations left after every probe ended: %+v", len(d.ProbeNAT), d.ProbeNAT[:min(3, len(d.ProbeNAT))])
-						}
-						time.Sleep(50 * time.Millisecond)
+						left = d.ProbeNAT
+						return len(left) == 0
+					}) {
+						t.Fatalf("%d probe translations left after every probe ended: %+v", len(left), left[:min(3, len(left))])
 					}
 				})
 				t.Run("no_iptables_or_nftables_rules", func(t *testing.T) {

@@ -15,9 +15,11 @@ import (
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
 
 // ztunnel listened in the pod before the data path existed, as after a
@@ -60,10 +62,8 @@ func inboundThroughZtunnel(t *testing.T, p *simnode.Pod, zt *simnode.Ztunnel, ap
 		if _, err := out.Do(simnode.AppRequest{Op: "stream-echo", Name: fam, DNSName: "hello"}); err != nil {
 			t.Errorf("%s: echo through ztunnel: %v", fam, err)
 		}
-		r, ok := zt.RecordFor(resp.Local)
-		for end := time.Now().Add(3 * time.Second); !ok && time.Now().Before(end); r, ok = zt.RecordFor(resp.Local) {
-			time.Sleep(20 * time.Millisecond)
-		}
+		var r standin.Record
+		ok := testenv.Poll(3*time.Second, func() (found bool) { r, found = zt.RecordFor(resp.Local); return found })
 		if !ok || r.Listener != 15006 {
 			t.Errorf("%s: the inbound connection from %s did not go through ztunnel's :15006 (record %+v, found %v)", fam, resp.Local, r, ok)
 		}

@@ -16,6 +16,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -189,19 +190,15 @@ func checkAccelerated(t *testing.T, dp *dataplane.Dataplane, n *simnode.Node) {
 // (the kernel drops each as it closes).
 func waitAccelEmpty(t *testing.T, n *simnode.Node) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		info, err := dataplane.ReadAccel(n.BPFFSDir)
-		if err != nil {
+	var info dataplane.AccelInfo
+	if !testenv.Poll(5*time.Second, func() bool {
+		var err error
+		if info, err = dataplane.ReadAccel(n.BPFFSDir); err != nil {
 			t.Fatal(err)
 		}
-		if info.Senders+info.Receivers == 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d senders and %d receivers still in the sockmaps after their connections ended", info.Senders, info.Receivers)
-		}
-		time.Sleep(50 * time.Millisecond)
+		return info.Senders+info.Receivers == 0
+	}) {
+		t.Fatalf("%d senders and %d receivers still in the sockmaps after their connections ended", info.Senders, info.Receivers)
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
@@ -77,10 +78,8 @@ func TestIstioCNIConnectionsLiveOnUnderTheDataPath(t *testing.T) {
 		if _, err := s.app.Do(simnode.AppRequest{Op: "stream-echo", Name: s.name, DNSName: "first"}); err != nil {
 			t.Fatalf("%s: echo: %v", s.name, err)
 		}
-		r, ok := zt.RecordFor(resp.Local)
-		for end := time.Now().Add(5 * time.Second); !ok && time.Now().Before(end); r, ok = zt.RecordFor(resp.Local) {
-			time.Sleep(20 * time.Millisecond)
-		}
+		var r standin.Record
+		ok := testenv.Poll(5*time.Second, func() (found bool) { r, found = zt.RecordFor(resp.Local); return found })
 		if !ok || r.Listener != s.listener || r.OrigDst != s.addr || r.Error != "" {
 			t.Fatalf("%s: not through ztunnel's :%d to %s: record %+v (found %v)", s.name, s.listener, s.addr, r, ok)
 		}
@@ -153,9 +152,7 @@ func TestIstioCNIConnectionsLiveOnUnderTheDataPath(t *testing.T) {
 	}
 	// The FIN exchange goes through ztunnel's relay before conntrack leaves
 	// ESTABLISHED.
-	for end := time.Now().Add(10 * time.Second); redirected() != 0 && time.Now().Before(end); {
-		time.Sleep(20 * time.Millisecond)
-	}
+	testenv.Poll(10*time.Second, func() bool { return redirected() == 0 })
 	if got := redirected(); got != 0 {
 		t.Errorf("RedirectedFlows = %d once istio-cni's connections closed, want 0", got)
 	}
@@ -207,14 +204,14 @@ func TestAClientBackFromThePortOfAnIstioCNIConnection(t *testing.T) {
 		// This connection's record: the stand-in's first of f.src is the
 		// earlier connection's.
 		var r standin.Record
-		ok := false
-		for end := time.Now().Add(5 * time.Second); !ok && time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		ok := testenv.Poll(5*time.Second, func() (found bool) {
 			for _, rec := range zt.Records() {
 				if rec.Peer == f.src && !rec.Time.Before(start) {
-					r, ok = rec, true
+					r, found = rec, true
 				}
 			}
-		}
+			return found
+		})
 		if !ok || r.Listener != standin.InboundPort || r.OrigDst != f.dst || r.Error != "" {
 			t.Errorf("%s %s: not through ztunnel's :%d to %s: record %+v (found %v)", phase, f.name, standin.InboundPort, f.dst, r, ok)
 		}

@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
@@ -113,12 +114,13 @@ func (r *agentRun) get(addr, path string) (int, string) {
 
 func (r *agentRun) waitFor(what string, cond func() bool) {
 	r.t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) || (r.proc != nil && r.proc.Exited()) {
-			r.t.Fatalf("timed out waiting for %s; agent output:\n%s", what, r.proc.Output.String())
-		}
-		time.Sleep(50 * time.Millisecond)
+	held := false
+	testenv.Poll(30*time.Second, func() bool {
+		held = cond()
+		return held || (r.proc != nil && r.proc.Exited())
+	})
+	if !held {
+		r.t.Fatalf("timed out waiting for %s; agent output:\n%s", what, r.proc.Output.String())
 	}
 }
 

@@ -7,10 +7,12 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 )
@@ -42,7 +44,7 @@ func TestAPIServerRefusesInvalidIdentitiesAndTheControllerSeesValidOnes(t *testi
 	web := s.running(t, kubeapi.PodSpec{Name: "web"})
 	dotted := s.running(t, kubeapi.PodSpec{Name: "web.v2"})
 	a := s.agent(t, nil)
-	eventually(t, "the valid pods enrolled", func() bool { return enrolled(a, web.UID) && enrolled(a, dotted.UID) })
+	testenv.Eventually(t, 30*time.Second, "the valid pods enrolled", func() bool { return enrolled(a, web.UID) && enrolled(a, dotted.UID) })
 	for _, c := range a.mesh.Calls() {
 		ns, name, _ := strings.Cut(c.Pod, "/")
 		if err := identity.Pod(ns, name, string(c.UID)); err != nil {

@@ -11,7 +11,9 @@ import (
 	"slices"
 	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
@@ -59,7 +61,7 @@ func TestSnapshotHoldsThisNodesPodsAnnotatedEnabled(t *testing.T) {
 		t.Fatalf("snapshot = %v; want only %s", names, enabled.Name)
 	}
 	// The adopted pod is not redirected again, nor counted as repaired.
-	eventually(t, "the other pods of this node enrolled", func() bool { return enrolled(a, pending.UID) && enrolled(a, plain.UID) })
+	testenv.Eventually(t, 30*time.Second, "the other pods of this node enrolled", func() bool { return enrolled(a, pending.UID) && enrolled(a, plain.UID) })
 	if calls := a.mesh.CallsFor(enabled.UID); len(calls) != 0 {
 		t.Errorf("adopted snapshot pod got mesh calls %+v; want none", calls)
 	}
@@ -83,12 +85,12 @@ func TestNamespaceLabelEnrollsAndRemovesRunningPods(t *testing.T) {
 
 	never(t, "pod enrolled without any ambient label", func() bool { return enrolled(a, pod.UID) })
 	patchNamespaceLabels(t, s.ns, map[string]any{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
-	eventually(t, "pod enrolled after the namespace label", func() bool { return enrolled(a, pod.UID) })
-	eventually(t, "annotation enabled through status", func() bool { return annotation(t, pod) == "enabled" })
+	testenv.Eventually(t, 30*time.Second, "pod enrolled after the namespace label", func() bool { return enrolled(a, pod.UID) })
+	testenv.Eventually(t, 30*time.Second, "annotation enabled through status", func() bool { return annotation(t, pod) == "enabled" })
 
 	patchNamespaceLabels(t, s.ns, map[string]any{enrollment.DataplaneModeLabel: nil})
-	eventually(t, "pod removed after the namespace label is gone", func() bool { return !enrolled(a, pod.UID) })
-	eventually(t, "annotation removed", func() bool { return !hasAnnotation(t, pod) })
+	testenv.Eventually(t, 30*time.Second, "pod removed after the namespace label is gone", func() bool { return !enrolled(a, pod.UID) })
+	testenv.Eventually(t, 30*time.Second, "annotation removed", func() bool { return !hasAnnotation(t, pod) })
 	if n := nsEvents.Load(); n != 2 {
 		t.Errorf("namespace label events = %d; want 2", n)
 	}
@@ -105,14 +107,14 @@ func TestPodLabelNoneOptsOutOfAmbientNamespace(t *testing.T) {
 	in := s.running(t, kubeapi.PodSpec{Name: "in"})
 	a := s.agent(t, nil)
 
-	eventually(t, "unlabelled pod of the ambient namespace enrolled", func() bool { return enrolled(a, in.UID) })
+	testenv.Eventually(t, 30*time.Second, "unlabelled pod of the ambient namespace enrolled", func() bool { return enrolled(a, in.UID) })
 	never(t, "opted-out pod enrolled", func() bool { return enrolled(a, out.UID) })
 
 	patchLabels(t, out, map[string]any{enrollment.DataplaneModeLabel: nil})
-	eventually(t, "pod enrolled once its none label is gone", func() bool { return enrolled(a, out.UID) })
+	testenv.Eventually(t, 30*time.Second, "pod enrolled once its none label is gone", func() bool { return enrolled(a, out.UID) })
 	patchLabels(t, out, map[string]any{enrollment.DataplaneModeLabel: enrollment.DataplaneModeNone})
-	eventually(t, "pod removed when labelled none again", func() bool { return !enrolled(a, out.UID) })
-	eventually(t, "annotation removed", func() bool { return !hasAnnotation(t, out) })
+	testenv.Eventually(t, 30*time.Second, "pod removed when labelled none again", func() bool { return !enrolled(a, out.UID) })
+	testenv.Eventually(t, 30*time.Second, "annotation removed", func() bool { return !hasAnnotation(t, out) })
 }
 
 func TestSidecarAndHostNetworkPodsAreNeverEnrolled(t *testing.T) {
@@ -123,7 +125,7 @@ func TestSidecarAndHostNetworkPodsAreNeverEnrolled(t *testing.T) {
 	barrier := s.running(t, kubeapi.PodSpec{Name: "barrier"})
 	a := s.agent(t, nil)
 
-	eventually(t, "barrier pod enrolled", func() bool { return enrolled(a, barrier.UID) })
+	testenv.Eventually(t, 30*time.Second, "barrier pod enrolled", func() bool { return enrolled(a, barrier.UID) })
 	for _, p := range []*corev1.Pod{sidecar, host} {
 		never(t, p.Name+" pod enrolled", func() bool { return len(a.mesh.CallsFor(p.UID)) > 0 })
 		if hasAnnotation(t, p) {
@@ -138,7 +140,7 @@ func TestPodsOfOtherNodesAreIgnored(t *testing.T) {
 	here := s.running(t, kubeapi.PodSpec{Name: "here"})
 	a := s.agent(t, nil)
 
-	eventually(t, "this node's pod enrolled", func() bool { return enrolled(a, here.UID) })
+	testenv.Eventually(t, 30*time.Second, "this node's pod enrolled", func() bool { return enrolled(a, here.UID) })
 	never(t, "other node's pod touched", func() bool { return len(a.mesh.CallsFor(elsewhere.UID)) > 0 })
 	if hasAnnotation(t, elsewhere) {
 		t.Error("other node's pod got a redirection annotation")
@@ -150,9 +152,9 @@ func TestAnnotationPendingUntilZtunnelAcks(t *testing.T) {
 	a := s.agent(t, nil, func(_ *kube.Config, m *reconcilertest.Mesh) { m.SetPending(true) })
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
 
-	eventually(t, "annotation pending while ztunnel has not acked", func() bool { return annotation(t, pod) == "pending" })
+	testenv.Eventually(t, 30*time.Second, "annotation pending while ztunnel has not acked", func() bool { return annotation(t, pod) == "pending" })
 	a.mesh.Ack(pod.UID)
-	eventually(t, "annotation enabled after the ack", func() bool { return annotation(t, pod) == "enabled" })
+	testenv.Eventually(t, 30*time.Second, "annotation enabled after the ack", func() bool { return annotation(t, pod) == "enabled" })
 }
 
 func TestPodNotYetRunningIsLeftToTheCNIPlugin(t *testing.T) {
@@ -161,13 +163,13 @@ func TestPodNotYetRunningIsLeftToTheCNIPlugin(t *testing.T) {
 	pod := s.pod(t, kubeapi.PodSpec{Name: "app"})
 	barrier := s.running(t, kubeapi.PodSpec{Name: "barrier"})
 
-	eventually(t, "barrier pod enrolled", func() bool { return enrolled(a, barrier.UID) })
+	testenv.Eventually(t, 30*time.Second, "barrier pod enrolled", func() bool { return enrolled(a, barrier.UID) })
 	never(t, "pending pod enrolled by the controller", func() bool { return len(a.mesh.CallsFor(pod.UID)) > 0 })
 	// The CNI plugin enrolled it (through the reconciler's CNI path); the
 	// controller only reports the pod, the status writer publishes.
 	a.cniAdd(t, pod)
 	s.SetStatus(t, pod, kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{s.ip()}})
-	eventually(t, "annotation enabled for the CNI-enrolled pod", func() bool { return annotation(t, pod) == "enabled" })
+	testenv.Eventually(t, 30*time.Second, "annotation enabled for the CNI-enrolled pod", func() bool { return annotation(t, pod) == "enabled" })
 	if calls := a.mesh.CallsFor(pod.UID); len(calls) != 0 {
 		t.Errorf("mesh calls for a CNI-enrolled pod = %+v; want none", calls)
 	}
@@ -177,27 +179,27 @@ func TestTerminalPodLeavesTheMesh(t *testing.T) {
 	s := newScene(t, "terminal", ambientLabels)
 	pod := s.running(t, kubeapi.PodSpec{Name: "job"})
 	a := s.agent(t, nil)
-	eventually(t, "pod enrolled", func() bool { return enrolled(a, pod.UID) })
+	testenv.Eventually(t, 30*time.Second, "pod enrolled", func() bool { return enrolled(a, pod.UID) })
 
 	s.SetStatus(t, pod, kubeapi.Status{Phase: corev1.PodSucceeded, IPs: []netip.Addr{s.ip()}})
-	eventually(t, "succeeded pod removed", func() bool { return !enrolled(a, pod.UID) })
-	eventually(t, "annotation removed", func() bool { return !hasAnnotation(t, pod) })
+	testenv.Eventually(t, 30*time.Second, "succeeded pod removed", func() bool { return !enrolled(a, pod.UID) })
+	testenv.Eventually(t, 30*time.Second, "annotation removed", func() bool { return !hasAnnotation(t, pod) })
 }
 
 func TestRecreatedPodWithSameNameAndIPIsANewPod(t *testing.T) {
 	s := newScene(t, "reuse", ambientLabels)
 	first := s.running(t, kubeapi.PodSpec{Name: "db-0"})
 	a := s.agent(t, nil)
-	eventually(t, "first pod enrolled", func() bool { return enrolled(a, first.UID) })
+	testenv.Eventually(t, 30*time.Second, "first pod enrolled", func() bool { return enrolled(a, first.UID) })
 
 	zero := int64(0)
 	if err := s.Client.CoreV1().Pods(s.ns.Name).Delete(context.Background(), first.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "deleted pod removed by its UID", func() bool { return !enrolled(a, first.UID) })
+	testenv.Eventually(t, 30*time.Second, "deleted pod removed by its UID", func() bool { return !enrolled(a, first.UID) })
 	second := s.SetStatus(t, s.pod(t, kubeapi.PodSpec{Name: "db-0"}), kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{netip.MustParseAddr(first.Status.PodIP)}})
-	eventually(t, "recreated pod enrolled under its own UID", func() bool { return enrolled(a, second.UID) })
-	eventually(t, "recreated pod annotated", func() bool { return annotation(t, second) == "enabled" })
+	testenv.Eventually(t, 30*time.Second, "recreated pod enrolled under its own UID", func() bool { return enrolled(a, second.UID) })
+	testenv.Eventually(t, 30*time.Second, "recreated pod annotated", func() bool { return annotation(t, second) == "enabled" })
 
 	var ops []reconcilertest.Op
 	for _, call := range a.mesh.CallsFor(first.UID) {
@@ -213,9 +215,9 @@ func TestRepairInPlaceRedirectsPodStartedWhileAgentWasDown(t *testing.T) {
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
 	a := s.agent(t, nil)
 
-	eventually(t, "pod redirected in place", func() bool { return enrolled(a, pod.UID) })
-	eventually(t, "repair event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairedInPlace) })
-	eventually(t, "annotation enabled", func() bool { return annotation(t, pod) == "enabled" })
+	testenv.Eventually(t, 30*time.Second, "pod redirected in place", func() bool { return enrolled(a, pod.UID) })
+	testenv.Eventually(t, 30*time.Second, "repair event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairedInPlace) })
+	testenv.Eventually(t, 30*time.Second, "annotation enabled", func() bool { return annotation(t, pod) == "enabled" })
 }
 
 func TestRepairDeleteRemovesUnredirectedPod(t *testing.T) {
@@ -223,8 +225,8 @@ func TestRepairDeleteRemovesUnredirectedPod(t *testing.T) {
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
 	a := s.agent(t, nil, withRepair(kube.RepairDelete))
 
-	eventually(t, "unredirected pod deleted", func() bool { return deleting(t, pod) })
-	eventually(t, "delete event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairDeleted) })
+	testenv.Eventually(t, 30*time.Second, "unredirected pod deleted", func() bool { return deleting(t, pod) })
+	testenv.Eventually(t, 30*time.Second, "delete event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairDeleted) })
 	if calls := a.mesh.CallsFor(pod.UID); len(calls) != 0 {
 		t.Errorf("mesh calls = %+v; want none in delete mode", calls)
 	}
@@ -235,11 +237,11 @@ func TestRepairLabelMarksUnredirectedPod(t *testing.T) {
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
 	a := s.agent(t, nil, withRepair(kube.RepairLabel))
 
-	eventually(t, "unredirected pod labelled", func() bool {
+	testenv.Eventually(t, 30*time.Second, "unredirected pod labelled", func() bool {
 		p, ok := getPod(t, pod)
 		return ok && p.Labels[kube.DefaultRepairLabelKey] == kube.DefaultRepairLabelValue
 	})
-	eventually(t, "label event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairLabelled) })
+	testenv.Eventually(t, 30*time.Second, "label event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairLabelled) })
 	never(t, "labelled pod redirected", func() bool { return enrolled(a, pod.UID) })
 }
 
@@ -258,7 +260,7 @@ func TestRepairNeverTouchesPodsWhoseContainersCompleted(t *testing.T) {
 		kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{s.ip()}, Containers: terminated("Error", 1)})
 	a := s.agent(t, nil, withRepair(kube.RepairDelete))
 
-	eventually(t, "pod with a failed container deleted", func() bool { return deleting(t, crashed) })
+	testenv.Eventually(t, 30*time.Second, "pod with a failed container deleted", func() bool { return deleting(t, crashed) })
 	for _, p := range []*corev1.Pod{completed, exitZero} {
 		never(t, p.Name+" pod deleted", func() bool { return deleting(t, p) })
 		if r := eventReasons(t, p); len(r) != 0 {
@@ -275,14 +277,14 @@ func TestFailedInPlaceRedirectIsRecordedAndRetried(t *testing.T) {
 	pod := s.running(t, kubeapi.PodSpec{Name: "app"})
 	a := s.agent(t, nil, func(_ *kube.Config, m *reconcilertest.Mesh) { m.FailAdd(errors.New("netns not found")) })
 
-	eventually(t, "failure event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairFailed) })
-	eventually(t, "add retried", func() bool { return len(a.mesh.CallsFor(pod.UID)) >= 2 })
+	testenv.Eventually(t, 30*time.Second, "failure event recorded", func() bool { return hasEvent(t, pod, kube.EventRepairFailed) })
+	testenv.Eventually(t, 30*time.Second, "add retried", func() bool { return len(a.mesh.CallsFor(pod.UID)) >= 2 })
 	if hasAnnotation(t, pod) {
 		t.Error("pod annotated although its redirect failed")
 	}
 	a.mesh.FailAdd(nil)
-	eventually(t, "pod enrolled once the mesh recovers", func() bool { return enrolled(a, pod.UID) })
-	eventually(t, "annotation enabled", func() bool { return annotation(t, pod) == "enabled" })
+	testenv.Eventually(t, 30*time.Second, "pod enrolled once the mesh recovers", func() bool { return enrolled(a, pod.UID) })
+	testenv.Eventually(t, 30*time.Second, "annotation enabled", func() bool { return annotation(t, pod) == "enabled" })
 }
 
 // A pod annotated enabled that the agent does not hold (no pins survived,
@@ -297,15 +299,15 @@ func TestStaleEnabledAnnotationIsCleared(t *testing.T) {
 	barrier := s.running(t, kubeapi.PodSpec{Name: "barrier"})
 	a := s.agent(t, nil, func(_ *kube.Config, m *reconcilertest.Mesh) { m.FailAdd(errors.New("netns not found")) })
 
-	eventually(t, "not-running pod's stale annotation cleared", func() bool { return !hasAnnotation(t, notRunning) })
-	eventually(t, "failing pod's stale annotation cleared", func() bool { return !hasAnnotation(t, failing) })
-	eventually(t, "failing pod's repair retried", func() bool { return len(a.mesh.CallsFor(failing.UID)) >= 2 })
+	testenv.Eventually(t, 30*time.Second, "not-running pod's stale annotation cleared", func() bool { return !hasAnnotation(t, notRunning) })
+	testenv.Eventually(t, 30*time.Second, "failing pod's stale annotation cleared", func() bool { return !hasAnnotation(t, failing) })
+	testenv.Eventually(t, 30*time.Second, "failing pod's repair retried", func() bool { return len(a.mesh.CallsFor(failing.UID)) >= 2 })
 	if calls := a.mesh.CallsFor(notRunning.UID); len(calls) != 0 {
 		t.Errorf("mesh calls for the not-running pod = %+v; want none (the CNI plugin's)", calls)
 	}
 	a.mesh.FailAdd(nil)
-	eventually(t, "barrier pod enrolled once the mesh recovers", func() bool { return enrolled(a, barrier.UID) })
-	eventually(t, "failing pod annotated enabled once redirected", func() bool { return annotation(t, failing) == "enabled" })
+	testenv.Eventually(t, 30*time.Second, "barrier pod enrolled once the mesh recovers", func() bool { return enrolled(a, barrier.UID) })
+	testenv.Eventually(t, 30*time.Second, "failing pod annotated enabled once redirected", func() bool { return annotation(t, failing) == "enabled" })
 }
 
 func TestStaleEnabledAnnotationIsClearedWithRepairOff(t *testing.T) {
@@ -314,7 +316,7 @@ func TestStaleEnabledAnnotationIsClearedWithRepairOff(t *testing.T) {
 	pod := s.running(t, kubeapi.PodSpec{Name: "app", Annotations: enabled})
 	a := s.agent(t, nil, withRepair(kube.RepairOff))
 
-	eventually(t, "stale annotation cleared", func() bool { return !hasAnnotation(t, pod) })
+	testenv.Eventually(t, 30*time.Second, "stale annotation cleared", func() bool { return !hasAnnotation(t, pod) })
 	if calls := a.mesh.CallsFor(pod.UID); len(calls) != 0 {
 		t.Errorf("mesh calls = %+v; want none with repair off", calls)
 	}

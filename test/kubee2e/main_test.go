@@ -188,18 +188,6 @@ func (w testWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// eventually polls cond until it holds or 30 s pass.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting: %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // never checks that cond stays false for a while, after a barrier proved
 // that the controller has already reconciled what cond is about.
 func never(t *testing.T, what string, cond func() bool) {

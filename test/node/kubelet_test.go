@@ -39,7 +39,7 @@ func TestKubelet(t *testing.T) {
 	s := newScene(t)
 	k := s.n.StartKubelet(kubelet, s.nodeName, s.api, cluster.Config.BearerToken)
 	ctx := context.Background()
-	eventually(t, "kubelet registers the node and is ready", func() bool {
+	testenv.Eventually(t, 30*time.Second, "kubelet registers the node and is ready", func() bool {
 		if k.Exited() {
 			t.Fatalf("kubelet exited:\n%s", k.LogTail())
 		}
@@ -66,7 +66,7 @@ func TestKubelet(t *testing.T) {
 	agent := s.daemonSetPod(ch)
 	waitPod(t, k, agent, "agent ready (kubelet's readiness probe on /readyz)", podReady)
 	hc := s.nodeHTTP()
-	eventually(t, "ztunnel connected to the agent", func() bool { return s.ztunnelConnected(hc) })
+	testenv.Eventually(t, 30*time.Second, "ztunnel connected to the agent", func() bool { return s.ztunnelConnected(hc) })
 
 	// A meshed pod with HTTP probes.
 	probe := func(path string) *corev1.Probe {
@@ -91,7 +91,7 @@ func TestKubelet(t *testing.T) {
 	}
 	app = waitPod(t, k, app, "meshed pod ready (its readiness probe passed)", podReady)
 	if got := app.Annotations[enrollment.RedirectionAnnotation]; got != "enabled" {
-		eventually(t, "redirection annotation", func() bool {
+		testenv.Eventually(t, 30*time.Second, "redirection annotation", func() bool {
 			p, err := cluster.Client.CoreV1().Pods(app.Namespace).Get(ctx, app.Name, metav1.GetOptions{})
 			return err == nil && p.Annotations[enrollment.RedirectionAnnotation] == "enabled"
 		})
@@ -100,7 +100,7 @@ func TestKubelet(t *testing.T) {
 	// passing (no restart) over several periods.
 	seen := map[string]int{}
 	var example string
-	eventually(t, "readiness and liveness probes from "+ProbeV4.String(), func() bool {
+	testenv.Eventually(t, 30*time.Second, "readiness and liveness probes from "+ProbeV4.String(), func() bool {
 		clear(seen)
 		for _, l := range k.PodLog(app.Namespace, app.Name, string(app.UID), "echo") {
 			var p struct{ Path, Peer string }
@@ -128,7 +128,7 @@ func TestKubelet(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, "kubelet removed the pods", func() bool {
+	testenv.Eventually(t, 30*time.Second, "kubelet removed the pods", func() bool {
 		_, err1 := cluster.Client.CoreV1().Pods(app.Namespace).Get(ctx, app.Name, metav1.GetOptions{})
 		_, err2 := cluster.Client.CoreV1().Pods(agent.Namespace).Get(ctx, agent.Name, metav1.GetOptions{})
 		return apierrors.IsNotFound(err1) && apierrors.IsNotFound(err2)
@@ -189,15 +189,16 @@ func podReady(p *corev1.Pod) bool {
 func waitPod(t *testing.T, k *Kubelet, pod *corev1.Pod, what string, cond func(*corev1.Pod) bool) *corev1.Pod {
 	t.Helper()
 	var p *corev1.Pod
-	for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+	held := false
+	testenv.Poll(90*time.Second, func() bool {
 		var err error
 		p, err = cluster.Client.CoreV1().Pods(pod.Namespace).Get(context.Background(), pod.Name, metav1.GetOptions{})
-		if err == nil && cond(p) {
-			return p
-		}
-		if time.Now().After(deadline) || k.Exited() {
-			b, _ := json.MarshalIndent(p.Status, "", "  ")
-			t.Fatalf("timed out waiting: %s; pod status %s\nkubelet log ends:\n%s", what, b, k.LogTail())
-		}
+		held = err == nil && cond(p)
+		return held || k.Exited()
+	})
+	if !held {
+		b, _ := json.MarshalIndent(p.Status, "", "  ")
+		t.Fatalf("timed out waiting: %s; pod status %s\nkubelet log ends:\n%s", what, b, k.LogTail())
 	}
+	return p
 }

@@ -357,21 +357,19 @@ func (n *Node) startContainerd() {
 	}
 	n.conn = conn
 	n.Runtime, n.Images = cri.NewRuntimeServiceClient(conn), cri.NewImageServiceClient(conn)
-	deadline := time.Now().Add(60 * time.Second)
-	for {
+	var verr error
+	testenv.Poll(60*time.Second, func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		_, err := n.Runtime.Version(ctx, &cri.VersionRequest{})
+		_, verr = n.Runtime.Version(ctx, &cri.VersionRequest{})
 		cancel()
-		if err == nil {
-			break
-		}
-		if n.containerd.Exited() {
-			t.Fatalf("containerd exited: %s", n.LogTail("containerd.log"))
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("containerd not serving CRI: %v\n%s", err, n.LogTail("containerd.log"))
-		}
-		time.Sleep(100 * time.Millisecond)
+		return verr == nil || n.containerd.Exited()
+	})
+	switch {
+	case verr == nil:
+	case n.containerd.Exited():
+		t.Fatalf("containerd exited: %s", n.LogTail("containerd.log"))
+	default:
+		t.Fatalf("containerd not serving CRI: %v\n%s", verr, n.LogTail("containerd.log"))
 	}
 }
 

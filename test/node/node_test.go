@@ -27,6 +27,7 @@ import (
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -211,21 +212,26 @@ func (s *scene) deploy(extraValues string, wait bool) (string, error) {
 // readinessProbe does, and fails when the container exits.
 func (s *scene) waitReady(id string) error {
 	hc := s.nodeHTTP()
-	deadline := time.Now().Add(60 * time.Second)
-	for time.Now().Before(deadline) {
+	var exited error
+	ready := testenv.Poll(60*time.Second, func() bool {
 		if st, code := s.n.ContainerState(id); st == 2 { // EXITED
-			return fmt.Errorf("agent container exited (%d): %s", code, s.agentLogTail())
+			exited = fmt.Errorf("agent container exited (%d): %s", code, s.agentLogTail())
+			return true
 		}
 		resp, err := hc.Get("http://127.0.0.1:8000/readyz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK && s.ztunnelConnected(hc) {
-				return nil
-			}
+		if err != nil {
+			return false
 		}
-		time.Sleep(200 * time.Millisecond)
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK && s.ztunnelConnected(hc)
+	})
+	switch {
+	case exited != nil:
+		return exited
+	case !ready:
+		return fmt.Errorf("agent not ready after 60 s: %s", s.agentLogTail())
 	}
-	return fmt.Errorf("agent not ready after 60 s: %s", s.agentLogTail())
+	return nil
 }
 
 // ztunnelConnected reads the agent's metrics: ztunnel must be connected
@@ -435,15 +441,6 @@ func (s *scene) record(listener int, peerOrDst func(standin.Record) bool) (stand
 	return standin.Record{}, false
 }
 
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting: %s", what)
-		}
-	}
-}
-
 func redirection(t *testing.T, a *app) string {
 	p, err := cluster.Client.CoreV1().Pods(a.obj.Namespace).Get(context.Background(), a.obj.Name, metav1.GetOptions{})
 	if err != nil {
@@ -482,7 +479,7 @@ func TestNode(t *testing.T) {
 		}
 		s.echo(server)
 		s.client(client)
-		eventually(t, "redirection annotation", func() bool { return redirection(t, server) == "enabled" })
+		testenv.Eventually(t, 30*time.Second, "redirection annotation", func() bool { return redirection(t, server) == "enabled" })
 		plainServer = s.mustPod(s.plainNS, "server")
 		plainClient = s.mustPod(s.plainNS, "client")
 		s.echo(plainServer)
@@ -570,7 +567,7 @@ func TestNode(t *testing.T) {
 	s.run("agent restart keeps redirected connections", func(t *testing.T) {
 		holder := s.mustPod(s.ambientNS, "holder")
 		s.n.MustStartContainer(holder.Pod, AppContainer("hold", ClientImage, "hold", netip.AddrPortFrom(plainServer.IP, 8080).String()))
-		eventually(t, "held connection", func() bool { return len(s.n.Log(holder.Pod, "hold")) > 0 })
+		testenv.Eventually(t, 30*time.Second, "held connection", func() bool { return len(s.n.Log(holder.Pod, "hold")) > 0 })
 		id, err := s.deploy("", true) // kill (SIGKILL) and start again
 		if err != nil {
 			t.Fatal(err)
@@ -682,10 +679,8 @@ func (s *scene) repairs(name string) error {
 			s.t.Error(err)
 		}
 	}()
-	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
-		if s.zt.has(string(a.obj.UID)) && redirection(s.t, a) == "enabled" {
-			return nil
-		}
+	if testenv.Poll(15*time.Second, func() bool { return s.zt.has(string(a.obj.UID)) && redirection(s.t, a) == "enabled" }) {
+		return nil
 	}
 	return fmt.Errorf("running pod labelled ambient not redirected in place (annotation %q); agent log ends:\n%s", redirection(s.t, a), s.agentLogTail())
 }

@@ -18,6 +18,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -156,12 +157,8 @@ func (n *Node) StartZtunnelServedAt(sock string) *Ztunnel {
 		n.t.Fatal("zds server did not start")
 	}
 	z.Proc = n.startZtunnelProc(z.records, sock)
-	deadline := time.Now().Add(10 * time.Second)
-	for srv.Connections() == 0 {
-		if time.Now().After(deadline) {
-			n.t.Fatalf("the stand-in never connected over ZDS; stderr:\n%s", z.Stderr.String())
-		}
-		time.Sleep(10 * time.Millisecond)
+	if !testenv.Poll(10*time.Second, func() bool { return srv.Connections() > 0 }) {
+		n.t.Fatalf("the stand-in never connected over ZDS; stderr:\n%s", z.Stderr.String())
 	}
 	return z
 }
@@ -251,20 +248,16 @@ func (z *Ztunnel) RecordSince(peer netip.AddrPort, since time.Time) (standin.Rec
 // waitRecord reads the records and looks one up with find (under recMu)
 // until it is there or 50 ms went by.
 func (z *Ztunnel) waitRecord(find func() (standin.Record, bool)) (standin.Record, bool) {
-	deadline := time.Now().Add(50 * time.Millisecond)
-	for {
+	var r standin.Record
+	var ok bool
+	testenv.Poll(50*time.Millisecond, func() bool {
 		z.readRecords()
 		z.recMu.Lock()
-		r, ok := find()
-		z.recMu.Unlock()
-		if ok {
-			return r, true
-		}
-		if time.Now().After(deadline) {
-			return standin.Record{}, false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		defer z.recMu.Unlock()
+		r, ok = find()
+		return ok
+	})
+	return r, ok
 }
 
 // Records returns every record so far.

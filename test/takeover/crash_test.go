@@ -26,6 +26,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/takeover"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
@@ -59,7 +60,7 @@ func TestTakeoverKilledMidwayFinishesOnRestart(t *testing.T) {
 			t.Setenv(agent.FailpointEnv, fp)
 			s.StartAgent(t, takeoverFlags...)
 			// Generous: under emulation loading the programs takes seconds.
-			if !agentrun.WaitExit(s.Agent, 2*time.Minute) {
+			if !testenv.Poll(2*time.Minute, s.Agent.Exited) {
 				s.Agent.Kill()
 				t.Fatalf("the agent never reached %s:\n%s", fp, s.Agent.Output.String())
 			}

@@ -27,6 +27,7 @@ import (
 	"github.com/google/nftables"
 	"github.com/ti-mo/conntrack"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
@@ -376,10 +377,12 @@ func (st *streams) openVia(zt *simnode.Ztunnel, app *simnode.App, netns, name st
 	st.t.Helper()
 	start := time.Now()
 	resp := do(st.t, app, simnode.AppRequest{Op: "stream-open", Name: name, Addr: dst})
-	r, ok := recordOf(zt.Records(), resp.Local, dst, start)
-	for deadline := time.Now().Add(recordGrace); !ok && time.Now().Before(deadline); r, ok = recordOf(zt.Records(), resp.Local, dst, start) {
-		time.Sleep(20 * time.Millisecond) // the stand-in writes its record as it accepts
-	}
+	var r standin.Record
+	var ok bool
+	testenv.Poll(recordGrace, func() bool { // the stand-in writes its record as it accepts
+		r, ok = recordOf(zt.Records(), resp.Local, dst, start)
+		return ok
+	})
 	if !ok {
 		r, ok = remappedRecord(zt.Records(), netns, resp.Local, dst, start)
 	}
@@ -792,5 +795,5 @@ func (sm *sampler) check(t *testing.T, phase string) {
 func (sm *sampler) waitSamples(t *testing.T, n int64) {
 	t.Helper()
 	target := sm.conns.Load() + n
-	agentrun.WaitFor(t, fmt.Sprintf("%d more sampled connections", n), func() bool { return sm.conns.Load() >= target })
+	testenv.Eventually(t, time.Minute, fmt.Sprintf("%d more sampled connections", n), func() bool { return sm.conns.Load() >= target })
 }

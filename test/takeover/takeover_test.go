@@ -21,8 +21,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
-	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -41,7 +41,7 @@ func (s *scenario) waitTakenOver(t *testing.T, pods ...*tpod) {
 	for _, p := range pods {
 		names = append(names, p.Name)
 	}
-	done := agentrun.Eventually(2*time.Minute, func() bool {
+	done := testenv.Poll(2*time.Minute, func() bool {
 		if s.Agent.Exited() {
 			t.Fatalf("the agent exited during the takeover:\n%s", s.Agent.Output.String())
 		}
@@ -82,7 +82,7 @@ func (s *scenario) takeOver(t *testing.T, sm *sampler) {
 func (s *scenario) waitDrained(t *testing.T, pods ...*tpod) {
 	t.Helper()
 	for _, p := range pods {
-		if !agentrun.Eventually(time.Minute, func() bool {
+		if !testenv.Poll(time.Minute, func() bool {
 			has, err := istiocni.HasDrain(context.Background(), p.NetnsPath())
 			return err == nil && !has
 		}) {

@@ -20,6 +20,7 @@ import (
 
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 )
@@ -324,44 +325,33 @@ func TestRunRepairsDrift(t *testing.T) {
 			t.Errorf("Cleanup: %v", err)
 		}
 	}()
-	eventually(t, "installed", func() bool { return inst.Ready() })
+	testenv.Eventually(t, 10*time.Second, "installed", func() bool { return inst.Ready() })
 
 	bin := filepath.Join(n.binDirs[1], PluginType)
 	if err := os.Remove(bin); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "binary restored", func() bool { _, err := os.Stat(bin); return err == nil })
+	testenv.Eventually(t, 10*time.Second, "binary restored", func() bool { _, err := os.Stat(bin); return err == nil })
 
 	mustWrite(t, filepath.Join(n.confDir, "10-a.conflist"), listA) // the primary CNI rewrote its conflist
-	eventually(t, "entry re-added", func() bool {
+	testenv.Eventually(t, 10*time.Second, "entry re-added", func() bool {
 		b, _ := os.ReadFile(filepath.Join(n.confDir, "10-a.conflist"))
 		return strings.Contains(string(b), PluginType)
 	})
 
 	mustWrite(t, n.cfg.TokenPath, "token-2\n") // the token rotated
-	eventually(t, "kubeconfig rewritten", func() bool {
+	testenv.Eventually(t, 10*time.Second, "kubeconfig rewritten", func() bool {
 		kc, err := clientcmd.LoadFromFile(n.cfg.KubeconfigPath)
 		return err == nil && kc.AuthInfos[PluginType] != nil && kc.AuthInfos[PluginType].Token == "token-2"
 	})
 
 	mustWrite(t, filepath.Join(n.confDir, "05-new.conflist"), listB) // a higher-priority conflist appeared
-	eventually(t, "entry moved to the new highest-priority conflist", func() bool {
+	testenv.Eventually(t, 10*time.Second, "entry moved to the new highest-priority conflist", func() bool {
 		newer, _ := os.ReadFile(filepath.Join(n.confDir, "05-new.conflist"))
 		older, _ := os.ReadFile(filepath.Join(n.confDir, "10-a.conflist"))
 		return strings.Contains(string(newer), PluginType) && jsonEqual(string(older), listA)
 	})
-	eventually(t, "ready again", func() bool { return inst.Ready() })
-}
-
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting: %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testenv.Eventually(t, 10*time.Second, "ready again", func() bool { return inst.Ready() })
 }
 
 // OnResult hears istio-cni's results: SUCCESS when a pass makes the

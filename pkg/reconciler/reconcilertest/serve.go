@@ -6,7 +6,6 @@ package reconcilertest
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 )
@@ -46,14 +45,4 @@ func Serve(t testing.TB, src Source, sink reconciler.Desired, between func()) (s
 	}
 	t.Cleanup(stop)
 	return stop
-}
-
-// WaitFor polls cond until it holds, failing the test after 10 s.
-func WaitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting: %s", what)
-		}
-	}
 }

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/nstest"
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
 
@@ -50,12 +51,8 @@ func (f *fakePods) Pods() []string {
 
 func (f *fakePods) waitPods(want ...string) {
 	f.tb.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !slices.Equal(f.Pods(), want) {
-		if time.Now().After(deadline) {
-			f.tb.Fatalf("pods %v, want %v", f.Pods(), want)
-		}
-		time.Sleep(10 * time.Millisecond)
+	if !testenv.Poll(5*time.Second, func() bool { return slices.Equal(f.Pods(), want) }) {
+		f.tb.Fatalf("pods %v, want %v", f.Pods(), want)
 	}
 }
 
@@ -83,7 +80,7 @@ func TestZ3PodSetDropsPodsMissingFromTheSnapshot(t *testing.T) {
 	srv, _ := runServer(t, path, func() []zds.Workload { return []zds.Workload{{UID: "a"}, {UID: "b", Netns: nsB}} })
 	pods.waitPods("a", "b")
 
-	eventuallyConnected(t, srv)
+	testenv.Eventually(t, 5*time.Second, "a client connected", func() bool { return srv.Connections() > 0 })
 	ctx := context.Background()
 	if err := srv.AddWorkload(ctx, zds.Workload{UID: "d", Netns: nsA}); err != nil {
 		t.Fatalf("AddWorkload: %v", err)
@@ -98,16 +95,5 @@ func TestZ3PodSetDropsPodsMissingFromTheSnapshot(t *testing.T) {
 	pods.mu.Unlock()
 	if err := srv.AddWorkload(ctx, zds.Workload{UID: "e", Netns: nsA}); !errors.Is(err, zds.ErrNack) {
 		t.Fatalf("AddWorkload with failing AddPod: %v", err)
-	}
-}
-
-func eventuallyConnected(t *testing.T, srv *zds.Server) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for srv.Connections() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("no client connected")
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
