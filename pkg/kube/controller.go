@@ -13,8 +13,8 @@ import (
 	"sync/atomic"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -257,9 +257,9 @@ func (s listerStore) namespace(name string) (*corev1.Namespace, error) {
 }
 
 // checkPod checks the identity of a pod from the API server before
-// anything uses it (pkg/identity): its UID names its pins.
+// anything uses it (pkg/validate): its UID names its pins.
 func checkPod(pod *corev1.Pod) error {
-	return identity.Pod(pod.Namespace, pod.Name, string(pod.UID))
+	return validate.Pod(pod.Namespace, pod.Name, string(pod.UID))
 }
 
 // validPods returns the pods that pass checkPod, logging the others.

@@ -17,9 +17,9 @@
 // The agent's standalone source (pkg/standalone) and the CNI plugin's
 // fallback (FileLookup) both read it. It is a leaf: the plugin links it
 // without the agent's reconciler or the BPF loader.
-// Names and UIDs are checked as the API server would (pkg/identity): a file
+// Names and UIDs are checked as the API server would (pkg/validate): a file
 // holding a pod or namespace that Kubernetes would refuse is refused. A pod
-// may omit metadata.uid; the agent then gives it identity.StandaloneUID.
+// may omit metadata.uid; the agent then gives it validate.StandaloneUID.
 package podfile
 
 import (
@@ -36,7 +36,7 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 )
 
 // File is the parsed content of a pod file.
@@ -140,7 +140,7 @@ func parseNamespace(raw []byte) (*corev1.Namespace, error) {
 	if ns.Name == "" {
 		return nil, errors.New("namespace without a name")
 	}
-	if err := identity.Namespace(ns.Name); err != nil {
+	if err := validate.Namespace(ns.Name); err != nil {
 		return nil, err
 	}
 	return &ns, nil
@@ -154,11 +154,11 @@ func parsePod(raw []byte) (*corev1.Pod, error) {
 	if p.Name == "" || p.Namespace == "" {
 		return nil, errors.New("pod needs metadata.name and metadata.namespace")
 	}
-	if err := identity.PodNames(p.Namespace, p.Name); err != nil {
+	if err := validate.PodNames(p.Namespace, p.Name); err != nil {
 		return nil, err
 	}
 	if p.UID != "" {
-		if err := identity.PodUID(string(p.UID)); err != nil {
+		if err := validate.PodUID(string(p.UID)); err != nil {
 			return nil, fmt.Errorf("pod %s/%s: %w", p.Namespace, p.Name, err)
 		}
 	}

@@ -10,7 +10,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 )
 
 const sample = `apiVersion: v1
@@ -87,7 +87,7 @@ func TestParseRefusesNamesAndUIDsKubernetesWouldRefuse(t *testing.T) {
 			in = fmt.Sprintf("apiVersion: v1\nkind: Namespace\nmetadata: {name: %q}\n", c.name)
 		}
 		_, err := Parse(strings.NewReader(in))
-		if !errors.Is(err, identity.ErrInvalid) || !strings.Contains(err.Error(), "document 1") {
+		if !errors.Is(err, validate.ErrInvalid) || !strings.Contains(err.Error(), "document 1") {
 			t.Errorf("%s %q/%q uid %q: Parse error %v; want an invalid identity in document 1", c.kind, c.ns, c.name, c.uid, err)
 		}
 	}
@@ -121,7 +121,7 @@ func FuzzParse(f *testing.F) {
 			oneElement("pod name", p.Name)
 			uid := string(p.UID)
 			if uid == "" {
-				uid = identity.StandaloneUID(p.Namespace, p.Name)
+				uid = validate.StandaloneUID(p.Namespace, p.Name)
 			}
 			oneElement("pod uid", uid)
 			if keys[p.Namespace+"/"+p.Name] || uids[uid] {

@@ -47,8 +47,8 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
 
@@ -493,7 +493,7 @@ func (r *Reconciler) reconcile(ctx context.Context, key string) error {
 	r.mu.Unlock()
 	pod := d.pod
 	if pod != nil {
-		if err := identity.Pod(pod.Namespace, pod.Name, string(pod.UID)); err != nil {
+		if err := validate.Pod(pod.Namespace, pod.Name, string(pod.UID)); err != nil {
 			// Not retried: the object will not become valid. A pod known
 			// under this key before still leaves below.
 			r.log.Warn("pod skipped: invalid identity", "pod", key, "error", err)
@@ -781,16 +781,16 @@ func (r *Reconciler) observeError(op string) {
 	}
 }
 
-// enroll checks what names the pod's pins and interfaces (pkg/identity),
+// enroll checks what names the pod's pins and interfaces (pkg/validate),
 // then enrolls it: the last check before a string from outside reaches a
 // path. Every path into the data path goes through it.
 func (r *Reconciler) enroll(ctx context.Context, p dataplane.Pod) error {
-	checks := []error{identity.Pod(p.Namespace, p.Name, p.UID)}
+	checks := []error{validate.Pod(p.Namespace, p.Name, p.UID)}
 	if p.Interface != "" {
-		checks = append(checks, identity.Interface(p.Interface))
+		checks = append(checks, validate.Interface(p.Interface))
 	}
 	for _, v := range p.Options.RerouteInterfaces {
-		if err := identity.Interface(v); err != nil {
+		if err := validate.Interface(v); err != nil {
 			checks = append(checks, fmt.Errorf("annotation %s: %w", enrollment.RerouteInterfacesAnnotation, err))
 		}
 	}

@@ -22,8 +22,8 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
 
@@ -510,16 +510,16 @@ func TestEnrollRefusesIdentitiesThatWouldMakeAPath(t *testing.T) {
 	e := newTestEnv(t, 1)
 	rerouted := e.web.DeepCopy()
 	rerouted.Annotations = map[string]string{enrollment.RerouteInterfacesAnnotation: "tun0,/../../../maps"}
-	if err := e.liveAdd(t, rerouted); !errors.Is(err, identity.ErrInvalid) {
+	if err := e.liveAdd(t, rerouted); !errors.Is(err, validate.ErrInvalid) {
 		t.Errorf("live add with reroute %v = %v; want an invalid identity", rerouted.Annotations, err)
 	}
 	traversal := e.web.DeepCopy()
 	traversal.UID = "../../links"
 	mb := &member{uid: string(traversal.UID), namespace: "shop", name: "web", netns: "/proc/1/ns/net"}
-	if _, err := e.r.add(context.Background(), mb, false); !errors.Is(err, identity.ErrInvalid) {
+	if _, err := e.r.add(context.Background(), mb, false); !errors.Is(err, validate.ErrInvalid) {
 		t.Errorf("add of uid %q = %v; want an invalid identity", traversal.UID, err)
 	}
-	if _, err := e.r.CNIAdd(context.Background(), addReq(traversal, e.ns["shop"], "")); !errors.Is(err, identity.ErrInvalid) {
+	if _, err := e.r.CNIAdd(context.Background(), addReq(traversal, e.ns["shop"], "")); !errors.Is(err, validate.ErrInvalid) {
 		t.Errorf("CNIAdd of a pod whose source uid is a traversal = %v", err)
 	}
 	if e.dp.count() != 0 {

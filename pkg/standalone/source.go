@@ -19,15 +19,15 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podfile"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 )
 
 // Source reports the pods of the pod file to the reconciler instead of the
 // API server, and reloads the file when it changes. Pods whose
 // spec.nodeName is empty or this node are taken; a pod without
-// metadata.uid gets identity.StandaloneUID(namespace, name) as its UID:
+// metadata.uid gets validate.StandaloneUID(namespace, name) as its UID:
 // "standalone-" and 28 hex digits of the SHA-256 of "<namespace>/<name>",
 // stable across reloads and restarts, and a safe pin directory name (the
 // parser refuses invalid names and UIDs). A file that fails to parse is
@@ -158,7 +158,7 @@ func (s *Source) load() (map[string]*corev1.Pod, error) {
 // identifies pods by UID.
 func withUID(p *corev1.Pod) {
 	if p.UID == "" {
-		p.UID = types.UID(identity.StandaloneUID(p.Namespace, p.Name))
+		p.UID = types.UID(validate.StandaloneUID(p.Namespace, p.Name))
 	}
 }
 

@@ -14,10 +14,10 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -102,11 +102,11 @@ func TestFileSourceGivesUIDlessPodsASafeStandaloneUID(t *testing.T) {
 	pod := "apiVersion: v1\nkind: Pod\nmetadata: {name: NAME, namespace: shop, labels: {istio.io/dataplane-mode: ambient}}\n" +
 		"spec: {nodeName: node-1, containers: [{name: app, image: app}]}\nstatus: {phase: Running, podIP: 198.18.0.5}\n"
 	_, mesh, _, stop := serveFile(t, strings.ReplaceAll(pod, "NAME", "web"))
-	uid := types.UID(identity.StandaloneUID("shop", "web"))
+	uid := types.UID(validate.StandaloneUID("shop", "web"))
 	testenv.Eventually(t, 10*time.Second, "web enrolled under its standalone uid", func() bool { return mesh.Redirection(uid) == reconciler.Enabled })
 	stop()
 	for _, call := range mesh.Calls() {
-		if err := identity.PodUID(string(call.UID)); err != nil || call.UID != uid {
+		if err := validate.PodUID(string(call.UID)); err != nil || call.UID != uid {
 			t.Errorf("mesh call %+v: %v", call, err)
 		}
 	}
@@ -119,7 +119,7 @@ func TestFileSourceGivesUIDlessPodsASafeStandaloneUID(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := src.Start(context.Background()); !errors.Is(err, identity.ErrInvalid) || !strings.Contains(err.Error(), `"../../links"`) {
+	if err := src.Start(context.Background()); !errors.Is(err, validate.ErrInvalid) || !strings.Contains(err.Error(), `"../../links"`) {
 		t.Errorf("Start with a traversal pod name = %v; want an invalid identity naming it", err)
 	}
 }

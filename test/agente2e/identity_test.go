@@ -13,7 +13,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 )
 
@@ -65,7 +65,7 @@ func TestAgentPinsUnderSafeUIDsAndDelsWithoutUID(t *testing.T) {
 	if _, err := n.podAdd(t, &bareNoUID); err != nil {
 		t.Fatalf("ADD bare: %v; agent:\n%s", err, n.Agent.Output.String())
 	}
-	want := []string{app.UID, identity.StandaloneUID("default", "bare")}
+	want := []string{app.UID, validate.StandaloneUID("default", "bare")}
 	slices.Sort(want)
 	if got := pinDirs(t, filepath.Join(n.BPFFSDir, "pods")); !slices.Equal(got, want) {
 		t.Errorf("pods/ holds %v; want %v", got, want)

@@ -13,7 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 )
 
@@ -21,9 +21,9 @@ import (
 var hostileNames = []string{"..", "../../links", "a/b", "nul\x00", "unicodé", strings.Repeat("a", 254), "UPPER", "web "}
 
 // Through the real API server, the informer entry point: the API server
-// refuses pods and namespaces with the names pkg/identity refuses, so
+// refuses pods and namespaces with the names pkg/validate refuses, so
 // they never reach the informers, and every pod the controller hands the
-// Mesh, and its server-assigned UID, passes pkg/identity. The controller's
+// Mesh, and its server-assigned UID, passes pkg/validate. The controller's
 // own check of informer objects is tested with a fake clientset that does
 // not validate (pkg/kube).
 func TestAPIServerRefusesInvalidIdentitiesAndTheControllerSeesValidOnes(t *testing.T) {
@@ -47,7 +47,7 @@ func TestAPIServerRefusesInvalidIdentitiesAndTheControllerSeesValidOnes(t *testi
 	testenv.Eventually(t, 30*time.Second, "the valid pods enrolled", func() bool { return enrolled(a, web.UID) && enrolled(a, dotted.UID) })
 	for _, c := range a.mesh.Calls() {
 		ns, name, _ := strings.Cut(c.Pod, "/")
-		if err := identity.Pod(ns, name, string(c.UID)); err != nil {
+		if err := validate.Pod(ns, name, string(c.UID)); err != nil {
 			t.Errorf("mesh call %+v: %v", c, err)
 		}
 	}

@@ -25,7 +25,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 )
 
 // DefaultSocketPath is where the agent listens and the plugin dials.
@@ -213,28 +213,28 @@ func validAdd(req *cniv1.PodAddRequest) error {
 }
 
 // validPod refuses, naming the field and the value, a pod whose identities
-// fail pkg/identity's checks; the server answers InvalidArgument. An ADD needs the pod's
+// fail pkg/validate's checks; the server answers InvalidArgument. An ADD needs the pod's
 // namespace, name and netns; a DEL only something to find the pod by (uid,
 // container id, netns, or namespace and name). Every field given is checked.
 func validPod(p *cniv1.Pod, add bool) error {
 	var checks []error
 	switch {
 	case p.GetNamespace() != "" || p.GetName() != "" || add:
-		checks = append(checks, identity.PodNames(p.GetNamespace(), p.GetName()))
+		checks = append(checks, validate.PodNames(p.GetNamespace(), p.GetName()))
 	case p.GetUid() == "" && p.GetContainerId() == "" && p.GetNetns() == "":
 		return errors.New("pod uid, container id, netns or namespace and name required")
 	}
 	if p.GetUid() != "" {
-		checks = append(checks, identity.PodUID(p.GetUid()))
+		checks = append(checks, validate.PodUID(p.GetUid()))
 	}
 	if p.GetContainerId() != "" {
-		checks = append(checks, identity.ContainerID(p.GetContainerId()))
+		checks = append(checks, validate.ContainerID(p.GetContainerId()))
 	}
 	if p.GetNetns() != "" || add {
-		checks = append(checks, identity.NetnsPath(p.GetNetns()))
+		checks = append(checks, validate.NetnsPath(p.GetNetns()))
 	}
 	if p.GetInterface() != "" {
-		checks = append(checks, identity.Interface(p.GetInterface()))
+		checks = append(checks, validate.Interface(p.GetInterface()))
 	}
 	return errors.Join(checks...)
 }

@@ -14,7 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 )
 
 // quietServer is the server ServeListener registers, without its log.
@@ -87,7 +87,7 @@ func TestDelWithoutUIDReachesTheHandler(t *testing.T) {
 
 // Whatever a request holds, the server either refuses it with
 // InvalidArgument or hands the handler a pod whose every identity passes
-// pkg/identity, never a '/' or NUL in a name or uid.
+// pkg/validate, never a '/' or NUL in a name or uid.
 func FuzzServerPodAddDel(f *testing.F) {
 	p := addReq().GetPod()
 	f.Add(p.Name, p.Namespace, p.Uid, p.ContainerId, p.Netns, p.Interface, "198.18.0.5")
@@ -109,7 +109,7 @@ func FuzzServerPodAddDel(f *testing.F) {
 		var seen []*cniv1.Pod
 		for _, r := range h.adds {
 			seen = append(seen, r.GetPod())
-			if identity.PodNames(r.GetPod().GetNamespace(), r.GetPod().GetName()) != nil || identity.NetnsPath(r.GetPod().GetNetns()) != nil {
+			if validate.PodNames(r.GetPod().GetNamespace(), r.GetPod().GetName()) != nil || validate.NetnsPath(r.GetPod().GetNetns()) != nil {
 				t.Fatalf("add reached the handler without valid names and netns: %v", r)
 			}
 		}
@@ -122,7 +122,7 @@ func FuzzServerPodAddDel(f *testing.F) {
 					t.Fatalf("the handler got %q in %v", v, p)
 				}
 			}
-			if p.GetUid() != "" && identity.PodUID(p.GetUid()) != nil {
+			if p.GetUid() != "" && validate.PodUID(p.GetUid()) != nil {
 				t.Fatalf("the handler got uid %q", p.GetUid())
 			}
 		}

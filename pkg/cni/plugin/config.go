@@ -18,7 +18,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 )
 
 // PluginType is the "type" of our entry in a conflist, and the binary name.
@@ -165,7 +165,7 @@ func parseCNIArgs(s string) (k8sArgs, error) {
 }
 
 // podFromArgs returns the pod a command is about, every identity in it
-// checked (pkg/identity): the names and UID from CNI_ARGS, the container ID,
+// checked (pkg/validate): the names and UID from CNI_ARGS, the container ID,
 // the interface and, when given (DEL may come without it) or for an ADD, the
 // netns path. ok is false when CNI_ARGS names no Kubernetes pod. Errors are
 // *types.Error with code 4 (invalid environment variables).
@@ -182,18 +182,18 @@ func podFromArgs(args *skel.CmdArgs, add bool) (pod *cniv1.Pod, ok bool, err err
 		return nil, false, nil
 	}
 	checks := []func() error{
-		func() error { return identity.PodNames(k.Namespace, k.Name) },
-		func() error { return identity.ContainerID(args.ContainerID) },
-		func() error { return identity.Interface(args.IfName) },
+		func() error { return validate.PodNames(k.Namespace, k.Name) },
+		func() error { return validate.ContainerID(args.ContainerID) },
+		func() error { return validate.Interface(args.IfName) },
 	}
 	if k.UID != "" {
-		checks = append(checks, func() error { return identity.PodUID(k.UID) })
+		checks = append(checks, func() error { return validate.PodUID(k.UID) })
 	}
 	if k.InfraContainerID != "" {
-		checks = append(checks, func() error { return identity.InfraContainerID(k.InfraContainerID) })
+		checks = append(checks, func() error { return validate.InfraContainerID(k.InfraContainerID) })
 	}
 	if add || args.Netns != "" {
-		checks = append(checks, func() error { return identity.NetnsPath(args.Netns) })
+		checks = append(checks, func() error { return validate.NetnsPath(args.Netns) })
 	}
 	for _, check := range checks {
 		if err := check(); err != nil {

@@ -29,7 +29,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/fallback/decide"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/identity"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 )
 
 // fakeAgent records calls and answers with err (nil: enrolled).
@@ -434,7 +434,7 @@ func TestAddAndDelRefuseInvalidIdentities(t *testing.T) {
 
 // Whatever the runtime passes, ADD and DEL answer with nil or a CNI error,
 // never panic, and what reaches the agent is a pod whose every identity
-// passed pkg/identity's checks.
+// passed pkg/validate's checks.
 func FuzzAddDel(f *testing.F) {
 	f.Add("IgnoreUnknown=1;K8S_POD_NAMESPACE=mesh;K8S_POD_NAME=web;K8S_POD_UID=uid-web", "sandbox-1", "/var/run/netns/p", "eth0", conf("1.0.0", prev100, ""))
 	f.Add("K8S_POD_NAMESPACE=mesh;K8S_POD_NAME=../../links", "sandbox-1", "/var/run/netns/p", "eth0", conf("1.1.0", prev100, ""))
@@ -461,9 +461,9 @@ func FuzzAddDel(f *testing.F) {
 			pods = append(pods, r.GetPod())
 		}
 		for _, p := range pods {
-			err := errors.Join(identity.PodNames(p.GetNamespace(), p.GetName()), identity.ContainerID(p.GetContainerId()), identity.Interface(p.GetInterface()))
+			err := errors.Join(validate.PodNames(p.GetNamespace(), p.GetName()), validate.ContainerID(p.GetContainerId()), validate.Interface(p.GetInterface()))
 			if p.GetUid() != "" {
-				err = errors.Join(err, identity.PodUID(p.GetUid()))
+				err = errors.Join(err, validate.PodUID(p.GetUid()))
 			}
 			if err != nil {
 				t.Fatalf("the agent got pod %v: %v", p, err)

@@ -1,7 +1,7 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-// Package identity checks the strings that name a pod, its sandbox and its
+// Package validate checks the strings that name a pod, its sandbox and its
 // interfaces where they enter the agent or the CNI plugin: the standalone pod
 // file, objects from the API server, CNI_ARGS and the CNI environment, and
 // the plugin's gRPC calls. A pod UID names the pod's pin directory
@@ -24,7 +24,7 @@
 //   - netns path: an absolute path without NUL of at most 4095 bytes.
 //
 // Every error wraps ErrInvalid and names the field and the value.
-package identity
+package validate
 
 import (
 	"crypto/sha256"
