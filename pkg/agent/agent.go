@@ -88,7 +88,7 @@ type agent struct {
 	serving  atomic.Bool
 	features map[string]bool // kernel features of the data path, for the CLI
 
-	istio    *istiocni.Inspector    // nil: neither takeover nor hand-back
+	istio    *istiocni.RuleManager  // nil: neither takeover nor hand-back
 	takeover *takeover.Takeover     // nil: no takeover
 	rec      *reconciler.Reconciler // set once the data path is loaded
 }
@@ -216,7 +216,7 @@ func (a *agent) run(parent context.Context) error {
 	}
 	if a.cfg.IstioCNITakeover {
 		if a.takeover, err = takeover.New(takeover.Config{
-			Inspector: a.istio, NodeNetns: cmp.Or(a.cfg.Dataplane.NodeNetns, "/proc/self/ns/net"),
+			Rules: a.istio, NodeNetns: cmp.Or(a.cfg.Dataplane.NodeNetns, "/proc/self/ns/net"),
 			Logger:     log.With("component", "takeover"),
 			OnResult:   func(r string) { a.metrics.takeovers.WithLabelValues(r).Inc() },
 			OnDraining: func(n int) { a.metrics.draining.Set(float64(n)) },

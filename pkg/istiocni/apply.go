@@ -70,12 +70,12 @@ const (
 // nothing is left half-applied: istio-cni's rules in b are removed again,
 // so are the return-path entries and the drain ApplyPod added. After it,
 // InspectPod reports Equivalent with Options o.
-func (in *Inspector) ApplyPod(ctx context.Context, path string, b Backend, o Options) error {
-	ts, err := in.backendTools(b)
+func (mgr *RuleManager) ApplyPod(ctx context.Context, path string, b Backend, o Options) error {
+	ts, err := mgr.backendTools(b)
 	if err != nil {
 		return fmt.Errorf("netns %s: %w", path, err)
 	}
-	p, err := in.InspectPod(ctx, path)
+	p, err := mgr.InspectPod(ctx, path)
 	if err != nil {
 		return err
 	}
@@ -103,7 +103,7 @@ func (in *Inspector) ApplyPod(ctx context.Context, path string, b Backend, o Opt
 		return fail(err)
 	}
 	err = undoing(path, fmt.Sprintf("apply istio-cni's rules (%s, %s)", b, o), func(undo *[]func() error) error {
-		return in.applyPod(ctx, path, b, ts, o, undo)
+		return mgr.applyPod(ctx, path, b, ts, o, undo)
 	})
 	if err != nil {
 		return fail(err)
@@ -134,7 +134,7 @@ func undoing(path, what string, fn func(undo *[]func() error) error) error {
 
 // applyPod writes the return path and the rules in the thread's netns,
 // adding to undo what takes each step back.
-func (in *Inspector) applyPod(ctx context.Context, path string, b Backend, ts []tools, o Options, undo *[]func() error) error {
+func (mgr *RuleManager) applyPod(ctx context.Context, path string, b Backend, ts []tools, o Options, undo *[]func() error) error {
 	u, err := ensureReturnPath(path)
 	*undo = append(*undo, u...)
 	if err != nil {
@@ -143,9 +143,9 @@ func (in *Inspector) applyPod(ctx context.Context, path string, b Backend, ts []
 	cleanup := context.WithoutCancel(ctx)
 	if b == Nftables {
 		*undo = append(*undo, func() error {
-			return in.deleteNftTables(cleanup, path, []string{NftNatTable, NftMangleTable, NftRawTable})
+			return mgr.deleteNftTables(cleanup, path, []string{NftNatTable, NftMangleTable, NftRawTable})
 		})
-		return in.applyNft(ctx, path, o)
+		return mgr.applyNft(ctx, path, o)
 	}
 	*undo = append(*undo, func() error {
 		var errs []error
@@ -164,22 +164,22 @@ func (in *Inspector) applyPod(ctx context.Context, path string, b Backend, ts []
 
 // backendTools are the iptables tools of b, both families; none for
 // nftables, which needs nft.
-func (in *Inspector) backendTools(b Backend) ([]tools, error) {
+func (mgr *RuleManager) backendTools(b Backend) ([]tools, error) {
 	switch b {
 	case Nftables:
-		if in.nft == "" {
+		if mgr.nft == "" {
 			return nil, fmt.Errorf("backend %s: nft is not installed", b)
 		}
 		return nil, nil
 	case Legacy, NftCompat:
 		var ts []tools
-		for _, t := range in.iptables {
+		for _, t := range mgr.iptables {
 			if t.backend == b {
 				ts = append(ts, t)
 			}
 		}
 		if len(ts) != 2 {
-			return nil, fmt.Errorf("backend %s: its iptables binaries are not installed (missing %v)", b, in.missing)
+			return nil, fmt.Errorf("backend %s: its iptables binaries are not installed (missing %v)", b, mgr.missing)
 		}
 		return ts, nil
 	}
@@ -223,14 +223,14 @@ func renderedTables(input string) []string {
 
 // applyNft writes istio-cni's nftables tables for o in one transaction,
 // replacing whatever tables of those names are there.
-func (in *Inspector) applyNft(ctx context.Context, where string, o Options) error {
+func (mgr *RuleManager) applyNft(ctx context.Context, where string, o Options) error {
 	var script strings.Builder
 	for _, name := range []string{NftNatTable, NftMangleTable, NftRawTable} {
 		// Add then delete: the delete succeeds whether or not it is there.
 		fmt.Fprintf(&script, "add table inet %s\ndelete table inet %s\n", name, name)
 	}
 	script.WriteString(RenderNft(o, true))
-	if _, err := run(ctx, where, script.String(), in.nft, "-f", "-"); err != nil {
+	if _, err := run(ctx, where, script.String(), mgr.nft, "-f", "-"); err != nil {
 		return fmt.Errorf("nftables, tables %s, %s, %s: %w", NftNatTable, NftMangleTable, NftRawTable, err)
 	}
 	return nil
@@ -459,15 +459,15 @@ func connectedTCP(where string) ([][2]netip.AddrPort, error) {
 // elsewhere) has it replaced. On failure what it added is removed again.
 // The nftables backend is refused: RenderNft renders the in-pod tables
 // only, not istio-cni's native host table.
-func (in *Inspector) ApplyNode(ctx context.Context, path string, b Backend) error {
+func (mgr *RuleManager) ApplyNode(ctx context.Context, path string, b Backend) error {
 	if b == Nftables {
 		return fmt.Errorf("netns %s: apply istio-cni's host rules: backend %s is not supported (only its in-pod tables are rendered)", path, b)
 	}
-	ts, err := in.backendTools(b)
+	ts, err := mgr.backendTools(b)
 	if err != nil {
 		return fmt.Errorf("netns %s: %w", path, err)
 	}
-	n, err := in.InspectNode(ctx, path)
+	n, err := mgr.InspectNode(ctx, path)
 	if err != nil {
 		return err
 	}
@@ -478,11 +478,11 @@ func (in *Inspector) ApplyNode(ctx context.Context, path string, b Backend) erro
 		}
 	}
 	return undoing(path, fmt.Sprintf("apply istio-cni's host rules (%s)", b), func(undo *[]func() error) error {
-		return in.applyNode(ctx, path, ts, n, exact, undo)
+		return mgr.applyNode(ctx, path, ts, n, exact, undo)
 	})
 }
 
-func (in *Inspector) applyNode(ctx context.Context, path string, ts []tools, n *Node, exact map[string]bool, undo *[]func() error) error {
+func (mgr *RuleManager) applyNode(ctx context.Context, path string, ts []tools, n *Node, exact map[string]bool, undo *[]func() error) error {
 	cleanup := context.WithoutCancel(ctx)
 	var created []string
 	for _, set := range []string{ProbeSetV4, ProbeSetV6} {
@@ -546,7 +546,7 @@ func destroyIPSets(ctx context.Context, where string, sets []string) error {
 // netns at path (IPv4 to istio-inpod-probes-v4, IPv6 to -v6), the pod's
 // UID as the comment, as istio-cni does; an entry already there for the
 // IP is replaced, so it may run again. The sets must exist (ApplyNode).
-func (in *Inspector) AddProbeEntries(ctx context.Context, path, uid string, ips []netip.Addr) error {
+func (mgr *RuleManager) AddProbeEntries(ctx context.Context, path, uid string, ips []netip.Addr) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}

@@ -37,7 +37,7 @@ func TestApplyPodKeepsEstablishedConnections(t *testing.T) {
 
 func applyPodLive(t *testing.T, b istiocni.Backend) {
 	ctx := context.Background()
-	in := istiocni.New()
+	mgr := istiocni.New()
 	n := simnode.New(t)
 	p := n.AddPod("apply-" + short[b])
 	ns := p.NetnsPath()
@@ -82,7 +82,7 @@ func applyPodLive(t *testing.T, b istiocni.Backend) {
 	}
 
 	o := istiocni.Options{DNS: true}
-	if err := in.ApplyPod(ctx, ns, b, o); err != nil {
+	if err := mgr.ApplyPod(ctx, ns, b, o); err != nil {
 		t.Fatal(err)
 	}
 	for _, s := range streams {
@@ -96,7 +96,7 @@ func applyPodLive(t *testing.T, b istiocni.Backend) {
 			t.Errorf("%s: the established stream was picked up by ztunnel: %+v", s.name, r)
 		}
 	}
-	got, err := in.InspectPod(ctx, ns)
+	got, err := mgr.InspectPod(ctx, ns)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,7 +130,7 @@ func applyPodLive(t *testing.T, b istiocni.Backend) {
 	}
 
 	before := rulesetOf(t, ns)
-	if err := in.ApplyPod(ctx, ns, b, o); err != nil {
+	if err := mgr.ApplyPod(ctx, ns, b, o); err != nil {
 		t.Fatalf("a second ApplyPod: %v", err)
 	}
 	if after := rulesetOf(t, ns); after != before {
@@ -164,7 +164,7 @@ func rulesetOf(t *testing.T, ns string) string {
 // takes the pod back to where it was.
 func TestApplyPodOptions(t *testing.T) {
 	ctx := context.Background()
-	in := istiocni.New()
+	mgr := istiocni.New()
 	n := simnode.New(t)
 	for _, b := range podBackends {
 		for name, o := range optionSets {
@@ -173,10 +173,10 @@ func TestApplyPodOptions(t *testing.T) {
 				ns := p.NetnsPath()
 				unrelated(t, ns)
 				before := snapshot(t, ns)
-				if err := in.ApplyPod(ctx, ns, b, o); err != nil {
+				if err := mgr.ApplyPod(ctx, ns, b, o); err != nil {
 					t.Fatal(err)
 				}
-				got, err := in.InspectPod(ctx, ns)
+				got, err := mgr.InspectPod(ctx, ns)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -189,13 +189,13 @@ func TestApplyPodOptions(t *testing.T) {
 						t.Errorf("ApplyPod took %q out of the pod:\n%s", l, applied)
 					}
 				}
-				if err := in.ApplyPod(ctx, ns, b, o); err != nil {
+				if err := mgr.ApplyPod(ctx, ns, b, o); err != nil {
 					t.Fatalf("a second ApplyPod: %v", err)
 				}
 				if again := snapshot(t, ns); again != applied {
 					t.Errorf("a second ApplyPod changed the pod:\n got: %s\nwant: %s", again, applied)
 				}
-				if err := in.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
+				if err := mgr.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
 					t.Fatal(err)
 				}
 				if after := snapshot(t, ns); after != before {
@@ -209,10 +209,10 @@ func TestApplyPodOptions(t *testing.T) {
 		p := n.AddBarePod("ap-change", "default", "uid-ap-change")
 		ns := p.NetnsPath()
 		for _, o := range []istiocni.Options{{}, {DNS: true, Reroute: []string{"vm0"}}, {IngressMode: true}} {
-			if err := in.ApplyPod(ctx, ns, istiocni.NftCompat, o); err != nil {
+			if err := mgr.ApplyPod(ctx, ns, istiocni.NftCompat, o); err != nil {
 				t.Fatal(err)
 			}
-			if got, err := in.InspectPod(ctx, ns); err != nil || !got.Equivalent || !got.Options.Equal(o) {
+			if got, err := mgr.InspectPod(ctx, ns); err != nil || !got.Equivalent || !got.Options.Equal(o) {
 				t.Fatalf("after ApplyPod with %s: %+v, %v", o, got, err)
 			}
 		}
@@ -224,7 +224,7 @@ func TestApplyPodOptions(t *testing.T) {
 		unrelated(t, ns)
 		applyInpod(t, ns, istiocni.Legacy, istiocni.Options{})
 		before := snapshot(t, ns)
-		err := in.ApplyPod(ctx, ns, istiocni.NftCompat, istiocni.Options{})
+		err := mgr.ApplyPod(ctx, ns, istiocni.NftCompat, istiocni.Options{})
 		if err == nil || !strings.Contains(err.Error(), string(istiocni.Legacy)) || !strings.Contains(err.Error(), ns) {
 			t.Errorf("ApplyPod over another backend's rules: %v", err)
 		}
@@ -239,7 +239,7 @@ func TestApplyPodOptions(t *testing.T) {
 // restore after the legacy backend committed mangle.
 func TestApplyPodRollsBack(t *testing.T) {
 	ctx := context.Background()
-	in := istiocni.New()
+	mgr := istiocni.New()
 	n := simnode.New(t)
 	bad := istiocni.Options{Reroute: []string{"this-name-is-too-long"}}
 	for _, b := range podBackends {
@@ -253,7 +253,7 @@ func TestApplyPodRollsBack(t *testing.T) {
 					applyReturnPath(t, ns) // the eBPF enrolment's: kept
 				}
 				before := snapshot(t, ns)
-				err := in.ApplyPod(ctx, ns, b, bad)
+				err := mgr.ApplyPod(ctx, ns, b, bad)
 				if err == nil {
 					t.Fatal("ApplyPod with an invalid interface name succeeded")
 				}
@@ -283,7 +283,7 @@ func TestApplyPodRollsBack(t *testing.T) {
 // netns back to where it was.
 func TestApplyNodeRoundTrip(t *testing.T) {
 	ctx := context.Background()
-	in := istiocni.New()
+	mgr := istiocni.New()
 	for _, b := range []istiocni.Backend{istiocni.Legacy, istiocni.NftCompat} {
 		t.Run(string(b), func(t *testing.T) {
 			n := simnode.New(t)
@@ -294,10 +294,10 @@ func TestApplyNodeRoundTrip(t *testing.T) {
 			ips := []netip.Addr{netip.MustParseAddr("198.18.7.7"), netip.MustParseAddr("fd00:198:18::7:7")}
 			var applied string
 			for i := range 2 {
-				if err := in.ApplyNode(ctx, node, b); err != nil {
+				if err := mgr.ApplyNode(ctx, node, b); err != nil {
 					t.Fatal(err)
 				}
-				if err := in.AddProbeEntries(ctx, node, "uid-probed", ips); err != nil {
+				if err := mgr.AddProbeEntries(ctx, node, "uid-probed", ips); err != nil {
 					t.Fatal(err)
 				}
 				now := netfilterSnapshot(t, node) + sh(t, node, "", "ipset", "list")
@@ -318,7 +318,7 @@ func TestApplyNodeRoundTrip(t *testing.T) {
 					t.Errorf("%s: ISTIO_POSTRT is not jumped to first in POSTROUTING:\n%s", tool, save)
 				}
 			}
-			got, err := in.InspectNode(ctx, node)
+			got, err := mgr.InspectNode(ctx, node)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -330,10 +330,10 @@ func TestApplyNodeRoundTrip(t *testing.T) {
 					t.Errorf("%s %s: exact %t (%s), jumps %q", r.Backend, r.Family, r.Exact, r.Diff, r.Jumps)
 				}
 			}
-			if err := in.RemoveProbeEntries(ctx, node, "uid-probed", ips); err != nil {
+			if err := mgr.RemoveProbeEntries(ctx, node, "uid-probed", ips); err != nil {
 				t.Fatal(err)
 			}
-			if err := in.RemoveNode(ctx, node); err != nil {
+			if err := mgr.RemoveNode(ctx, node); err != nil {
 				t.Fatal(err)
 			}
 			if after := netfilterSnapshot(t, node); after != before {
@@ -349,7 +349,7 @@ func TestApplyNodeRoundTrip(t *testing.T) {
 		node := simnode.NetnsPath(n.NodeNS)
 		unrelated(t, node)
 		before := netfilterSnapshot(t, node)
-		err := in.ApplyNode(ctx, node, istiocni.Nftables)
+		err := mgr.ApplyNode(ctx, node, istiocni.Nftables)
 		if err == nil || !strings.Contains(err.Error(), "nftables") || !strings.Contains(err.Error(), node) {
 			t.Errorf("ApplyNode with nftables: %v, want it refused", err)
 		}

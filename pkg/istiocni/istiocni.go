@@ -50,9 +50,12 @@ type tools struct {
 	save, restore string
 }
 
-// Inspector finds and removes istio-cni's state. It caches the expected
+// RuleManager reads, removes and writes istio-cni's state with the
+// installed binaries: a pod's in-pod rules (InspectPod, RemovePod,
+// ApplyPod) and the node's probe rule and ipsets (InspectNode, RemoveNode,
+// ApplyNode, AddProbeEntries, RemoveProbeEntries). It caches the expected
 // rule sets by options, so inspecting many pods applies each once.
-type Inspector struct {
+type RuleManager struct {
 	iptables []tools // the backends and families whose binaries are installed
 	missing  []string
 	nft      string // the nft binary, "" when not installed
@@ -64,8 +67,8 @@ type Inspector struct {
 // New finds the installed binaries: iptables-legacy-save/-restore,
 // iptables-nft-save/-restore (and ip6tables-*), nft. A backend whose
 // binaries are missing is not looked at (Missing names them).
-func New() *Inspector {
-	in := &Inspector{canon: map[string]string{}}
+func New() *RuleManager {
+	mgr := &RuleManager{canon: map[string]string{}}
 	for _, b := range []struct {
 		backend Backend
 		suffix  string
@@ -75,21 +78,21 @@ func New() *Inspector {
 			save, err1 := exec.LookPath(t.save)
 			restore, err2 := exec.LookPath(t.restore)
 			if err1 != nil || err2 != nil {
-				in.missing = append(in.missing, t.save)
+				mgr.missing = append(mgr.missing, t.save)
 				continue
 			}
 			t.save, t.restore = save, restore
-			in.iptables = append(in.iptables, t)
+			mgr.iptables = append(mgr.iptables, t)
 		}
 	}
 	if p, err := exec.LookPath("nft"); err == nil {
-		in.nft = p
+		mgr.nft = p
 	} else {
-		in.missing = append(in.missing, "nft")
+		mgr.missing = append(mgr.missing, "nft")
 	}
-	return in
+	return mgr
 }
 
 // Missing names the binaries not found: state of those backends is
 // neither seen nor removed.
-func (in *Inspector) Missing() []string { return in.missing }
+func (mgr *RuleManager) Missing() []string { return mgr.missing }

@@ -149,8 +149,8 @@ func noIstio(t *testing.T, ns string) {
 
 func TestInspectAndRemovePod(t *testing.T) {
 	ctx := context.Background()
-	in := istiocni.New()
-	if m := in.Missing(); len(m) > 0 {
+	mgr := istiocni.New()
+	if m := mgr.Missing(); len(m) > 0 {
 		t.Fatalf("binaries missing: %v (make deps installs iptables and nftables)", m)
 	}
 	n := simnode.New(t)
@@ -161,11 +161,11 @@ func TestInspectAndRemovePod(t *testing.T) {
 				ns := p.NetnsPath()
 				unrelated(t, ns)
 				before := snapshot(t, ns)
-				if got, err := in.InspectPod(ctx, ns); err != nil || got.Found() {
+				if got, err := mgr.InspectPod(ctx, ns); err != nil || got.Found() {
 					t.Fatalf("before istio-cni: found %+v, %v", got, err)
 				}
 				applyInpod(t, ns, b, o)
-				got, err := in.InspectPod(ctx, ns)
+				got, err := mgr.InspectPod(ctx, ns)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -206,17 +206,17 @@ func TestInspectAndRemovePod(t *testing.T) {
 					t.Errorf("return path %t %t %t %t, other routes %v, nft %+v", got.Rule4, got.Rule6, got.Route4, got.Route6, got.OtherRoutes, got.Nft)
 				}
 
-				if err := in.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
+				if err := mgr.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
 					t.Fatal(err)
 				}
 				noIstio(t, ns)
 				if after := snapshot(t, ns); after != before {
 					t.Errorf("after Remove the pod's other state differs:\n got: %s\nwant: %s", after, before)
 				}
-				if err := in.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
+				if err := mgr.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
 					t.Errorf("a second Remove: %v", err)
 				}
-				if got, err := in.InspectPod(ctx, ns); err != nil || got.Found() {
+				if got, err := mgr.InspectPod(ctx, ns); err != nil || got.Found() {
 					t.Errorf("after Remove: found %+v, %v", got, err)
 				}
 			})
@@ -228,14 +228,14 @@ func TestInspectAndRemovePod(t *testing.T) {
 // shares with istio-cni.
 func TestRemoveKeepsReturnPath(t *testing.T) {
 	ctx := context.Background()
-	in := istiocni.New()
+	mgr := istiocni.New()
 	n := simnode.New(t)
 	p := n.AddBarePod("keep", "default", "uid-keep")
 	applyInpod(t, p.NetnsPath(), istiocni.NftCompat, istiocni.Options{DNS: true})
-	if err := in.RemovePod(ctx, p.NetnsPath(), istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
+	if err := mgr.RemovePod(ctx, p.NetnsPath(), istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
 		t.Fatal(err)
 	}
-	got, err := in.InspectPod(ctx, p.NetnsPath())
+	got, err := mgr.InspectPod(ctx, p.NetnsPath())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -250,7 +250,7 @@ func TestRemoveKeepsReturnPath(t *testing.T) {
 // A rule set that is not istio-cni's is reported, with the difference.
 func TestNotEquivalent(t *testing.T) {
 	ctx := context.Background()
-	in := istiocni.New()
+	mgr := istiocni.New()
 	n := simnode.New(t)
 	cases := map[string]struct {
 		edit func(t *testing.T, ns string)
@@ -277,7 +277,7 @@ func TestNotEquivalent(t *testing.T) {
 			p := n.AddBarePod("ne-"+name, "default", "uid-ne-"+name)
 			applyInpod(t, p.NetnsPath(), istiocni.NftCompat, istiocni.Options{})
 			c.edit(t, p.NetnsPath())
-			got, err := in.InspectPod(ctx, p.NetnsPath())
+			got, err := mgr.InspectPod(ctx, p.NetnsPath())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -290,7 +290,7 @@ func TestNotEquivalent(t *testing.T) {
 
 func TestNativeNftables(t *testing.T) {
 	ctx := context.Background()
-	in := istiocni.New()
+	mgr := istiocni.New()
 	n := simnode.New(t)
 	for name, o := range optionSets {
 		t.Run(name, func(t *testing.T) {
@@ -300,7 +300,7 @@ func TestNativeNftables(t *testing.T) {
 			before := snapshot(t, ns)
 			sh(t, ns, istiocni.RenderNft(o, true), "nft", "-f", "-")
 			applyReturnPath(t, ns)
-			got, err := in.InspectPod(ctx, ns)
+			got, err := mgr.InspectPod(ctx, ns)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -314,14 +314,14 @@ func TestNativeNftables(t *testing.T) {
 			if !slices.Equal(got.Nft.Tables, want) || !got.Nft.IPv6 || !got.Nft.Exact {
 				t.Errorf("nft state %+v, want tables %v with ip6 rules, exact", got.Nft, want)
 			}
-			if err := in.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
+			if err := mgr.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
 				t.Fatal(err)
 			}
 			noIstio(t, ns)
 			if after := snapshot(t, ns); after != before {
 				t.Errorf("after Remove the pod's other state differs:\n got: %s\nwant: %s", after, before)
 			}
-			if err := in.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
+			if err := mgr.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
 				t.Errorf("a second Remove: %v", err)
 			}
 		})
@@ -330,7 +330,7 @@ func TestNativeNftables(t *testing.T) {
 		p := n.AddBarePod("nft-edited", "default", "uid-nft-edited")
 		sh(t, p.NetnsPath(), istiocni.RenderNft(istiocni.Options{}, true)+"add rule inet istio-ambient-nat istio-output ip daddr 198.18.9.9 return\n", "nft", "-f", "-")
 		applyReturnPath(t, p.NetnsPath())
-		got, err := in.InspectPod(ctx, p.NetnsPath())
+		got, err := mgr.InspectPod(ctx, p.NetnsPath())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -342,12 +342,12 @@ func TestNativeNftables(t *testing.T) {
 
 func TestNode(t *testing.T) {
 	ctx := context.Background()
-	in := istiocni.New()
+	mgr := istiocni.New()
 	n := simnode.New(t)
 	node := simnode.NetnsPath(n.NodeNS)
 	unrelated(t, node)
 	before := netfilterSnapshot(t, node)
-	if got, err := in.InspectNode(ctx, node); err != nil || got.Found() {
+	if got, err := mgr.InspectNode(ctx, node); err != nil || got.Found() {
 		t.Fatalf("before istio-cni: %+v, %v", got, err)
 	}
 	var ref reference.Iptables
@@ -355,7 +355,7 @@ func TestNode(t *testing.T) {
 	p := n.AddPod("probed")
 	ref.Enroll(t, p, reference.Opts{})
 
-	got, err := in.InspectNode(ctx, node)
+	got, err := mgr.InspectNode(ctx, node)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -372,19 +372,19 @@ func TestNode(t *testing.T) {
 		t.Errorf("ipsets %v (entries %d), nft table %t; want one entry in each ipset", got.IPSets, got.Entries(), got.NftTable)
 	}
 	// Another pod's UID leaves the entries alone.
-	if err := in.RemoveProbeEntries(ctx, node, "someone-else", p.IPs()); err != nil {
+	if err := mgr.RemoveProbeEntries(ctx, node, "someone-else", p.IPs()); err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := in.InspectNode(ctx, node); got.Entries() != 2 {
+	if got, _ := mgr.InspectNode(ctx, node); got.Entries() != 2 {
 		t.Errorf("entries after removing another pod's: %d", got.Entries())
 	}
-	if err := in.RemoveProbeEntries(ctx, node, p.UID, p.IPs()); err != nil {
+	if err := mgr.RemoveProbeEntries(ctx, node, p.UID, p.IPs()); err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := in.InspectNode(ctx, node); got.Entries() != 0 || len(got.IPSets) != 2 {
+	if got, _ := mgr.InspectNode(ctx, node); got.Entries() != 0 || len(got.IPSets) != 2 {
 		t.Errorf("after removing the pod's entries: %v", got.IPSets)
 	}
-	if err := in.RemoveNode(ctx, node); err != nil {
+	if err := mgr.RemoveNode(ctx, node); err != nil {
 		t.Fatal(err)
 	}
 	noIstio(t, node)
@@ -394,26 +394,26 @@ func TestNode(t *testing.T) {
 	if after := netfilterSnapshot(t, node); after != before {
 		t.Errorf("after RemoveNode the node's other state differs:\n got: %s\nwant: %s", after, before)
 	}
-	if err := in.RemoveNode(ctx, node); err != nil {
+	if err := mgr.RemoveNode(ctx, node); err != nil {
 		t.Errorf("a second RemoveNode: %v", err)
 	}
-	if got, err := in.InspectNode(ctx, node); err != nil || got.Found() {
+	if got, err := mgr.InspectNode(ctx, node); err != nil || got.Found() {
 		t.Errorf("after RemoveNode: %+v, %v", got, err)
 	}
 }
 
 func TestMissingNetns(t *testing.T) {
-	in := istiocni.New()
+	mgr := istiocni.New()
 	const path = "/run/netns/ht-no-such-netns"
-	_, err := in.InspectPod(context.Background(), path)
+	_, err := mgr.InspectPod(context.Background(), path)
 	if err == nil || !strings.Contains(err.Error(), path) || !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("InspectPod of a missing netns: %v", err)
 	}
-	err = in.RemovePod(context.Background(), path, istiocni.RemoveOptions{})
+	err = mgr.RemovePod(context.Background(), path, istiocni.RemoveOptions{})
 	if err == nil || !strings.Contains(err.Error(), path) || !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("RemovePod of a missing netns: %v", err)
 	}
-	if _, err := in.InspectNode(context.Background(), path); err == nil || !strings.Contains(err.Error(), path) {
+	if _, err := mgr.InspectNode(context.Background(), path); err == nil || !strings.Contains(err.Error(), path) {
 		t.Errorf("InspectNode of a missing netns: %v", err)
 	}
 }

@@ -12,8 +12,8 @@ import (
 )
 
 // nftTables lists the inet tables of the thread's netns among names.
-func (in *Inspector) nftTables(ctx context.Context, where string, names []string) ([]string, error) {
-	out, err := run(ctx, where, "", in.nft, "list", "tables", "inet")
+func (mgr *RuleManager) nftTables(ctx context.Context, where string, names []string) ([]string, error) {
+	out, err := run(ctx, where, "", mgr.nft, "list", "tables", "inet")
 	if err != nil {
 		return nil, err
 	}
@@ -28,8 +28,8 @@ func (in *Inspector) nftTables(ctx context.Context, where string, names []string
 
 // listNft returns `nft list table inet NAME` of each of the named tables
 // the thread's netns has, in the order given; "" when it has none.
-func (in *Inspector) listNft(ctx context.Context, where string, names []string) (string, error) {
-	have, err := in.nftTables(ctx, where, names)
+func (mgr *RuleManager) listNft(ctx context.Context, where string, names []string) (string, error) {
+	have, err := mgr.nftTables(ctx, where, names)
 	if err != nil {
 		return "", err
 	}
@@ -38,7 +38,7 @@ func (in *Inspector) listNft(ctx context.Context, where string, names []string) 
 		if !slices.Contains(have, name) {
 			continue
 		}
-		out, err := run(ctx, where, "", in.nft, "list", "table", "inet", name)
+		out, err := run(ctx, where, "", mgr.nft, "list", "table", "inet", name)
 		if err != nil {
 			return "", err
 		}
@@ -49,8 +49,8 @@ func (in *Inspector) listNft(ctx context.Context, where string, names []string) 
 
 // deleteNftTables deletes those of the named inet tables that exist, in
 // one transaction.
-func (in *Inspector) deleteNftTables(ctx context.Context, where string, names []string) error {
-	have, err := in.nftTables(ctx, where, names)
+func (mgr *RuleManager) deleteNftTables(ctx context.Context, where string, names []string) error {
+	have, err := mgr.nftTables(ctx, where, names)
 	if err != nil || len(have) == 0 {
 		return err
 	}
@@ -58,7 +58,7 @@ func (in *Inspector) deleteNftTables(ctx context.Context, where string, names []
 	for _, name := range have {
 		fmt.Fprintf(&script, "delete table inet %s\n", name)
 	}
-	if _, err := run(ctx, where, script.String(), in.nft, "-f", "-"); err != nil {
+	if _, err := run(ctx, where, script.String(), mgr.nft, "-f", "-"); err != nil {
 		return fmt.Errorf("tables %s: %w", strings.Join(have, ", "), err)
 	}
 	return nil
@@ -66,28 +66,28 @@ func (in *Inspector) deleteNftTables(ctx context.Context, where string, names []
 
 // canonicalNft applies script in a scratch netns and lists istio-cni's
 // tables back, as the installed nft prints them.
-func (in *Inspector) canonicalNft(ctx context.Context, script string) (string, error) {
+func (mgr *RuleManager) canonicalNft(ctx context.Context, script string) (string, error) {
 	key := "nft\x00" + script
-	in.mu.Lock()
-	out, ok := in.canon[key]
-	in.mu.Unlock()
+	mgr.mu.Lock()
+	out, ok := mgr.canon[key]
+	mgr.mu.Unlock()
 	if ok {
 		return out, nil
 	}
 	err := inScratchNetns(func() error {
-		if _, err := run(ctx, "scratch", script, in.nft, "-f", "-"); err != nil {
+		if _, err := run(ctx, "scratch", script, mgr.nft, "-f", "-"); err != nil {
 			return err
 		}
 		var err error
-		out, err = in.listNft(ctx, "scratch", []string{NftNatTable, NftMangleTable, NftRawTable})
+		out, err = mgr.listNft(ctx, "scratch", []string{NftNatTable, NftMangleTable, NftRawTable})
 		return err
 	})
 	if err != nil {
 		return "", fmt.Errorf("render the expected nftables tables: %w", err)
 	}
-	in.mu.Lock()
-	in.canon[key] = out
-	in.mu.Unlock()
+	mgr.mu.Lock()
+	mgr.canon[key] = out
+	mgr.mu.Unlock()
 	return out, nil
 }
 

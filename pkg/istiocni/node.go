@@ -57,11 +57,11 @@ func (n *Node) Entries() int {
 var hostChains = []string{ChainHostPostrouting}
 
 // InspectNode reads istio-cni's host state in the node netns at path.
-func (in *Inspector) InspectNode(ctx context.Context, path string) (*Node, error) {
-	n := &Node{Netns: path, IPSets: map[string]int{}, NftSets: map[string]int{}, Unchecked: in.missing}
+func (mgr *RuleManager) InspectNode(ctx context.Context, path string) (*Node, error) {
+	n := &Node{Netns: path, IPSets: map[string]int{}, NftSets: map[string]int{}, Unchecked: mgr.missing}
 	saves := map[tools]string{}
 	err := inNetns(path, func() error {
-		for _, t := range in.iptables {
+		for _, t := range mgr.iptables {
 			out, err := run(ctx, path, "", t.save, "-t", "nat")
 			if err != nil {
 				return err
@@ -71,16 +71,16 @@ func (in *Inspector) InspectNode(ctx context.Context, path string) (*Node, error
 		if err := n.readIPSets(); err != nil {
 			return err
 		}
-		if in.nft == "" {
+		if mgr.nft == "" {
 			return nil
 		}
-		have, err := in.nftTables(ctx, path, []string{NftNatTable})
+		have, err := mgr.nftTables(ctx, path, []string{NftNatTable})
 		if err != nil || len(have) == 0 {
 			return err
 		}
 		n.NftTable = true
 		for _, set := range []string{ProbeSetV4, ProbeSetV6} {
-			c, err := in.nftSetEntries(ctx, path, set)
+			c, err := mgr.nftSetEntries(ctx, path, set)
 			if err != nil {
 				return err
 			}
@@ -93,7 +93,7 @@ func (in *Inspector) InspectNode(ctx context.Context, path string) (*Node, error
 	if err != nil {
 		return nil, err
 	}
-	for _, t := range in.iptables {
+	for _, t := range mgr.iptables {
 		s, err := ParseSave(saves[t])
 		if err != nil {
 			return nil, fmt.Errorf("netns %s: parse %s output: %w", path, t.save, err)
@@ -102,7 +102,7 @@ func (in *Inspector) InspectNode(ctx context.Context, path string) (*Node, error
 		if !ok {
 			continue
 		}
-		want, err := in.canonicalIptables(ctx, t, RenderHost(t.family), createProbeSets)
+		want, err := mgr.canonicalIptables(ctx, t, RenderHost(t.family), createProbeSets)
 		if err != nil {
 			return nil, err
 		}
@@ -139,8 +139,8 @@ func (n *Node) readIPSets() error {
 
 // nftSetEntries counts a set's elements in istio-cni's host table; -1
 // when the set does not exist.
-func (in *Inspector) nftSetEntries(ctx context.Context, where, set string) (int, error) {
-	out, err := run(ctx, where, "", in.nft, "-j", "list", "sets", "inet")
+func (mgr *RuleManager) nftSetEntries(ctx context.Context, where, set string) (int, error) {
+	out, err := run(ctx, where, "", mgr.nft, "-j", "list", "sets", "inet")
 	if err != nil {
 		return 0, err
 	}
@@ -159,14 +159,14 @@ func (in *Inspector) nftSetEntries(ctx context.Context, where, set string) (int,
 	for _, o := range doc.Nftables {
 		if o.Set != nil && o.Set.Table == NftNatTable && o.Set.Name == set {
 			// Listing all sets leaves elements out; list this one.
-			return in.nftSetLen(ctx, where, set)
+			return mgr.nftSetLen(ctx, where, set)
 		}
 	}
 	return -1, nil
 }
 
-func (in *Inspector) nftSetLen(ctx context.Context, where, set string) (int, error) {
-	out, err := run(ctx, where, "", in.nft, "-j", "list", "set", "inet", NftNatTable, set)
+func (mgr *RuleManager) nftSetLen(ctx context.Context, where, set string) (int, error) {
+	out, err := run(ctx, where, "", mgr.nft, "-j", "list", "set", "inet", NftNatTable, set)
 	if err != nil {
 		return 0, err
 	}
@@ -195,18 +195,18 @@ func (in *Inspector) nftSetLen(ctx context.Context, where, set string) (int, err
 // left on istio-cni's rules (Node.Entries, or the caller's own count):
 // the SNAT rule is what keeps kubelet's probes to those pods out of their
 // ztunnel. Idempotent.
-func (in *Inspector) RemoveNode(ctx context.Context, path string) error {
+func (mgr *RuleManager) RemoveNode(ctx context.Context, path string) error {
 	return inNetns(path, func() error {
 		var errs []error
-		for _, t := range in.iptables {
+		for _, t := range mgr.iptables {
 			errs = append(errs, removeChains(ctx, path, t, hostChains))
 		}
 		if err := errors.Join(errs...); err != nil {
 			return err // an ipset a rule still names cannot go
 		}
 		errs = append(errs, destroyIPSets(ctx, path, []string{ProbeSetV4, ProbeSetV6}))
-		if in.nft != "" {
-			errs = append(errs, in.deleteNftTables(ctx, path, []string{NftNatTable}))
+		if mgr.nft != "" {
+			errs = append(errs, mgr.deleteNftTables(ctx, path, []string{NftNatTable}))
 		}
 		return errors.Join(errs...)
 	})
@@ -215,7 +215,7 @@ func (in *Inspector) RemoveNode(ctx context.Context, path string) error {
 // RemoveProbeEntries takes a pod's IPs out of istio-cni's probe ipsets,
 // each only while its entry still names the pod (comment = uid), as
 // istio-cni does: once the pod is on eBPF its probes need no iptables SNAT.
-func (in *Inspector) RemoveProbeEntries(ctx context.Context, path, uid string, ips []netip.Addr) error {
+func (mgr *RuleManager) RemoveProbeEntries(ctx context.Context, path, uid string, ips []netip.Addr) error {
 	return eachProbeSet(path, ips, func(h *netlink.Handle, set string, ip netip.Addr) error {
 		res, err := h.IpsetList(set)
 		if errors.Is(err, unix.ENOENT) {

@@ -88,20 +88,20 @@ var podChains = []string{ChainPrerouting, ChainOutput}
 // InspectPod reads istio-cni's state in the pod netns at path. It changes
 // nothing. An error means the netns or a tool could not be read (a netns
 // that is gone: errors.Is(err, fs.ErrNotExist)).
-func (in *Inspector) InspectPod(ctx context.Context, path string) (*Pod, error) {
-	p := &Pod{Netns: path, Unchecked: in.missing}
+func (mgr *RuleManager) InspectPod(ctx context.Context, path string) (*Pod, error) {
+	p := &Pod{Netns: path, Unchecked: mgr.missing}
 	saves := map[tools]string{}
 	var nftOut string
 	err := inNetns(path, func() error {
-		for _, t := range in.iptables {
+		for _, t := range mgr.iptables {
 			out, err := run(ctx, path, "", t.save)
 			if err != nil {
 				return err
 			}
 			saves[t] = out
 		}
-		if in.nft != "" {
-			out, err := in.listNft(ctx, path, []string{NftNatTable, NftMangleTable, NftRawTable})
+		if mgr.nft != "" {
+			out, err := mgr.listNft(ctx, path, []string{NftNatTable, NftMangleTable, NftRawTable})
 			if err != nil {
 				return err
 			}
@@ -112,7 +112,7 @@ func (in *Inspector) InspectPod(ctx context.Context, path string) (*Pod, error) 
 	if err != nil {
 		return nil, err
 	}
-	for _, t := range in.iptables {
+	for _, t := range mgr.iptables {
 		s, err := ParseSave(saves[t])
 		if err != nil {
 			return nil, fmt.Errorf("netns %s: parse %s output: %w", path, t.save, err)
@@ -122,7 +122,7 @@ func (in *Inspector) InspectPod(ctx context.Context, path string) (*Pod, error) 
 			continue
 		}
 		fr := IptablesRules{Backend: t.backend, Family: t.family.Name, Chains: r.chains, Jumps: r.jumps, Options: iptablesOptions(s)}
-		want, err := in.canonicalIptables(ctx, t, RenderInpod(fr.Options, t.family), nil)
+		want, err := mgr.canonicalIptables(ctx, t, RenderInpod(fr.Options, t.family), nil)
 		if err != nil {
 			return nil, err
 		}
@@ -142,7 +142,7 @@ func (in *Inspector) InspectPod(ctx context.Context, path string) (*Pod, error) 
 				nt.Tables = append(nt.Tables, name)
 			}
 		}
-		want, err := in.canonicalNft(ctx, RenderNft(nt.Options, nt.IPv6))
+		want, err := mgr.canonicalNft(ctx, RenderNft(nt.Options, nt.IPv6))
 		if err != nil {
 			return nil, err
 		}
@@ -305,11 +305,11 @@ func firstDiff(have, want []string) string {
 
 // canonicalIptables applies input with the backend's restore in a scratch
 // netns and returns the backend's save of it.
-func (in *Inspector) canonicalIptables(ctx context.Context, t tools, input string, prepare func() error) (string, error) {
+func (mgr *RuleManager) canonicalIptables(ctx context.Context, t tools, input string, prepare func() error) (string, error) {
 	key := t.save + "\x00" + input
-	in.mu.Lock()
-	out, ok := in.canon[key]
-	in.mu.Unlock()
+	mgr.mu.Lock()
+	out, ok := mgr.canon[key]
+	mgr.mu.Unlock()
 	if ok {
 		return out, nil
 	}
@@ -329,9 +329,9 @@ func (in *Inspector) canonicalIptables(ctx context.Context, t tools, input strin
 	if err != nil {
 		return "", fmt.Errorf("render the expected rules: %w", err)
 	}
-	in.mu.Lock()
-	in.canon[key] = out
-	in.mu.Unlock()
+	mgr.mu.Lock()
+	mgr.canon[key] = out
+	mgr.mu.Unlock()
 	return out, nil
 }
 
@@ -401,14 +401,14 @@ type RemoveOptions struct {
 // o.KeepReturnPath, its policy rule and its two local routes. What is
 // already gone is skipped, so it may run again. Errors name the netns,
 // table and command.
-func (in *Inspector) RemovePod(ctx context.Context, path string, o RemoveOptions) error {
+func (mgr *RuleManager) RemovePod(ctx context.Context, path string, o RemoveOptions) error {
 	err := inNetns(path, func() error {
 		var errs []error
-		for _, t := range in.iptables {
+		for _, t := range mgr.iptables {
 			errs = append(errs, removeChains(ctx, path, t, podChains))
 		}
-		if in.nft != "" {
-			errs = append(errs, in.deleteNftTables(ctx, path, []string{NftNatTable, NftMangleTable, NftRawTable}))
+		if mgr.nft != "" {
+			errs = append(errs, mgr.deleteNftTables(ctx, path, []string{NftNatTable, NftMangleTable, NftRawTable}))
 		}
 		if !o.KeepReturnPath {
 			errs = append(errs, removeReturnPath(path))

@@ -41,7 +41,7 @@ type stream struct {
 
 func drainTakeover(t *testing.T, b istiocni.Backend, drain bool) {
 	ctx := context.Background()
-	in := istiocni.New()
+	mgr := istiocni.New()
 	n := simnode.New(t)
 	p := n.AddPod("drain")
 	applyInpod(t, p.NetnsPath(), b, istiocni.Options{DNS: true})
@@ -90,7 +90,7 @@ func drainTakeover(t *testing.T, b istiocni.Backend, drain bool) {
 			t.Errorf("the drain table as nft lists it:\n%s", got)
 		}
 	}
-	if err := in.RemovePod(ctx, p.NetnsPath(), istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
+	if err := mgr.RemovePod(ctx, p.NetnsPath(), istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
 		t.Fatal(err)
 	}
 	noIstio(t, p.NetnsPath())

@@ -14,7 +14,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 )
 
-// Writer writes istio-cni's state (*istiocni.Inspector).
+// Writer writes istio-cni's state (*istiocni.RuleManager).
 type Writer interface {
 	// ApplyPod writes istio-cni's exact in-pod rules for o in backend b,
 	// keeping every established connection of the pod.

@@ -68,9 +68,9 @@ const (
 	ResultHandFailed = "failed"
 )
 
-// Inspector is what a takeover reads and writes istio-cni's state with
-// (*istiocni.Inspector).
-type Inspector interface {
+// RuleManager is what a takeover reads and removes istio-cni's state with
+// (*istiocni.RuleManager).
+type RuleManager interface {
 	InspectPod(ctx context.Context, path string) (*istiocni.Pod, error)
 	RemovePod(ctx context.Context, path string, o istiocni.RemoveOptions) error
 	InspectNode(ctx context.Context, path string) (*istiocni.Node, error)
@@ -103,10 +103,10 @@ func (KernelDrain) Flows(ctx context.Context, path string) (int, error) {
 	return istiocni.RedirectedFlows(ctx, path)
 }
 
-// Config configures a Takeover. Inspector and NodeNetns are required.
+// Config configures a Takeover. Rules and NodeNetns are required.
 type Config struct {
-	Inspector Inspector
-	Drain     Drain // default KernelDrain
+	Rules RuleManager
+	Drain Drain // default KernelDrain
 	// NodeNetns is the path of the node's netns, where istio-cni's probe
 	// rule and ipsets are (the agent's own: /proc/self/ns/net).
 	NodeNetns string
@@ -153,8 +153,8 @@ var _ reconciler.Takeover = (*Takeover)(nil)
 
 // New builds a Takeover; it does no I/O.
 func New(cfg Config) (*Takeover, error) {
-	if cfg.Inspector == nil || cfg.NodeNetns == "" {
-		return nil, errors.New("takeover config: an inspector and the node netns are required")
+	if cfg.Rules == nil || cfg.NodeNetns == "" {
+		return nil, errors.New("takeover config: a rule manager and the node netns are required")
 	}
 	if cfg.Drain == nil {
 		cfg.Drain = KernelDrain{}
@@ -163,7 +163,7 @@ func New(cfg Config) (*Takeover, error) {
 		cfg.Logger = slog.Default()
 	}
 	t := &Takeover{cfg: cfg, log: cfg.Logger, states: map[string]State{}}
-	if m := cfg.Inspector.Missing(); len(m) > 0 {
+	if m := cfg.Rules.Missing(); len(m) > 0 {
 		t.log.Warn("istio-cni takeover: these binaries are missing, the state of their backends is neither seen nor removed", "missing", m)
 	}
 	return t, nil
@@ -187,7 +187,7 @@ func (t *Takeover) Inspect(ctx context.Context, p reconciler.TakeoverPod) (recon
 		// inspection per pod would make every restart slow).
 		return reconciler.TakeoverPlan{}, nil
 	}
-	ip, err := t.cfg.Inspector.InspectPod(ctx, p.Netns)
+	ip, err := t.cfg.Rules.InspectPod(ctx, p.Netns)
 	if err != nil {
 		return reconciler.TakeoverPlan{}, fmt.Errorf("istio-cni takeover of pod %s/%s: inspect: %w", p.Namespace, p.Name, err)
 	}
@@ -235,7 +235,7 @@ func (t *Takeover) Finish(ctx context.Context, p reconciler.TakeoverPod) (draini
 		// The drain is in place since Inspect: removing istio-cni's rules
 		// does not turn conntrack off under its connections
 		// (istiocni.DrainTable).
-		if err := t.cfg.Inspector.RemovePod(ctx, p.Netns, istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
+		if err := t.cfg.Rules.RemovePod(ctx, p.Netns, istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
 			return false, fmt.Errorf("istio-cni takeover of pod %s: remove istio-cni's rules: %w", key, err)
 		}
 		t.failpoint(StepRemoved)
@@ -266,17 +266,17 @@ func (t *Takeover) Finish(ctx context.Context, p reconciler.TakeoverPod) (draini
 func (t *Takeover) cleanNode(ctx context.Context, p reconciler.TakeoverPod) error {
 	t.nodeMu.Lock()
 	defer t.nodeMu.Unlock()
-	if err := t.cfg.Inspector.RemoveProbeEntries(ctx, t.cfg.NodeNetns, p.UID, p.IPs); err != nil {
+	if err := t.cfg.Rules.RemoveProbeEntries(ctx, t.cfg.NodeNetns, p.UID, p.IPs); err != nil {
 		return fmt.Errorf("remove the pod's istio-cni probe entries: %w", err)
 	}
-	n, err := t.cfg.Inspector.InspectNode(ctx, t.cfg.NodeNetns)
+	n, err := t.cfg.Rules.InspectNode(ctx, t.cfg.NodeNetns)
 	if err != nil {
 		return fmt.Errorf("inspect istio-cni's node state: %w", err)
 	}
 	if !n.Found() || n.Entries() > 0 {
 		return nil
 	}
-	if err := t.cfg.Inspector.RemoveNode(ctx, t.cfg.NodeNetns); err != nil {
+	if err := t.cfg.Rules.RemoveNode(ctx, t.cfg.NodeNetns); err != nil {
 		return fmt.Errorf("remove istio-cni's node state: %w", err)
 	}
 	t.log.Info("istio-cni takeover: no pod is left in istio-cni's probe sets; its node probe rule and sets removed")

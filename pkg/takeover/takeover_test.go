@@ -71,7 +71,7 @@ func (f *fakes) Flows(context.Context, string) (int, error) {
 
 func newTakeover(t *testing.T, f *fakes, results *[]string) *Takeover {
 	t.Helper()
-	tk, err := New(Config{Inspector: f, Drain: f, NodeNetns: "/proc/self/ns/net", Logger: slog.New(slog.DiscardHandler),
+	tk, err := New(Config{Rules: f, Drain: f, NodeNetns: "/proc/self/ns/net", Logger: slog.New(slog.DiscardHandler),
 		OnResult: func(r string) { *results = append(*results, r) }})
 	if err != nil {
 		t.Fatal(err)
