@@ -5,10 +5,11 @@ SHELL := /bin/bash
 
 GO        ?= go
 # bpf2go reads these from the environment; clang is pinned so the committed
-# objects are reproducible (`make check-generated`).
+# objects are reproducible (`make check-generated`), and the debug info names
+# no directory, so they are the same from any checkout's path.
 BPF2GO_CC    ?= clang-19
 BPF2GO_STRIP ?= llvm-strip-19
-BPF2GO_CFLAGS ?= -O2 -g -Wall -Werror
+BPF2GO_CFLAGS ?= -O2 -g -Wall -Werror -fdebug-compilation-dir=.
 export BPF2GO_CC BPF2GO_STRIP BPF2GO_CFLAGS
 
 # Packages whose go:generate lines run bpf2go.
