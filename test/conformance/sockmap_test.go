@@ -97,6 +97,37 @@ func (e *accelNode) loBytes(t *testing.T) uint64 {
 	return n
 }
 
+// bulkRun is one bulk-tcp connection and the counters around it.
+type bulkRun struct {
+	resp          simnode.AppResponse
+	before, after dataplane.AccelStats
+	lo, loAfter   uint64
+}
+
+// bulk sends size bytes from one app to an echo server at dst and back.
+// An end whose first send comes before its peer joined the sockhashes
+// stays on TCP for good, by design (bytes must not overtake each other):
+// the stats count it as plain. Under emulation (TCG, Linux 6.1) the
+// app's first write can beat ztunnel's accept side to it; such a
+// connection is tried again, up to twice, and logged.
+func (e *accelNode) bulk(t *testing.T, from *simnode.App, dst netip.AddrPort, size int) bulkRun {
+	t.Helper()
+	var r bulkRun
+	for try := 1; ; try++ {
+		r.before, r.lo = e.stats(t), e.loBytes(t)
+		var err error
+		if r.resp, err = from.Do(simnode.AppRequest{Op: "bulk-tcp", Addr: dst, Bytes: size}); err != nil {
+			t.Fatalf("bulk connection to %s: %v", dst, err)
+		}
+		r.after, r.loAfter = e.stats(t), e.loBytes(t)
+		raced := r.after.Plain - r.before.Plain
+		if raced == 0 || try == 3 {
+			return r
+		}
+		t.Logf("try %d: %d end(s) sent before their peer joined (plain TCP by design); trying again", try, raced)
+	}
+}
+
 // accelerates reports whether mode accelerates anything on this kernel:
 // before Linux 5.15 every mode is the flag's fallback, plain TCP, and the
 // tests below check that instead.
@@ -129,27 +160,8 @@ func TestAccelCarriesBulk(t *testing.T) {
 				{"inbound_v6", e.out, netip.AddrPortFrom(e.a.V6, accelEchoPort)},
 			} {
 				t.Run(c.name, func(t *testing.T) {
-					// An end whose first send comes before its peer
-					// joined the sockhashes stays on TCP for good, by
-					// design (bytes must not overtake each other): the
-					// stats count it as plain. Under emulation the app's
-					// first write can beat ztunnel's accept side to it;
-					// such a connection is tried again, up to twice.
-					var before, after dataplane.AccelStats
-					var lo, loAfter uint64
-					var resp simnode.AppResponse
-					for try := 1; ; try++ {
-						before, lo = e.stats(t), e.loBytes(t)
-						var err error
-						if resp, err = c.from.Do(simnode.AppRequest{Op: "bulk-tcp", Addr: c.dst, Bytes: size}); err != nil {
-							t.Fatal(err)
-						}
-						after, loAfter = e.stats(t), e.loBytes(t)
-						if raced := after.Plain - before.Plain; raced == 0 || try == 3 {
-							break
-						}
-						t.Logf("try %d: %d end(s) sent before their peer joined (plain TCP by design); trying again", try, after.Plain-before.Plain)
-					}
+					r := e.bulk(t, c.from, c.dst, size)
+					resp, before, after, lo, loAfter := r.resp, r.before, r.after, r.lo, r.loAfter
 					if resp.Echoed != size {
 						t.Fatalf("echoed %d bytes, want %d", resp.Echoed, size)
 					}
@@ -390,15 +402,14 @@ func TestAccelSurvivesRestartsAndToggles(t *testing.T) {
 	// redirected, want where the kernel has the acceleration.
 	fresh := func(phase string, want uint64) {
 		t.Helper()
-		before := e.stats(t)
-		resp, err := e.app.Do(simnode.AppRequest{Op: "bulk-tcp", Addr: dst, Bytes: 1 << 20})
-		if err != nil || resp.Echoed != 1<<20 {
-			t.Fatalf("%s: new connection: echoed %d bytes, %v", phase, resp.Echoed, err)
+		r := e.bulk(t, e.app, dst, 1<<20)
+		if r.resp.Echoed != 1<<20 {
+			t.Fatalf("%s: new connection: echoed %d bytes, want %d", phase, r.resp.Echoed, 1<<20)
 		}
 		if !on {
 			want = 0
 		}
-		got := e.stats(t).RedirectBytes - before.RedirectBytes
+		got := r.after.RedirectBytes - r.before.RedirectBytes
 		// Known defect, left for issue 15: before Linux 6.10 (the sk_msg
 		// program attached to the map, no link) one direction of a new
 		// connection has gone back to TCP once the agent is gone (6.1
