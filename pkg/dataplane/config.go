@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // Defaults of the ambient contract.
@@ -165,8 +167,8 @@ func (c *Config) setDefaults() error {
 }
 
 // bpfConfig is what the programs see in ae_cfg.
-func (c *Config) bpfConfig() sockAeConfig {
-	cfg := sockAeConfig{
+func (c *Config) bpfConfig() bpfobj.SockAeConfig {
+	cfg := bpfobj.SockAeConfig{
 		ZtunnelMark:  DefaultZtunnelMark,
 		MarkMask:     DefaultMarkMask,
 		ReturnMark:   returnMark,

@@ -22,6 +22,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -332,13 +333,13 @@ func checkUntouched(t *testing.T, d *Dataplane, p *simnode.Pod) {
 	if entries, _ := os.ReadDir(podsDir(d.cfg)); len(entries) != 0 {
 		t.Errorf("pod pins left: %v", entries)
 	}
-	if got := countEntries[uint64, sockNetnsInfo](t, d.sock.AeNetns); got != 0 {
+	if got := countEntries[uint64, bpfobj.SockNetnsInfo](t, d.sock.AeNetns); got != 0 {
 		t.Errorf("ae_netns has %d entries", got)
 	}
-	if got := countEntries[sockAeAddr, sockPodInfo](t, d.sock.AePods); got != 0 {
+	if got := countEntries[bpfobj.SockAeAddr, bpfobj.SockPodInfo](t, d.sock.AePods); got != 0 {
 		t.Errorf("ae_pods has %d entries", got)
 	}
-	pods, err := readPods(&d.sock.sockMaps)
+	pods, err := readPods(&d.sock.SockMaps)
 	if err != nil {
 		t.Fatal(err)
 	}

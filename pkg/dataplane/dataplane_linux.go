@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
@@ -42,8 +43,8 @@ type Dataplane struct {
 	migration *migration
 
 	mu        sync.Mutex
-	sock      sockObjects
-	tc        tcObjects
+	sock      bpfobj.SockObjects
+	tc        bpfobj.TcObjects
 	nodeLinks []link.Link
 	pods      map[string]*podState // by UID
 	// leaveReturnPaths: removals keep the pods' return paths (LeaveReturnPaths).
@@ -227,22 +228,20 @@ func (d *Dataplane) attachNetnsQuery() error {
 	return nil
 }
 
-func mapsDir(cfg Config) string  { return filepath.Join(cfg.BPFFSDir, "maps") }
-func linksDir(cfg Config) string { return filepath.Join(cfg.BPFFSDir, "links") }
-func podsDir(cfg Config) string  { return filepath.Join(cfg.BPFFSDir, "pods") }
-func podDir(cfg Config, uid string) string {
-	return filepath.Join(podsDir(cfg), uid)
-}
+func mapsDir(cfg Config) string            { return bpfobj.MapsDir(cfg.BPFFSDir) }
+func linksDir(cfg Config) string           { return bpfobj.LinksDir(cfg.BPFFSDir) }
+func podsDir(cfg Config) string            { return bpfobj.PodsDir(cfg.BPFFSDir) }
+func podDir(cfg Config, uid string) string { return bpfobj.PodDir(cfg.BPFFSDir, uid) }
 
 func (d *Dataplane) load() error {
 	bpfCfg := d.cfg.bpfConfig()
 	bpfCfg.Flags = d.bpfFlags
 
-	sockSpec, err := loadSock()
+	sockSpec, err := bpfobj.LoadSock()
 	if err != nil {
 		return fmt.Errorf("read socket programs: %w", err)
 	}
-	var ss sockSpecs
+	var ss bpfobj.SockSpecs
 	if err := sockSpec.Assign(&ss); err != nil {
 		return fmt.Errorf("read socket programs: %w", err)
 	}
@@ -253,11 +252,11 @@ func (d *Dataplane) load() error {
 	if err := pinTraceFlag(sockSpec, ss.AeTracing, tracing); err != nil {
 		return fmt.Errorf("read socket programs: %w", err)
 	}
-	tcSpec, err := loadTc()
+	tcSpec, err := bpfobj.LoadTc()
 	if err != nil {
 		return fmt.Errorf("read tc programs: %w", err)
 	}
-	var ts tcSpecs
+	var ts bpfobj.TcSpecs
 	if err := tcSpec.Assign(&ts); err != nil {
 		return fmt.Errorf("read tc programs: %w", err)
 	}

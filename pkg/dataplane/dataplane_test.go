@@ -17,6 +17,7 @@ import (
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -79,7 +80,7 @@ func TestEnrollIsIdempotent(t *testing.T) {
 	if got := ingressPrograms(t, p); got != 1 {
 		t.Errorf("%d ingress programs on lo, want 1", got)
 	}
-	if got := countEntries[sockAeAddr, sockPodInfo](t, d.sock.AePods); got != 2 {
+	if got := countEntries[bpfobj.SockAeAddr, bpfobj.SockPodInfo](t, d.sock.AePods); got != 2 {
 		t.Errorf("ae_pods has %d entries, want 2", got)
 	}
 
@@ -90,7 +91,7 @@ func TestEnrollIsIdempotent(t *testing.T) {
 	if err := d.Enroll(ctx, pod); err != nil {
 		t.Fatal(err)
 	}
-	if got := countEntries[sockAeAddr, sockPodInfo](t, d.sock.AePods); got != 1 {
+	if got := countEntries[bpfobj.SockAeAddr, bpfobj.SockPodInfo](t, d.sock.AePods); got != 1 {
 		t.Errorf("after re-enroll with one IP, ae_pods has %d entries, want 1", got)
 	}
 	if got := d.List()[0].Options; !got.BypassInbound {
@@ -142,7 +143,7 @@ func TestEnrollRefusesBadInputAndLeavesNothing(t *testing.T) {
 			if _, err := os.Stat(podDir(d.cfg, p.UID)); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("pod pin directory left behind: %v", err)
 			}
-			if got := countEntries[uint64, sockNetnsInfo](t, d.sock.AeNetns); got != 0 {
+			if got := countEntries[uint64, bpfobj.SockNetnsInfo](t, d.sock.AeNetns); got != 0 {
 				t.Errorf("ae_netns has %d entries after a failed Enroll", got)
 			}
 		})
@@ -169,7 +170,7 @@ func TestEnrollRefusesTheNodeNetns(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "node's own network namespace") || !strings.Contains(err.Error(), p.Name) {
 			t.Fatalf("Enroll of the node netns (%s): error %v, want a refusal naming the pod and the node's netns", netns, err)
 		}
-		if got := countEntries[uint64, sockNetnsInfo](t, d.sock.AeNetns); got != 0 {
+		if got := countEntries[uint64, bpfobj.SockNetnsInfo](t, d.sock.AeNetns); got != 0 {
 			t.Fatalf("ae_netns has %d entries after the refusal", got)
 		}
 	}
@@ -201,7 +202,7 @@ func TestRemoveIsIdempotentAndCleans(t *testing.T) {
 	if got := ingressPrograms(t, p); got != 0 {
 		t.Errorf("%d ingress programs left on lo", got)
 	}
-	if got := countEntries[sockAeAddr, sockPodInfo](t, d.sock.AePods); got != 0 {
+	if got := countEntries[bpfobj.SockAeAddr, bpfobj.SockPodInfo](t, d.sock.AePods); got != 0 {
 		t.Errorf("ae_pods has %d entries after Remove", got)
 	}
 	if _, err := os.Stat(podDir(d.cfg, p.UID)); !errors.Is(err, os.ErrNotExist) {
@@ -240,8 +241,8 @@ func TestIPReuseNeverRemovesTheNewOwner(t *testing.T) {
 	if err := d.Remove(ctx, old.UID); err != nil {
 		t.Fatal(err)
 	}
-	var info sockPodInfo
-	if err := d.sock.AePods.Lookup(addrKey(shared), &info); err != nil {
+	var info bpfobj.SockPodInfo
+	if err := d.sock.AePods.Lookup(bpfobj.AddrKey(shared), &info); err != nil {
 		t.Fatalf("entry for %s is gone after removing its previous owner: %v", shared, err)
 	}
 	if want := d.List()[0].NetnsCookie; info.NetnsCookie != want {

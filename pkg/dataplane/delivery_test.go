@@ -16,6 +16,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -95,8 +96,8 @@ func overtake(t *testing.T, n *simnode.Node, p *simnode.Pod, port uint16, timeou
 // waitNoLocalFlows waits (5 s at most) for ae_local_flows to be empty.
 func waitNoLocalFlows(t *testing.T, d *Dataplane, after string) {
 	t.Helper()
-	if !testenv.Poll(5*time.Second, func() bool { return countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows) == 0 }) {
-		t.Errorf("ae_local_flows holds %d entries after %s", countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows), after)
+	if !testenv.Poll(5*time.Second, func() bool { return countEntries[bpfobj.SockSteerKey, uint32](t, d.sock.AeLocalFlows) == 0 }) {
+		t.Errorf("ae_local_flows holds %d entries after %s", countEntries[bpfobj.SockSteerKey, uint32](t, d.sock.AeLocalFlows), after)
 	}
 }
 
@@ -151,9 +152,9 @@ func TestRemovingAPodPrunesItsLeftoverDeliveries(t *testing.T) {
 	// through an enrolment that takes seconds under emulation.
 	d, delivery, done := overtake(t, n, p, 7017, 10*time.Second)
 	if d.bpfFlags&flagSkLookupIfindex != 0 {
-		if !testenv.Poll(10*time.Second, func() bool { return countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows) >= len(delivery) }) {
+		if !testenv.Poll(10*time.Second, func() bool { return countEntries[bpfobj.SockSteerKey, uint32](t, d.sock.AeLocalFlows) >= len(delivery) }) {
 			t.Fatalf("ae_local_flows holds %d entries, want the %d deliveries' (filed as their SYNs were retransmitted)",
-				countEntries[sockSteerKey, uint32](t, d.sock.AeLocalFlows), len(delivery))
+				countEntries[bpfobj.SockSteerKey, uint32](t, d.sock.AeLocalFlows), len(delivery))
 		}
 	}
 	if err := d.Remove(context.Background(), p.UID); err != nil {
@@ -180,9 +181,9 @@ func TestStartPrunesLeftoverDeliveries(t *testing.T) {
 	if err := d1.Enroll(context.Background(), podOf(p)); err != nil {
 		t.Fatal(err)
 	}
-	kept := sockSteerKey{Saddr: addrKey(simnode.OutsideV4), Daddr: addrKey(p.V4), Sport: 40001, Dport: 7018}
-	gone := sockSteerKey{Saddr: addrKey(simnode.OutsideV4), Daddr: addrKey(netip.MustParseAddr("198.18.255.254")), Sport: 40002, Dport: 7018}
-	for _, k := range []sockSteerKey{kept, gone} {
+	kept := bpfobj.SockSteerKey{Saddr: bpfobj.AddrKey(simnode.OutsideV4), Daddr: bpfobj.AddrKey(p.V4), Sport: 40001, Dport: 7018}
+	gone := bpfobj.SockSteerKey{Saddr: bpfobj.AddrKey(simnode.OutsideV4), Daddr: bpfobj.AddrKey(netip.MustParseAddr("198.18.255.254")), Sport: 40002, Dport: 7018}
+	for _, k := range []bpfobj.SockSteerKey{kept, gone} {
 		if err := d1.sock.AeLocalFlows.Put(&k, uint32(1)); err != nil {
 			t.Fatal(err)
 		}

@@ -13,6 +13,8 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // ErrDuplicateIP is what Enroll returns for a pod with an address another
@@ -33,8 +35,8 @@ var ErrDuplicateIP = errors.New("duplicate pod IP")
 func (d *Dataplane) claimIPs(pod *Pod, cookie uint64) ([]*podState, error) {
 	var stale []*podState
 	for _, ip := range pod.IPs {
-		var info sockPodInfo
-		if err := d.sock.AePods.Lookup(addrKey(ip), &info); err != nil {
+		var info bpfobj.SockPodInfo
+		if err := d.sock.AePods.Lookup(bpfobj.AddrKey(ip), &info); err != nil {
 			continue
 		}
 		owner := d.ownerOf(info)
@@ -51,7 +53,7 @@ func (d *Dataplane) claimIPs(pod *Pod, cookie uint64) ([]*podState, error) {
 }
 
 // ownerOf returns the enrolled pod an ae_pods entry names, nil for none.
-func (d *Dataplane) ownerOf(info sockPodInfo) *podState {
+func (d *Dataplane) ownerOf(info bpfobj.SockPodInfo) *podState {
 	for _, st := range d.pods {
 		if st.Slot == info.Slot && st.NetnsCookie == info.NetnsCookie {
 			return st
@@ -137,7 +139,7 @@ func (d *Dataplane) removeStale(st *podState, by *Pod) {
 // only an adopted inconsistent state (two owners, see repairIPs) has one.
 func (d *Dataplane) restoreSurvivors(gone *podState) {
 	for _, ip := range gone.IPs {
-		if err := d.sock.AePods.Lookup(addrKey(ip), new(sockPodInfo)); !errors.Is(err, ebpf.ErrKeyNotExist) {
+		if err := d.sock.AePods.Lookup(bpfobj.AddrKey(ip), new(bpfobj.SockPodInfo)); !errors.Is(err, ebpf.ErrKeyNotExist) {
 			continue
 		}
 		for _, st := range d.pods {
@@ -152,8 +154,8 @@ func (d *Dataplane) restoreSurvivors(gone *podState) {
 // putIP writes st's ae_pods entry for ip.
 func (d *Dataplane) putIP(st *podState, ip netip.Addr) {
 	p := &Pod{Options: st.Options}
-	info := sockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags(), Ifindex: st.ifindex}
-	if err := d.sock.AePods.Put(addrKey(ip), &info); err != nil {
+	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags(), Ifindex: st.ifindex}
+	if err := d.sock.AePods.Put(bpfobj.AddrKey(ip), &info); err != nil {
 		d.log.Warn("restore ae_pods entry", "pod", st.Namespace+"/"+st.Name, "ip", ip, "error", err)
 		return
 	}
@@ -176,8 +178,8 @@ func (d *Dataplane) repairIPs() {
 			})
 		}
 		for _, ip := range st.IPs {
-			var info sockPodInfo
-			err := d.sock.AePods.Lookup(addrKey(ip), &info)
+			var info bpfobj.SockPodInfo
+			err := d.sock.AePods.Lookup(bpfobj.AddrKey(ip), &info)
 			switch {
 			case err == nil && info.NetnsCookie == st.NetnsCookie && info.Slot == st.Slot:
 				continue
@@ -200,23 +202,23 @@ func (d *Dataplane) repairIPs() {
 }
 
 // ownsEntry reports whether ip's ae_pods entry is st's.
-func ownsEntry(m *sockMaps, st *podState, ip netip.Addr) bool {
-	var info sockPodInfo
-	return m.AePods.Lookup(addrKey(ip), &info) == nil && info.NetnsCookie == st.NetnsCookie && info.Slot == st.Slot
+func ownsEntry(m *bpfobj.SockMaps, st *podState, ip netip.Addr) bool {
+	var info bpfobj.SockPodInfo
+	return m.AePods.Lookup(bpfobj.AddrKey(ip), &info) == nil && info.NetnsCookie == st.NetnsCookie && info.Slot == st.Slot
 }
 
 // problem says what of a pod's capture its map entries do not give it,
 // "" when they all do: no ae_netns entry (outbound), an address without
 // its ae_pods entry or with another pod's (inbound).
-func problem(m *sockMaps, st *podState, nameOf func(slot uint32) string) string {
+func problem(m *bpfobj.SockMaps, st *podState, nameOf func(slot uint32) string) string {
 	var out []string
-	var ns sockNetnsInfo
+	var ns bpfobj.SockNetnsInfo
 	if err := m.AeNetns.Lookup(st.NetnsCookie, &ns); err != nil || ns.Slot != st.Slot {
 		out = append(out, "no ae_netns entry: outbound traffic is not captured")
 	}
 	for _, ip := range st.IPs {
-		var info sockPodInfo
-		switch err := m.AePods.Lookup(addrKey(ip), &info); {
+		var info bpfobj.SockPodInfo
+		switch err := m.AePods.Lookup(bpfobj.AddrKey(ip), &info); {
 		case err != nil:
 			out = append(out, fmt.Sprintf("no ae_pods entry for %s: inbound traffic to it is not captured", ip))
 		case info.NetnsCookie != st.NetnsCookie || info.Slot != st.Slot:

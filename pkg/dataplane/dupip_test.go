@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -131,14 +132,14 @@ func TestRestartRestoresTheEntriesADuplicateTook(t *testing.T) {
 	}
 	// What an older agent left: c's IPv4 entry is d's (d enrolled with it
 	// last), c's IPv6 entry went with another duplicate's removal.
-	var dInfo sockPodInfo
-	if err := d1.sock.AePods.Lookup(addrKey(e.d.V4), &dInfo); err != nil {
+	var dInfo bpfobj.SockPodInfo
+	if err := d1.sock.AePods.Lookup(bpfobj.AddrKey(e.d.V4), &dInfo); err != nil {
 		t.Fatal(err)
 	}
-	if err := d1.sock.AePods.Put(addrKey(e.c.V4), &dInfo); err != nil {
+	if err := d1.sock.AePods.Put(bpfobj.AddrKey(e.c.V4), &dInfo); err != nil {
 		t.Fatal(err)
 	}
-	if err := d1.sock.AePods.Delete(addrKey(e.c.V6)); err != nil {
+	if err := d1.sock.AePods.Delete(bpfobj.AddrKey(e.c.V6)); err != nil {
 		t.Fatal(err)
 	}
 	view, err := OpenPinned(e.n.BPFFSDir)

@@ -16,6 +16,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 )
 
@@ -117,7 +118,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 		undo = append(undo, func() { d.clearSlot(st.Slot) })
 		d.cfg.failpoint(StepEnrollJournaled)
 		// A new slot starts counting from zero.
-		if err := d.sock.AeStats.Put(st.Slot, make([]sockPodStats, ebpf.MustPossibleCPU())); err != nil {
+		if err := d.sock.AeStats.Put(st.Slot, make([]bpfobj.SockPodStats, ebpf.MustPossibleCPU())); err != nil {
 			return fail(fmt.Errorf("reset ae_stats: %w", err))
 		}
 		undo = append(undo, func() { _ = teardownPodNetns(d.cfg.ProcRoot, pod.Netns, st.savedFwmark, d.sharedReturnPath(pod.Netns)) })
@@ -213,13 +214,13 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 
 // writeMeta records the pod in its ae_pod_meta slot with a journal state.
 func (d *Dataplane) writeMeta(st *podState, state uint32) error {
-	var meta sockPodMeta
-	cString(meta.Uid[:], st.UID)
-	cString(meta.Namespace[:], st.Namespace)
-	cString(meta.Name[:], st.Name)
-	cString(meta.Ifname[:], st.Interface)
-	cString(meta.HostIfname[:], st.HostInterface)
-	cString(meta.Netns[:], st.netnsPath)
+	var meta bpfobj.SockPodMeta
+	bpfobj.CString(meta.Uid[:], st.UID)
+	bpfobj.CString(meta.Namespace[:], st.Namespace)
+	bpfobj.CString(meta.Name[:], st.Name)
+	bpfobj.CString(meta.Ifname[:], st.Interface)
+	bpfobj.CString(meta.HostIfname[:], st.HostInterface)
+	bpfobj.CString(meta.Netns[:], st.netnsPath)
 	meta.NetnsCookie = st.NetnsCookie
 	meta.SavedFwmarkAccept = st.savedFwmark
 	meta.State = state
@@ -234,12 +235,12 @@ func (d *Dataplane) writeMeta(st *podState, state uint32) error {
 // agent adopts only a pod whose entries are all in place.
 func (d *Dataplane) writePodMaps(st *podState) error {
 	p := &Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Interface: st.Interface, IPs: st.IPs, Options: st.Options}
-	info := sockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags(), Ifindex: st.ifindex}
+	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags(), Ifindex: st.ifindex}
 	for _, ip := range p.IPs {
 		// A reused IP gets its new owner (H4), claimIPs having refused
 		// a duplicate of a pod that still has it; the old owner's
 		// removal checks ownership before deleting.
-		if err := d.sock.AePods.Put(addrKey(ip), &info); err != nil {
+		if err := d.sock.AePods.Put(bpfobj.AddrKey(ip), &info); err != nil {
 			return fmt.Errorf("write ae_pods entry for %s: %w", ip, err)
 		}
 	}
@@ -279,17 +280,17 @@ func (d *Dataplane) deletePodEntries(st *podState) {
 }
 
 func (d *Dataplane) deleteOwnedIP(ip netip.Addr, st *podState) {
-	var info sockPodInfo
-	if err := d.sock.AePods.Lookup(addrKey(ip), &info); err != nil {
+	var info bpfobj.SockPodInfo
+	if err := d.sock.AePods.Lookup(bpfobj.AddrKey(ip), &info); err != nil {
 		return
 	}
 	if info.NetnsCookie == st.NetnsCookie && info.Slot == st.Slot {
-		_ = d.sock.AePods.Delete(addrKey(ip))
+		_ = d.sock.AePods.Delete(bpfobj.AddrKey(ip))
 	}
 }
 
 func (d *Dataplane) deleteOwnedNetns(st *podState) {
-	var ns sockNetnsInfo
+	var ns bpfobj.SockNetnsInfo
 	if err := d.sock.AeNetns.Lookup(st.NetnsCookie, &ns); err == nil && ns.Slot == st.Slot {
 		_ = d.sock.AeNetns.Delete(st.NetnsCookie)
 	}
@@ -305,8 +306,8 @@ func (d *Dataplane) deleteOwnedNetns(st *podState) {
 // straight to the app, past ztunnel. The programs file entries only for
 // addresses in ae_pods, so none comes back once a pod's entries are gone.
 func (d *Dataplane) pruneLocalFlows() {
-	var info sockPodInfo
-	n := pruneEntries(d, d.sock.AeLocalFlows, func(k *sockSteerKey, _ *uint32) bool {
+	var info bpfobj.SockPodInfo
+	n := pruneEntries(d, d.sock.AeLocalFlows, func(k *bpfobj.SockSteerKey, _ *uint32) bool {
 		return errors.Is(d.sock.AePods.Lookup(k.Daddr, &info), ebpf.ErrKeyNotExist)
 	})
 	if n > 0 {
@@ -344,7 +345,7 @@ func pruneEntries[K, V any](d *Dataplane, m *ebpf.Map, stale func(*K, *V) bool) 
 }
 
 func (d *Dataplane) clearSlot(slot uint32) {
-	_ = d.sock.AePodMeta.Put(slot, &sockPodMeta{})
+	_ = d.sock.AePodMeta.Put(slot, &bpfobj.SockPodMeta{})
 }
 
 // Remove takes a pod out of the data path: its traffic flows directly
@@ -442,7 +443,7 @@ func (d *Dataplane) List() []EnrolledPod {
 	for _, p := range d.pods {
 		e := p.EnrolledPod
 		e.IPs = slices.Clone(e.IPs)
-		e.Problem = problem(&d.sock.sockMaps, p, nameOf)
+		e.Problem = problem(&d.sock.SockMaps, p, nameOf)
 		out = append(out, e)
 	}
 	slices.SortFunc(out, func(a, b EnrolledPod) int {
@@ -472,7 +473,7 @@ func (d *Dataplane) Stats(uid string) (Stats, error) {
 	if !ok {
 		return Stats{}, fmt.Errorf("pod %s is not enrolled", uid)
 	}
-	return readStats(&d.sock.sockMaps, st.Slot)
+	return readStats(&d.sock.SockMaps, st.Slot)
 }
 
 // adoptPods rebuilds the pod table from the pinned maps after a restart
@@ -483,7 +484,7 @@ func (d *Dataplane) Stats(uid string) (Stats, error) {
 // half-redirected pod is worse than none. Pin directories no journal
 // entry names are removed.
 func (d *Dataplane) adoptPods() error {
-	pods, err := readPods(&d.sock.sockMaps)
+	pods, err := readPods(&d.sock.SockMaps)
 	if err != nil {
 		return err
 	}

@@ -12,17 +12,19 @@ import (
 	"slices"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // readPods decodes the pods of the maps' journal: metadata by slot, then
 // each pod's addresses from ae_pods (only entries it still owns). Pods an
 // agent was enrolling or removing when it stopped are included, with
 // their journal state.
-func readPods(m *sockMaps) ([]*podState, error) {
+func readPods(m *bpfobj.SockMaps) ([]*podState, error) {
 	bySlot := map[uint32]*podState{}
 	var (
 		slot uint32
-		meta sockPodMeta
+		meta bpfobj.SockPodMeta
 	)
 	it := m.AePodMeta.Iterate()
 	for it.Next(&slot, &meta) {
@@ -30,17 +32,17 @@ func readPods(m *sockMaps) ([]*podState, error) {
 			continue
 		}
 		bySlot[slot] = &podState{EnrolledPod: EnrolledPod{
-			UID: goString(meta.Uid[:]), Namespace: goString(meta.Namespace[:]), Name: goString(meta.Name[:]),
-			Interface: goString(meta.Ifname[:]), HostInterface: goString(meta.HostIfname[:]),
+			UID: bpfobj.GoString(meta.Uid[:]), Namespace: bpfobj.GoString(meta.Namespace[:]), Name: bpfobj.GoString(meta.Name[:]),
+			Interface: bpfobj.GoString(meta.Ifname[:]), HostInterface: bpfobj.GoString(meta.HostIfname[:]),
 			NetnsCookie: meta.NetnsCookie, Slot: slot,
-		}, journal: meta.State, netnsPath: goString(meta.Netns[:]), savedFwmark: meta.SavedFwmarkAccept, links: map[string]tcProgram{}}
+		}, journal: meta.State, netnsPath: bpfobj.GoString(meta.Netns[:]), savedFwmark: meta.SavedFwmarkAccept, links: map[string]tcProgram{}}
 	}
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("read ae_pod_meta: %w", err)
 	}
 	var (
-		key      sockAeAddr
-		info     sockPodInfo
+		key      bpfobj.SockAeAddr
+		info     bpfobj.SockPodInfo
 		optioned = map[uint32]bool{} // slots an ae_pods entry gave options
 	)
 	pit := m.AePods.Iterate()
@@ -60,7 +62,7 @@ func readPods(m *sockMaps) ([]*podState, error) {
 	// its problem, below), not forgotten.
 	var (
 		cookie uint64
-		ns     sockNetnsInfo
+		ns     bpfobj.SockNetnsInfo
 	)
 	nit := m.AeNetns.Iterate()
 	for nit.Next(&cookie, &ns) {
@@ -70,9 +72,9 @@ func readPods(m *sockMaps) ([]*podState, error) {
 		}
 		for _, a := range []struct {
 			flag uint32
-			addr sockAeAddr
+			addr bpfobj.SockAeAddr
 		}{{flagHasV4, ns.Ip4}, {flagHasV6, ns.Ip6}} {
-			if ip := addrOf(a.addr); ns.Flags&a.flag != 0 && !slices.Contains(st.IPs, ip) {
+			if ip := bpfobj.Addr(a.addr); ns.Flags&a.flag != 0 && !slices.Contains(st.IPs, ip) {
 				st.IPs = append(st.IPs, ip)
 			}
 		}
@@ -106,8 +108,8 @@ func readPods(m *sockMaps) ([]*podState, error) {
 	return out, nil
 }
 
-func readStats(m *sockMaps, slot uint32) (Stats, error) {
-	perCPU := make([]sockPodStats, ebpf.MustPossibleCPU())
+func readStats(m *bpfobj.SockMaps, slot uint32) (Stats, error) {
+	perCPU := make([]bpfobj.SockPodStats, ebpf.MustPossibleCPU())
 	if err := m.AeStats.Lookup(slot, &perCPU); err != nil {
 		return Stats{}, fmt.Errorf("read ae_stats: %w", err)
 	}
@@ -132,16 +134,16 @@ var ErrNotInstalled = errors.New("no ambient-ebpf data path pinned here")
 // agent: the CLI's pods, maps and stats commands read it.
 type Pinned struct {
 	dir  string // Config.BPFFSDir
-	maps sockMaps
+	maps bpfobj.SockMaps
 }
 
 // OpenPinned opens the maps pinned under bpffsDir (Config.BPFFSDir).
 func OpenPinned(bpffsDir string) (*Pinned, error) {
 	dir := filepath.Join(bpffsDir, "maps")
-	if _, err := os.Stat(filepath.Join(dir, sockMapAeNetns)); errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(filepath.Join(dir, bpfobj.SockMapAeNetns)); errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("%s: %w", bpffsDir, ErrNotInstalled)
 	}
-	spec, err := loadSock()
+	spec, err := bpfobj.LoadSock()
 	if err != nil {
 		return nil, err
 	}
@@ -238,10 +240,6 @@ type ProbeNATEntry struct {
 	Host     netip.Addr     `json:"host"`
 }
 
-func addrOf(a sockAeAddr) netip.Addr { return netip.AddrFrom16(a.B).Unmap() }
-
-func ntohs(v uint16) uint16 { return v>>8 | v<<8 }
-
 // Dump decodes every map except ae_sk_dst, which is socket storage and
 // cannot be listed from user space.
 func (p *Pinned) Dump() (*MapDump, error) {
@@ -263,46 +261,46 @@ func (p *Pinned) Dump() (*MapDump, error) {
 		d.Stats = append(d.Stats, StatsEntry{Slot: st.Slot, Pod: name, Stats: s})
 	}
 	var (
-		addr sockAeAddr
-		info sockPodInfo
+		addr bpfobj.SockAeAddr
+		info bpfobj.SockPodInfo
 	)
 	it := p.maps.AePods.Iterate()
 	for it.Next(&addr, &info) {
-		d.Pods = append(d.Pods, PodEntry{IP: addrOf(addr), Pod: names[info.Slot], NetnsCookie: info.NetnsCookie, Slot: info.Slot, Options: optionsFromFlags(info.Flags)})
+		d.Pods = append(d.Pods, PodEntry{IP: bpfobj.Addr(addr), Pod: names[info.Slot], NetnsCookie: info.NetnsCookie, Slot: info.Slot, Options: optionsFromFlags(info.Flags)})
 	}
 	var (
 		cookie uint64
-		ns     sockNetnsInfo
+		ns     bpfobj.SockNetnsInfo
 	)
 	nit := p.maps.AeNetns.Iterate()
 	for nit.Next(&cookie, &ns) {
 		e := NetnsEntry{NetnsCookie: cookie, Pod: names[ns.Slot], Slot: ns.Slot, Options: optionsFromFlags(ns.Flags)}
 		if ns.Flags&flagHasV4 != 0 {
-			e.IPv4 = addrOf(ns.Ip4)
+			e.IPv4 = bpfobj.Addr(ns.Ip4)
 		}
 		if ns.Flags&flagHasV6 != 0 {
-			e.IPv6 = addrOf(ns.Ip6)
+			e.IPv6 = bpfobj.Addr(ns.Ip6)
 		}
 		d.Netns = append(d.Netns, e)
 	}
 	var (
-		ok sockOrigKey
-		od sockOrigDst
+		ok bpfobj.SockOrigKey
+		od bpfobj.SockOrigDst
 	)
 	oit := p.maps.AeOrigDst.Iterate()
 	for oit.Next(&ok, &od) {
 		d.OrigDst = append(d.OrigDst, OrigDstEntry{NetnsCookie: ok.NetnsCookie,
-			Client:  netip.AddrPortFrom(addrOf(ok.Addr), ntohs(ok.Port)),
-			OrigDst: netip.AddrPortFrom(addrOf(od.Addr), ntohs(od.Port))})
+			Client:  netip.AddrPortFrom(bpfobj.Addr(ok.Addr), bpfobj.Ntohs(ok.Port)),
+			OrigDst: netip.AddrPortFrom(bpfobj.Addr(od.Addr), bpfobj.Ntohs(od.Port))})
 	}
 	var (
-		pk sockProbeKey
-		pn sockProbeNat
+		pk bpfobj.SockProbeKey
+		pn bpfobj.SockProbeNat
 	)
 	pit := p.maps.AeProbeNat.Iterate()
 	for pit.Next(&pk, &pn) {
-		d.ProbeNAT = append(d.ProbeNAT, ProbeNATEntry{Pod: netip.AddrPortFrom(addrOf(pk.Pod), ntohs(pk.PodPort)),
-			HostPort: ntohs(pk.HostPort), Host: addrOf(pn.Host)})
+		d.ProbeNAT = append(d.ProbeNAT, ProbeNATEntry{Pod: netip.AddrPortFrom(bpfobj.Addr(pk.Pod), bpfobj.Ntohs(pk.PodPort)),
+			HostPort: bpfobj.Ntohs(pk.HostPort), Host: bpfobj.Addr(pn.Host)})
 	}
 	for _, err := range []error{it.Err(), nit.Err(), oit.Err(), pit.Err()} {
 		if err != nil {

@@ -15,6 +15,8 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // loadListenerIterator loads ae_file_listeners (bpf/listeners.c), in the
@@ -24,11 +26,11 @@ func (d *Dataplane) loadListenerIterator() error {
 	if !d.skLookupInbound {
 		return nil
 	}
-	spec, err := loadListeners()
+	spec, err := bpfobj.LoadListeners()
 	if err != nil {
 		return fmt.Errorf("read the listener iterator: %w", err)
 	}
-	var vars listenersSpecs
+	var vars bpfobj.ListenersSpecs
 	if err := spec.Assign(&vars); err != nil {
 		return fmt.Errorf("read the listener iterator: %w", err)
 	}
@@ -37,7 +39,7 @@ func (d *Dataplane) loadListenerIterator() error {
 	if err := vars.AeCfg.Set(cfg); err != nil {
 		return fmt.Errorf("configure the listener iterator: %w", err)
 	}
-	var progs listenersPrograms
+	var progs bpfobj.ListenersPrograms
 	if err := spec.LoadAndAssign(&progs, &ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{"ae_listeners": d.sock.AeListeners}}); err != nil {
 		d.logVerifier(err)
 		return fmt.Errorf("load the listener iterator: %w", err)
@@ -59,7 +61,7 @@ func (d *Dataplane) fileExistingListeners(path string, cookie uint64) error {
 	if d.listenerIter == nil {
 		return nil
 	}
-	if filed, err := listenerFiled(&d.sock.sockMaps, cookie); err != nil || filed {
+	if filed, err := listenerFiled(&d.sock.SockMaps, cookie); err != nil || filed {
 		return err
 	}
 	// The iterator walks every TCP socket of the node (about 2 ms with
@@ -96,9 +98,9 @@ func (d *Dataplane) fileExistingListeners(path string, cookie uint64) error {
 
 // listenerFiled reports whether one of ztunnel's inbound listeners of the
 // netns is in ae_listeners.
-func listenerFiled(m *sockMaps, cookie uint64) (bool, error) {
+func listenerFiled(m *bpfobj.SockMaps, cookie uint64) (bool, error) {
 	for i := range uint16(listenerSlots) {
-		key := sockListenerKey{NetnsCookie: cookie, Port: DefaultInboundPort, Idx: i}
+		key := bpfobj.SockListenerKey{NetnsCookie: cookie, Port: DefaultInboundPort, Idx: i}
 		var v uint64
 		err := m.AeListeners.Lookup(&key, &v)
 		if err == nil {
@@ -118,8 +120,8 @@ func listenerFiled(m *sockMaps, cookie uint64) (bool, error) {
 // the node: anyone with a user namespace could fill the map). sockops
 // files nothing for them again, so the room they took returns.
 func (d *Dataplane) pruneListeners() int {
-	var ns sockNetnsInfo
-	n := pruneEntries(d, d.sock.AeListeners, func(k *sockListenerKey, _ *uint64) bool {
+	var ns bpfobj.SockNetnsInfo
+	n := pruneEntries(d, d.sock.AeListeners, func(k *bpfobj.SockListenerKey, _ *uint64) bool {
 		return errors.Is(d.sock.AeNetns.Lookup(k.NetnsCookie, &ns), ebpf.ErrKeyNotExist)
 	})
 	if n > 0 {
@@ -150,11 +152,11 @@ type ListenerStatus struct {
 
 // listenerStatus reads ae_listeners against the enrolled pods (by netns
 // cookie: their namespace/name).
-func listenerStatus(m *sockMaps, pods map[uint64]string) (ListenerStatus, error) {
+func listenerStatus(m *bpfobj.SockMaps, pods map[uint64]string) (ListenerStatus, error) {
 	st := ListenerStatus{Capacity: int(m.AeListeners.MaxEntries())}
 	filed := map[uint64]bool{}
 	var (
-		k sockListenerKey
+		k bpfobj.SockListenerKey
 		v uint64
 	)
 	it := m.AeListeners.Iterate()
@@ -198,7 +200,7 @@ func (d *Dataplane) ResyncListeners(ctx context.Context) (ListenerStatus, error)
 		}
 		name := st.Namespace + "/" + st.Name
 		pods[st.NetnsCookie] = name
-		filed, err := listenerFiled(&d.sock.sockMaps, st.NetnsCookie)
+		filed, err := listenerFiled(&d.sock.SockMaps, st.NetnsCookie)
 		if err != nil {
 			return ListenerStatus{}, err
 		}
@@ -209,12 +211,12 @@ func (d *Dataplane) ResyncListeners(ctx context.Context) (ListenerStatus, error)
 			d.log.Warn("file ztunnel's listeners of an enrolled pod", "pod", name, "error", err)
 			continue
 		}
-		if filed, _ := listenerFiled(&d.sock.sockMaps, st.NetnsCookie); filed {
+		if filed, _ := listenerFiled(&d.sock.SockMaps, st.NetnsCookie); filed {
 			d.log.Info("filed ztunnel's inbound listener of an enrolled pod that had none filed", "pod", name)
 			refiled++
 		}
 	}
-	status, err := listenerStatus(&d.sock.sockMaps, pods)
+	status, err := listenerStatus(&d.sock.SockMaps, pods)
 	status.Pruned, status.Refiled = pruned, refiled
 	return status, err
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/cilium/ebpf/link"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // Upgrades and downgrades. The pins carry a record of their layout
@@ -133,7 +134,7 @@ func readLayout(bpffsDir string) (rec layoutRecord, recorded, ok bool, err error
 		return rec, false, false, nil
 	}
 	rec = layoutRecord{Layout: releaseLayout, Compat: releaseLayout}
-	cString(rec.Version[:], releaseVersion)
+	bpfobj.CString(rec.Version[:], releaseVersion)
 	return rec, false, true, nil
 }
 
@@ -302,11 +303,11 @@ func planMigration(cfg Config, specs ...*ebpf.CollectionSpec) (_ *migration, err
 	}
 	if !found {
 		from = layoutRecord{Layout: layoutVersion, Compat: layoutCompat}
-		cString(from.Version[:], version)
+		bpfobj.CString(from.Version[:], version)
 	}
 	mig := &migration{from: from, recorded: recorded, byName: map[string]*mapPlan{}}
 	mig.to = layoutRecord{Layout: layoutVersion, Compat: layoutCompat}
-	cString(mig.to.Version[:], version)
+	bpfobj.CString(mig.to.Version[:], version)
 	defer func() {
 		if err != nil {
 			mig.close()

@@ -19,6 +19,7 @@ import (
 	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/link"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -71,7 +72,7 @@ func TestLayoutFingerprint(t *testing.T) {
 func layoutFingerprint(t *testing.T) string {
 	t.Helper()
 	var specs []*ebpf.CollectionSpec
-	for _, load := range []func() (*ebpf.CollectionSpec, error){loadSock, loadTc} {
+	for _, load := range []func() (*ebpf.CollectionSpec, error){bpfobj.LoadSock, bpfobj.LoadTc} {
 		cs, err := load()
 		if err != nil {
 			t.Fatal(err)
@@ -107,7 +108,7 @@ func TestNewRefusesANewerLayoutAndTouchesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	future := layoutRecord{Layout: layoutVersion + 2, Compat: layoutVersion + 1}
-	cString(future.Version[:], "v9.9.9")
+	bpfobj.CString(future.Version[:], "v9.9.9")
 	if err := writeLayout(cfg.BPFFSDir, future); err != nil {
 		t.Fatal(err)
 	}
@@ -191,7 +192,7 @@ func pinOldLayout(t *testing.T, cfg Config) {
 		t.Fatal(err)
 	}
 	defer cur.Close()
-	spec, err := loadSock()
+	spec, err := bpfobj.LoadSock()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -202,8 +203,8 @@ func pinOldLayout(t *testing.T, cfg Config) {
 		t.Fatal(err)
 	}
 	defer old.Close()
-	var k sockAeAddr
-	var v sockPodInfo
+	var k bpfobj.SockAeAddr
+	var v bpfobj.SockPodInfo
 	it := cur.Iterate()
 	for it.Next(&k, &v) {
 		val := make([]byte, 16)
@@ -223,7 +224,7 @@ func pinOldLayout(t *testing.T, cfg Config) {
 		t.Fatal(err)
 	}
 	rec := layoutRecord{Layout: layoutVersion - 1, Compat: layoutVersion - 1}
-	cString(rec.Version[:], "v0.0.9-old")
+	bpfobj.CString(rec.Version[:], "v0.0.9-old")
 	if err := writeLayout(cfg.BPFFSDir, rec); err != nil {
 		t.Fatal(err)
 	}
@@ -262,9 +263,9 @@ func TestNewMigratesAMapOfAnotherLayout(t *testing.T) {
 			if _, err := (classicHooks{}).attach(extra, filepath.Join(podDir(cfg, p.UID), extra.pin)); err != nil {
 				t.Fatal(err)
 			}
-			want := map[sockAeAddr]sockPodInfo{}
-			var k sockAeAddr
-			var v sockPodInfo
+			want := map[bpfobj.SockAeAddr]bpfobj.SockPodInfo{}
+			var k bpfobj.SockAeAddr
+			var v bpfobj.SockPodInfo
 			it := d.sock.AePods.Iterate()
 			for it.Next(&k, &v) {
 				v.Ifindex = 0 // the old layout has none
@@ -281,7 +282,7 @@ func TestNewMigratesAMapOfAnotherLayout(t *testing.T) {
 				}
 			}
 			d2 := newDataplane(t, n)
-			got := map[sockAeAddr]sockPodInfo{}
+			got := map[bpfobj.SockAeAddr]bpfobj.SockPodInfo{}
 			it = d2.sock.AePods.Iterate()
 			for it.Next(&k, &v) {
 				got[k] = v

@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // Pod is what Enroll needs to know about a pod.
@@ -90,7 +92,7 @@ const (
 // interface names name pins too. The entry points (CNI, informers, the pod
 // file) validate by Kubernetes' rules; this is the data path's own guard.
 func (p *Pod) validate() error {
-	var meta sockPodMeta
+	var meta bpfobj.SockPodMeta
 	switch {
 	case !ValidUID(p.UID):
 		return fmt.Errorf("pod %q/%q: uid %q is not 1 to %d of [A-Za-z0-9._-] (and not . or ..)", p.Namespace, p.Name, p.UID, maxUIDLen)
@@ -174,8 +176,8 @@ func (p *Pod) normalize() {
 }
 
 // netnsInfo builds the ae_netns value: the first address of each family.
-func (p *Pod) netnsInfo(slot uint32) sockNetnsInfo {
-	info := sockNetnsInfo{Slot: slot, Flags: p.flags()}
+func (p *Pod) netnsInfo(slot uint32) bpfobj.SockNetnsInfo {
+	info := bpfobj.SockNetnsInfo{Slot: slot, Flags: p.flags()}
 	for _, ip := range p.IPs {
 		switch {
 		case ip.Is4() && info.Flags&flagHasV4 == 0:
@@ -211,26 +213,4 @@ func (p *Pod) hasV6() bool {
 		}
 	}
 	return false
-}
-
-func addrKey(ip netip.Addr) sockAeAddr {
-	return sockAeAddr{B: ip.As16()}
-}
-
-func cString[T ~int8 | ~uint8](dst []T, s string) {
-	clear(dst)
-	for i := 0; i < len(s) && i < len(dst)-1; i++ {
-		dst[i] = T(s[i])
-	}
-}
-
-func goString[T ~int8 | ~uint8](src []T) string {
-	b := make([]byte, 0, len(src))
-	for _, c := range src {
-		if c == 0 {
-			break
-		}
-		b = append(b, byte(c))
-	}
-	return string(b)
 }

@@ -17,6 +17,8 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/ringbuf"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // Tracing (bpf/trace.h): the programs count every decision in
@@ -176,11 +178,11 @@ func OpenTracer(bpffsDir string) (_ *Tracer, err error) {
 		return nil, fmt.Errorf("open %s: %w (a data path from before tracing: restart the agent)", filepath.Join(dir, traceFlagMap), err)
 	}
 	// A writable handle: the reader advances the ring's consumer position.
-	if t.ring, err = ebpf.LoadPinnedMap(filepath.Join(dir, sockMapAeTrace), nil); err != nil {
-		return nil, fmt.Errorf("open %s: %w", filepath.Join(dir, sockMapAeTrace), err)
+	if t.ring, err = ebpf.LoadPinnedMap(filepath.Join(dir, bpfobj.SockMapAeTrace), nil); err != nil {
+		return nil, fmt.Errorf("open %s: %w", filepath.Join(dir, bpfobj.SockMapAeTrace), err)
 	}
 	if t.rd, err = ringbuf.NewReader(t.ring); err != nil {
-		return nil, fmt.Errorf("read ring buffer %s: %w", sockMapAeTrace, err)
+		return nil, fmt.Errorf("read ring buffer %s: %w", bpfobj.SockMapAeTrace, err)
 	}
 	var mono, wall unix.Timespec
 	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &mono); err != nil {
@@ -215,7 +217,7 @@ func (t *Tracer) Read() (Event, error) {
 		if err != nil {
 			return Event{}, fmt.Errorf("read trace events: %w", err)
 		}
-		var raw sockAeEvent
+		var raw bpfobj.SockAeEvent
 		if err := binary.Read(bytes.NewReader(rec.RawSample), binary.NativeEndian, &raw); err != nil {
 			return Event{}, fmt.Errorf("decode trace event: %w", err)
 		}
@@ -233,24 +235,24 @@ func (t *Tracer) Read() (Event, error) {
 	}
 }
 
-func (t *Tracer) decode(raw *sockAeEvent) Event {
+func (t *Tracer) decode(raw *bpfobj.SockAeEvent) Event {
 	r := Reason(raw.Reason)
 	e := Event{
 		Time:        time.Unix(0, int64(raw.TsNs)+t.wallOff),
 		NetnsCookie: raw.NetnsCookie,
 		Hook:        Hook(raw.Hook),
 		Proto:       protoName(raw.Proto),
-		Dst:         netip.AddrPortFrom(addrOf(raw.Daddr), ntohs(raw.Dport)),
+		Dst:         netip.AddrPortFrom(bpfobj.Addr(raw.Daddr), bpfobj.Ntohs(raw.Dport)),
 		Decision:    r.Decision(),
 		Reason:      r,
 		Row:         r.Row(),
 		Pod:         t.podName(raw.Slot, raw.NetnsCookie),
 	}
-	if src := addrOf(raw.Saddr); !src.IsUnspecified() || raw.Sport != 0 {
-		e.Src = netip.AddrPortFrom(src, ntohs(raw.Sport))
+	if src := bpfobj.Addr(raw.Saddr); !src.IsUnspecified() || raw.Sport != 0 {
+		e.Src = netip.AddrPortFrom(src, bpfobj.Ntohs(raw.Sport))
 	}
 	if raw.ToPort != 0 {
-		e.To = netip.AddrPortFrom(addrOf(raw.To), ntohs(raw.ToPort))
+		e.To = netip.AddrPortFrom(bpfobj.Addr(raw.To), bpfobj.Ntohs(raw.ToPort))
 	}
 	return e
 }
@@ -264,11 +266,11 @@ func (t *Tracer) podName(slot uint32, cookie uint64) string {
 	if n, ok := t.names[slot]; ok && (cookie == 0 || n.cookie == cookie) {
 		return n.name
 	}
-	var meta sockPodMeta
+	var meta bpfobj.SockPodMeta
 	if err := t.p.maps.AePodMeta.Lookup(slot, &meta); err != nil || meta.State == metaFree {
 		return ""
 	}
-	n := slotName{cookie: meta.NetnsCookie, name: goString(meta.Namespace[:]) + "/" + goString(meta.Name[:])}
+	n := slotName{cookie: meta.NetnsCookie, name: bpfobj.GoString(meta.Namespace[:]) + "/" + bpfobj.GoString(meta.Name[:])}
 	t.names[slot] = n
 	if cookie != 0 && n.cookie != cookie {
 		return ""
@@ -350,7 +352,7 @@ type Decisions struct {
 // aeTraceLost is AE_TRACE_LOST in bpf/common.h: the last ae_decisions slot.
 const aeTraceLost = 31
 
-func readDecisions(m *sockMaps) (Decisions, error) {
+func readDecisions(m *bpfobj.SockMaps) (Decisions, error) {
 	d := Decisions{ByReason: map[Reason]uint64{}}
 	perCPU := make([]uint64, ebpf.MustPossibleCPU())
 	for _, r := range append(Reasons(), Reason(aeTraceLost)) {
@@ -374,4 +376,4 @@ func readDecisions(m *sockMaps) (Decisions, error) {
 func (p *Pinned) Decisions() (Decisions, error) { return readDecisions(&p.maps) }
 
 // Decisions reads the programs' decision counters.
-func (d *Dataplane) Decisions() (Decisions, error) { return readDecisions(&d.sock.sockMaps) }
+func (d *Dataplane) Decisions() (Decisions, error) { return readDecisions(&d.sock.SockMaps) }

@@ -11,26 +11,27 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
 // The Go names of reasons are the C enum's, number for number.
 func TestReasonsAreTheProgramsEnum(t *testing.T) {
-	c := map[Reason]sockAeReason{
-		ReasonNone: sockAeReasonAE_R_NONE, ReasonNotEnrolled: sockAeReasonAE_R_NOT_ENROLLED, ReasonZtunnelMark: sockAeReasonAE_R_ZTUNNEL_MARK,
-		ReasonLoopback: sockAeReasonAE_R_LOOPBACK, ReasonOwnIP: sockAeReasonAE_R_OWN_IP, ReasonProbeDest: sockAeReasonAE_R_PROBE_DEST,
-		ReasonUDPNotDNS: sockAeReasonAE_R_UDP_NOT_DNS, ReasonDNSCaptureOff: sockAeReasonAE_R_DNS_CAPTURE_OFF, ReasonNotTCP: sockAeReasonAE_R_NOT_TCP,
-		ReasonOutbound: sockAeReasonAE_R_OUTBOUND, ReasonDNS: sockAeReasonAE_R_DNS, ReasonOrigDstError: sockAeReasonAE_R_ORIG_DST_ERROR,
-		ReasonInbound: sockAeReasonAE_R_INBOUND, ReasonIngressMode: sockAeReasonAE_R_INGRESS_MODE, ReasonHBONE: sockAeReasonAE_R_HBONE,
-		ReasonFromPod: sockAeReasonAE_R_FROM_POD, ReasonZtunnelDelivery: sockAeReasonAE_R_ZTUNNEL_DELIVERY, ReasonProbeSource: sockAeReasonAE_R_PROBE_SOURCE,
-		ReasonNoListener: sockAeReasonAE_R_NO_LISTENER, ReasonAssignError: sockAeReasonAE_R_ASSIGN_ERROR, ReasonReroute: sockAeReasonAE_R_REROUTE,
-		ReasonProbeSNAT: sockAeReasonAE_R_PROBE_SNAT, ReasonForwarded: sockAeReasonAE_R_FORWARDED, ReasonProbePortTaken: sockAeReasonAE_R_PROBE_PORT_TAKEN,
-		ReasonProbeTableFull: sockAeReasonAE_R_PROBE_TABLE_FULL, ReasonRewriteError: sockAeReasonAE_R_REWRITE_ERROR,
-		ReasonOrigDstFull: sockAeReasonAE_R_ORIG_DST_FULL, ReasonLocalFlowFull: sockAeReasonAE_R_LOCAL_FLOW_FULL,
-		ReasonListenerFull: sockAeReasonAE_R_LISTENER_FULL,
+	c := map[Reason]bpfobj.SockAeReason{
+		ReasonNone: bpfobj.SockAeReasonAE_R_NONE, ReasonNotEnrolled: bpfobj.SockAeReasonAE_R_NOT_ENROLLED, ReasonZtunnelMark: bpfobj.SockAeReasonAE_R_ZTUNNEL_MARK,
+		ReasonLoopback: bpfobj.SockAeReasonAE_R_LOOPBACK, ReasonOwnIP: bpfobj.SockAeReasonAE_R_OWN_IP, ReasonProbeDest: bpfobj.SockAeReasonAE_R_PROBE_DEST,
+		ReasonUDPNotDNS: bpfobj.SockAeReasonAE_R_UDP_NOT_DNS, ReasonDNSCaptureOff: bpfobj.SockAeReasonAE_R_DNS_CAPTURE_OFF, ReasonNotTCP: bpfobj.SockAeReasonAE_R_NOT_TCP,
+		ReasonOutbound: bpfobj.SockAeReasonAE_R_OUTBOUND, ReasonDNS: bpfobj.SockAeReasonAE_R_DNS, ReasonOrigDstError: bpfobj.SockAeReasonAE_R_ORIG_DST_ERROR,
+		ReasonInbound: bpfobj.SockAeReasonAE_R_INBOUND, ReasonIngressMode: bpfobj.SockAeReasonAE_R_INGRESS_MODE, ReasonHBONE: bpfobj.SockAeReasonAE_R_HBONE,
+		ReasonFromPod: bpfobj.SockAeReasonAE_R_FROM_POD, ReasonZtunnelDelivery: bpfobj.SockAeReasonAE_R_ZTUNNEL_DELIVERY, ReasonProbeSource: bpfobj.SockAeReasonAE_R_PROBE_SOURCE,
+		ReasonNoListener: bpfobj.SockAeReasonAE_R_NO_LISTENER, ReasonAssignError: bpfobj.SockAeReasonAE_R_ASSIGN_ERROR, ReasonReroute: bpfobj.SockAeReasonAE_R_REROUTE,
+		ReasonProbeSNAT: bpfobj.SockAeReasonAE_R_PROBE_SNAT, ReasonForwarded: bpfobj.SockAeReasonAE_R_FORWARDED, ReasonProbePortTaken: bpfobj.SockAeReasonAE_R_PROBE_PORT_TAKEN,
+		ReasonProbeTableFull: bpfobj.SockAeReasonAE_R_PROBE_TABLE_FULL, ReasonRewriteError: bpfobj.SockAeReasonAE_R_REWRITE_ERROR,
+		ReasonOrigDstFull: bpfobj.SockAeReasonAE_R_ORIG_DST_FULL, ReasonLocalFlowFull: bpfobj.SockAeReasonAE_R_LOCAL_FLOW_FULL,
+		ReasonListenerFull: bpfobj.SockAeReasonAE_R_LISTENER_FULL,
 	}
-	if len(c) != int(reasonCount) || sockAeReasonAE_R_MAX != sockAeReason(reasonCount) {
-		t.Fatalf("%d Go reasons, the C enum has %d", reasonCount, sockAeReasonAE_R_MAX)
+	if len(c) != int(reasonCount) || bpfobj.SockAeReasonAE_R_MAX != bpfobj.SockAeReason(reasonCount) {
+		t.Fatalf("%d Go reasons, the C enum has %d", reasonCount, bpfobj.SockAeReasonAE_R_MAX)
 	}
 	for r, cr := range c {
 		if uint32(r) != uint32(cr) {

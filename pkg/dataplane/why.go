@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // Query is a connection for Why to explain, without sending it.
@@ -84,8 +86,8 @@ type nodeConfig struct {
 	netnsCookieSockops, sockopt bool
 }
 
-func readNodeConfig(m *sockMaps) nodeConfig {
-	var c sockAeConfig
+func readNodeConfig(m *bpfobj.SockMaps) nodeConfig {
+	var c bpfobj.SockAeConfig
 	if err := m.AeNodeCfg.Lookup(uint32(0), &c); err != nil || c.OutboundPort == 0 {
 		// Pins of an agent that did not write it: the contract's defaults.
 		c = (&Config{ProbeV4: DefaultProbeV4, ProbeV6: DefaultProbeV6}).bpfConfig()
@@ -93,7 +95,7 @@ func readNodeConfig(m *sockMaps) nodeConfig {
 	}
 	return nodeConfig{
 		mark: c.ZtunnelMark, mask: c.MarkMask, outbound: c.OutboundPort, inbound: c.InboundPort, hbone: c.HbonePort, dns: c.DnsPort,
-		probe4: addrOf(c.ProbeV4), probe6: netip.AddrFrom16(c.ProbeV6.B),
+		probe4: bpfobj.Addr(c.ProbeV4), probe6: netip.AddrFrom16(c.ProbeV6.B),
 		skLookupInbound: c.Flags&flagSkLookupIfindex != 0, reuseport: c.Flags&flagSkAssignReuseport != 0,
 		netnsCookieSockops: c.Flags&flagNetnsCookieSockops != 0, sockopt: c.Flags&flagNetnsCookieSockopt != 0,
 	}
@@ -131,7 +133,7 @@ func (p *Pinned) Why(q Query) (*Answer, error) {
 		}
 	}
 	var (
-		key    sockListenerKey
+		key    bpfobj.SockListenerKey
 		cookie uint64
 	)
 	it := p.maps.AeListeners.Iterate()
