@@ -18,7 +18,7 @@ import (
 	"helm.sh/helm/v3/pkg/engine"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 )
 
 // schemaEnum returns the enum values.schema.json gives the value at path
@@ -88,7 +88,7 @@ func TestValuesAreWhatTheAgentAccepts(t *testing.T) {
 // takes.
 func TestSockmapAccelValuesAreAgentModes(t *testing.T) {
 	for _, mode := range schemaEnum(t, "agent", "sockmapAccel") {
-		if _, err := dataplane.ParseAccelMode(mode); err != nil {
+		if _, err := accel.ParseMode(mode); err != nil {
 			t.Errorf("agent.sockmapAccel %q passes the schema, the agent refuses it: %v", mode, err)
 		}
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
@@ -91,7 +92,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.excluded, "excluded-namespaces", "kube-system", "comma-separated namespaces whose pods are never enrolled")
 	fs.StringVar(&f.selectors, "enablement-selectors", "", "istio-cni's ambient enablement selectors, a JSON or YAML list of {podSelector, namespaceSelector}; a pod is ambient when one matches (empty: the istio.io/dataplane-mode label rule)")
 	fs.BoolVar(&f.dnsCapture, "dns-capture", true, "capture DNS to ztunnel's proxy (per pod: ambient.istio.io/dns-capture)")
-	fs.StringVar(&f.sockmapAccel, "sockmap-accel", envOr("AMBIENT_EBPF_SOCKMAP_ACCEL", string(dataplane.AccelOff)), "sockmap acceleration of the app <-> ztunnel hop in each pod (Linux 5.15): off, ztunnel (the app's sends into ztunnel skip TCP) or both (ztunnel's into the app too; apps reading with splice(2) miss those bytes); default $AMBIENT_EBPF_SOCKMAP_ACCEL, else off (see docs/BENCHMARKS.md)")
+	fs.StringVar(&f.sockmapAccel, "sockmap-accel", envOr("AMBIENT_EBPF_SOCKMAP_ACCEL", string(accel.Off)), "sockmap acceleration of the app <-> ztunnel hop in each pod (Linux 5.15): off, ztunnel (the app's sends into ztunnel skip TCP) or both (ztunnel's into the app too; apps reading with splice(2) miss those bytes); default $AMBIENT_EBPF_SOCKMAP_ACCEL, else off (see docs/BENCHMARKS.md)")
 	fs.StringVar(&f.repairMode, "repair-mode", "repair", "unredirected running ambient pods: repair (in place), delete, label or off")
 	fs.StringVar(&f.dsNamespace, "daemonset-namespace", os.Getenv("POD_NAMESPACE"), "the agent's DaemonSet namespace (uninstall check)")
 	fs.StringVar(&f.dsName, "daemonset-name", "", "the agent's DaemonSet; while it exists, shutdown keeps all state")
@@ -161,7 +162,7 @@ func (f *Flags) Config() (Config, error) {
 	if c.Dataplane.ProbeV6, err = netip.ParseAddr(f.probeV6); err != nil {
 		return c, fmt.Errorf("--probe-snat-v6: %w", err)
 	}
-	if c.Dataplane.SockmapAccel, err = dataplane.ParseAccelMode(f.sockmapAccel); err != nil {
+	if c.Dataplane.SockmapAccel, err = accel.ParseMode(f.sockmapAccel); err != nil {
 		return c, fmt.Errorf("--sockmap-accel: %w", err)
 	}
 	if c.Dataplane.CgroupRoot == "" {

@@ -9,7 +9,7 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 )
@@ -48,12 +48,12 @@ func TestSockmapAccelFlag(t *testing.T) {
 	for _, c := range []struct {
 		env  string
 		args []string
-		want dataplane.AccelMode
+		want accel.Mode
 	}{
-		{"", nil, dataplane.AccelOff},
-		{"", []string{"--sockmap-accel", "both"}, dataplane.AccelBoth},
-		{"ztunnel", nil, dataplane.AccelToZtunnel},
-		{"ztunnel", []string{"--sockmap-accel=off"}, dataplane.AccelOff},
+		{"", nil, accel.Off},
+		{"", []string{"--sockmap-accel", "both"}, accel.Both},
+		{"ztunnel", nil, accel.ToZtunnel},
+		{"ztunnel", []string{"--sockmap-accel=off"}, accel.Off},
 	} {
 		if c.env != "" {
 			t.Setenv("AMBIENT_EBPF_SOCKMAP_ACCEL", c.env)

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/netip"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
@@ -55,7 +56,7 @@ type Config struct {
 	// features: sockmap_accel); elsewhere it is ignored with a warning and
 	// the hop stays on TCP. Changed or turned off after it was on,
 	// connections already accelerated keep what they had until they close.
-	SockmapAccel AccelMode
+	SockmapAccel accel.Mode
 	// SharedReturnPath, when set, says whether the return path in the pod
 	// netns at the path given is someone else's too: istio-cni's, while a
 	// takeover from it is under way (its redirected connections' replies
@@ -70,38 +71,6 @@ type Config struct {
 	// kill the process there; nothing else sets it.
 	Failpoint func(step string) `json:"-"`
 }
-
-// AccelMode says which sends of the app <-> ztunnel hop skip TCP
-// (Config.SockmapAccel).
-type AccelMode string
-
-// The sockmap acceleration's modes.
-const (
-	// AccelOff: every byte of the hop is TCP over the pod's lo.
-	AccelOff AccelMode = "off"
-	// AccelToZtunnel: the app's sends into ztunnel skip TCP; ztunnel's
-	// into the app do not. Apps receive as without it, so any app works.
-	AccelToZtunnel AccelMode = "ztunnel"
-	// AccelBoth: ztunnel's sends into the app skip TCP too. An app that
-	// reads its sockets with splice(2) (Go's io.Copy from one TCP
-	// connection to another, HAProxy's splicing) or sizes reads with
-	// FIONREAD does not see those bytes: only recv and read do.
-	AccelBoth AccelMode = "both"
-)
-
-// ParseAccelMode reads a mode as the agent's --sockmap-accel takes it.
-func ParseAccelMode(s string) (AccelMode, error) {
-	switch m := AccelMode(s); m {
-	case AccelOff, AccelToZtunnel, AccelBoth:
-		return m, nil
-	case "":
-		return AccelOff, nil
-	}
-	return "", fmt.Errorf("sockmap acceleration %q: want off, ztunnel or both", s)
-}
-
-// On reports whether the mode accelerates anything.
-func (m AccelMode) On() bool { return m == AccelToZtunnel || m == AccelBoth }
 
 // Steps are the failpoints of Enroll and Remove, in order: after each the
 // node is in a state a crash may leave, and a restarted agent must finish
@@ -158,7 +127,7 @@ func (c *Config) setDefaults() error {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
-	mode, err := ParseAccelMode(string(c.SockmapAccel))
+	mode, err := accel.ParseMode(string(c.SockmapAccel))
 	if err != nil {
 		return err
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
@@ -51,8 +52,8 @@ type Dataplane struct {
 	leaveReturnPaths bool
 	slots            slotAllocator
 	// The sockmap acceleration (accel_linux.go): nil unless it runs.
-	accel       *accelState
-	accelStatus AccelStatus
+	accel       *accel.Accel
+	accelStatus accel.Status
 }
 
 type podState struct {
@@ -145,7 +146,10 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 		d.closeObjects()
 		return nil, err
 	}
-	d.setupAccel(cgroupID)
+	d.accel, d.accelStatus = accel.Setup(accel.Options{
+		Mode: d.cfg.SockmapAccel, BPFFSDir: d.cfg.BPFFSDir, CgroupRoot: d.cfg.CgroupRoot, CgroupID: cgroupID,
+		Config: d.loadConfig(), Log: d.log,
+	})
 	if err := d.adoptPods(); err != nil {
 		d.Close()
 		return nil, err
@@ -233,9 +237,23 @@ func linksDir(cfg Config) string           { return bpfobj.LinksDir(cfg.BPFFSDir
 func podsDir(cfg Config) string            { return bpfobj.PodsDir(cfg.BPFFSDir) }
 func podDir(cfg Config, uid string) string { return bpfobj.PodDir(cfg.BPFFSDir, uid) }
 
+// loadConfig is ae_cfg as every object is loaded with it: the node's
+// settings and the mechanisms this kernel has.
+func (d *Dataplane) loadConfig() bpfobj.SockAeConfig {
+	c := d.cfg.bpfConfig()
+	c.Flags = d.bpfFlags
+	return c
+}
+
+// AccelStatus reports the sockmap acceleration's state.
+func (d *Dataplane) AccelStatus() accel.Status {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.accelStatus
+}
+
 func (d *Dataplane) load() error {
-	bpfCfg := d.cfg.bpfConfig()
-	bpfCfg.Flags = d.bpfFlags
+	bpfCfg := d.loadConfig()
 
 	sockSpec, err := bpfobj.LoadSock()
 	if err != nil {
@@ -326,10 +344,8 @@ func (d *Dataplane) logVerifier(err error) {
 }
 
 func (d *Dataplane) closeObjects() {
-	if d.accel != nil {
-		d.accel.close()
-		d.accel = nil
-	}
+	d.accel.Close()
+	d.accel = nil
 	if d.migration != nil {
 		d.migration.close()
 		d.migration = nil
@@ -380,7 +396,7 @@ func (d *Dataplane) attachNodeHooks(cgroupID uint64) error {
 		l, err := link.LoadPinnedLink(pin, nil)
 		switch {
 		case err == nil:
-			if err := sameCgroup(l, cgroupID); err != nil {
+			if err := bpfobj.SameCgroup(l, cgroupID); err != nil {
 				l.Close()
 				rollback()
 				return fmt.Errorf("pinned %s hook %w: the cgroup root changed since the data path was installed; start with the earlier root or uninstall first", h.name, err)
@@ -407,23 +423,6 @@ func (d *Dataplane) attachNodeHooks(cgroupID uint64) error {
 			return fmt.Errorf("load pinned %s link: %w", h.name, err)
 		}
 		d.nodeLinks = append(d.nodeLinks, l)
-	}
-	return nil
-}
-
-// sameCgroup checks that a pinned cgroup link is attached to the cgroup
-// with id want.
-func sameCgroup(l link.Link, want uint64) error {
-	info, err := l.Info()
-	if err != nil {
-		return fmt.Errorf("read link info: %w", err)
-	}
-	cg := info.Cgroup()
-	if cg == nil {
-		return fmt.Errorf("link %d is not a cgroup link", info.ID)
-	}
-	if cg.CgroupId != want {
-		return fmt.Errorf("attached to cgroup id %d, not the configured root's (id %d)", cg.CgroupId, want)
 	}
 	return nil
 }
@@ -461,7 +460,7 @@ func (d *Dataplane) Uninstall() error {
 		l.Close()
 	}
 	d.nodeLinks = nil
-	if err := d.uninstallAccel(); err != nil {
+	if err := accel.Uninstall(d.cfg.BPFFSDir); err != nil {
 		errs = append(errs, err)
 	}
 	d.mu.Unlock()

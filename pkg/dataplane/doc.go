@@ -2,8 +2,9 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package dataplane owns the eBPF data path: it loads the objects compiled
-// from bpf/, attaches them with bpf_link, pins everything under one bpffs
-// directory, and keeps the maps in step with the enrolled pods.
+// from bpf/ (package bpfobj), attaches them with bpf_link, pins everything
+// under one bpffs directory, and keeps the maps in step with the enrolled
+// pods.
 //
 // What runs where:
 //
@@ -17,10 +18,9 @@
 //     the pod's sk_lookup; the agent's resync files those the full table
 //     left out (ResyncListeners). Who can fill each shared map:
 //     docs/CONTRACT.md, "Shared capacity".
-//   - bpf/accel.c, only with Config.SockmapAccel (Linux 5.15): a second
-//     sockops program on the cgroup root puts both ends of each pod-local
-//     app <-> ztunnel connection into sockhashes, and an sk_msg program
-//     queues a send straight onto the peer socket (no TCP on that hop).
+//   - bpf/accel.c, only with Config.SockmapAccel (Linux 5.15): the
+//     sockmap acceleration of the pod-local app <-> ztunnel hop, its own
+//     room (package accel), started and removed from here.
 //   - bpf/tc.c, per pod: the sk_lookup program in the pod netns hands new
 //     inbound flows to ztunnel's :15006 (R5); a tc program on the pod's lo
 //     gives ztunnel's deliveries the return mark (R10); two on the node
@@ -67,7 +67,7 @@
 //	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
 //	                    getpeername4, getpeername6, sockops, getsockopt
 //	maps/ae_accel*, links/accel_*  the sockmap acceleration, when
-//	                    Config.SockmapAccel asks for it (accel_linux.go)
+//	                    Config.SockmapAccel asks for it (package accel)
 //	pods/<uid>/sk_lookup     sk_lookup link in the pod netns (R5)
 //	pods/<uid>/lo_ingress    tc ingress on the pod's lo (R10)
 //	pods/<uid>/reroute_<if>  tc ingress on a virtual interface (R14)

@@ -15,6 +15,8 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 )
 
 // Read-only views of the hooks the data path shares with other software,
@@ -48,7 +50,7 @@ type CgroupProgram struct {
 func CgroupPrograms(root, bpffsDir string, maxCgroups int) (progs []CgroupProgram, truncated bool, err error) {
 	ours := map[ebpf.ProgramID]bool{}
 	hooks := (&Dataplane{}).nodeHooks() // the hook table; no programs loaded
-	pins := []string{accelSockopsPin}   // the sockmap acceleration's sockops, beside ours
+	pins := []string{accel.SockopsPin}  // the sockmap acceleration's sockops, beside ours
 	for _, h := range hooks {
 		pins = append(pins, h.name)
 	}

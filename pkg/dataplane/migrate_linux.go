@@ -16,6 +16,7 @@ import (
 	"github.com/cilium/ebpf/link"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
@@ -326,7 +327,7 @@ func planMigration(cfg Config, specs ...*ebpf.CollectionSpec) (_ *migration, err
 		// accel.c's maps are the acceleration's own: it adopts them,
 		// creates them when missing and leaves an incompatible one alone
 		// (startAccel), so a migration never takes them for the old layout's.
-		if mig.byName[e.Name()] == nil && !slices.Contains(accelMapPins, e.Name()) {
+		if mig.byName[e.Name()] == nil && !slices.Contains(accel.MapPins(), e.Name()) {
 			mig.obsolete = append(mig.obsolete, e.Name())
 		}
 	}
@@ -608,7 +609,7 @@ func (m *migration) finish(cfg Config, nodeHooks []string, log func(msg string, 
 	}
 	links, _ := os.ReadDir(linksDir(cfg))
 	for _, e := range links {
-		if slices.Contains(nodeHooks, e.Name()) || e.Name() == accelSockopsPin || e.Name() == accelMsgPin {
+		if slices.Contains(nodeHooks, e.Name()) || e.Name() == accel.SockopsPin || e.Name() == accel.MsgPin {
 			continue // the node's hooks, and the acceleration's (startAccel)
 		}
 		log("removing a node link of the old layout", "link", e.Name())

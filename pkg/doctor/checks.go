@@ -16,6 +16,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 )
@@ -190,7 +191,7 @@ func checkListeners(n *node) []Finding {
 // checkAccel reports the sockmap acceleration (--sockmap-accel) when its
 // pins exist.
 func checkAccel(n *node) []Finding {
-	info, err := dataplane.ReadAccel(n.cfg.BPFFSDir)
+	info, err := accel.Read(n.cfg.BPFFSDir)
 	switch {
 	case err != nil:
 		return []Finding{{Check: "sockmap", Status: Warn, Summary: fmt.Sprintf("the sockmap acceleration's pins cannot be read: %v", err)}}

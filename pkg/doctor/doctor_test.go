@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -124,7 +125,7 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 
 	// With the sockmap acceleration on: its sockops program beside ours is
 	// not another program on our hooks.
-	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), SockmapAccel: dataplane.AccelToZtunnel})
+	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), SockmapAccel: accel.ToZtunnel})
 	if err != nil {
 		t.Fatal(err)
 	}

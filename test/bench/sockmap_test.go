@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/test/bench/benchdoc"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -29,7 +30,7 @@ const (
 )
 
 // The sockmap acceleration's modes, as the figures name them.
-var sockmapModes = []dataplane.AccelMode{dataplane.AccelOff, dataplane.AccelToZtunnel, dataplane.AccelBoth}
+var sockmapModes = []accel.Mode{accel.Off, accel.ToZtunnel, accel.Both}
 
 // SockmapResults are the figures of TestBenchSockmap: the eBPF path
 // through the stand-in, each mode of --sockmap-accel in turn, on one pair
@@ -86,7 +87,7 @@ func TestBenchSockmap(t *testing.T) {
 	}
 	cfg := dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
 	var dp *dataplane.Dataplane
-	start := func(mode dataplane.AccelMode) {
+	start := func(mode accel.Mode) {
 		if dp != nil {
 			if err := dp.Close(); err != nil {
 				t.Fatal(err)
@@ -102,7 +103,7 @@ func TestBenchSockmap(t *testing.T) {
 			t.Fatalf("--sockmap-accel=%s: %+v", mode, st)
 		}
 	}
-	start(dataplane.AccelOff)
+	start(accel.Off)
 	t.Cleanup(func() { _ = dp.Uninstall() })
 	for _, pod := range []*simnode.Pod{client, server} {
 		if err := dp.Enroll(t.Context(), dpPod(pod)); err != nil {
@@ -138,13 +139,13 @@ func TestBenchSockmap(t *testing.T) {
 	// proven runs fn and checks that its conns connections went through the
 	// stand-in, both hops, and through the sockmap as mode says; it returns
 	// the bytes the sockmap carried.
-	proven := func(mode dataplane.AccelMode, what string, fn func() int64) uint64 {
+	proven := func(mode accel.Mode, what string, fn func() int64) uint64 {
 		t.Helper()
 		var z0, z1 ztunnelCounts
 		if err := call(zt, ztunnelRequest{Op: "counts"}, &z0); err != nil {
 			t.Fatal(err)
 		}
-		a0, err := dataplane.ReadAccel(n.BPFFSDir)
+		a0, err := accel.Read(n.BPFFSDir)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -152,7 +153,7 @@ func TestBenchSockmap(t *testing.T) {
 		if err := call(zt, ztunnelRequest{Op: "counts"}, &z1); err != nil {
 			t.Fatal(err)
 		}
-		a1, err := dataplane.ReadAccel(n.BPFFSDir)
+		a1, err := accel.Read(n.BPFFSDir)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -165,7 +166,7 @@ func TestBenchSockmap(t *testing.T) {
 		}
 		return redirected
 	}
-	measure := func(mode dataplane.AccelMode, req loadRequest) loadResult {
+	measure := func(mode accel.Mode, req loadRequest) loadResult {
 		t.Helper()
 		var r loadResult
 		proven(mode, req.Op, func() int64 {
@@ -182,7 +183,7 @@ func TestBenchSockmap(t *testing.T) {
 	}
 	// echoed sends sockmapBulk bytes through both hops and back and
 	// returns the rate each way, in Gbit/s.
-	echoed := func(mode dataplane.AccelMode) float64 {
+	echoed := func(mode accel.Mode) float64 {
 		t.Helper()
 		var elapsed time.Duration
 		redirected := proven(mode, "bulk echo", func() int64 {
@@ -195,7 +196,7 @@ func TestBenchSockmap(t *testing.T) {
 			return 1
 		})
 		// Each of the two pods' hops carries the bytes both ways.
-		if want := map[dataplane.AccelMode]uint64{dataplane.AccelOff: 0, dataplane.AccelToZtunnel: 2 * sockmapBulk, dataplane.AccelBoth: 4 * sockmapBulk}[mode]; redirected != want {
+		if want := map[accel.Mode]uint64{accel.Off: 0, accel.ToZtunnel: 2 * sockmapBulk, accel.Both: 4 * sockmapBulk}[mode]; redirected != want {
 			t.Fatalf("bulk echo on --sockmap-accel=%s: the sockmap carried %d bytes, want %d", mode, redirected, want)
 		}
 		return float64(sockmapBulk) * 8 / elapsed.Seconds() / 1e9
@@ -255,7 +256,7 @@ func sockmapFigure(name, unit, better, target string, samples map[string][]float
 	for _, m := range sockmapModes {
 		f.Modes[string(m)] = summarize(samples[string(m)])
 	}
-	off := f.Modes[string(dataplane.AccelOff)]
+	off := f.Modes[string(accel.Off)]
 	for _, m := range sockmapModes[1:] {
 		if s := f.Modes[string(m)]; s != nil && off != nil && off.Median != 0 {
 			f.RatioToOff[string(m)] = s.Median / off.Median

@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -34,7 +35,7 @@ type podOpts struct {
 // with the sockmap acceleration in both directions (on kernels without it,
 // the flag's fallback), and istio-cni's iptables rules, the reference.
 func backends() []backend {
-	return []backend{&ebpfBackend{}, &ebpfBackend{accel: dataplane.AccelBoth}, &iptablesBackend{}}
+	return []backend{&ebpfBackend{}, &ebpfBackend{accel: accel.Both}, &iptablesBackend{}}
 }
 
 // referenceBackend is the backend the others must agree with.
@@ -42,7 +43,7 @@ const referenceBackend = "iptables"
 
 // ebpfBackend is ambient-ebpf's data path.
 type ebpfBackend struct {
-	accel dataplane.AccelMode
+	accel accel.Mode
 	dp    *dataplane.Dataplane
 }
 

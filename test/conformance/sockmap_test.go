@@ -18,6 +18,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -35,7 +36,7 @@ type accelNode struct {
 	d        *dataplane.Dataplane
 }
 
-func newAccelNode(t *testing.T, mode dataplane.AccelMode) *accelNode {
+func newAccelNode(t *testing.T, mode accel.Mode) *accelNode {
 	t.Helper()
 	n := simnode.New(t)
 	e := &accelNode{n: n, a: n.AddPod("a")}
@@ -56,7 +57,7 @@ func newAccelNode(t *testing.T, mode dataplane.AccelMode) *accelNode {
 	// Apps that splice (io.Copy between TCP connections) do not see bytes
 	// redirected into them: with ztunnel's sends redirected too, the pod's
 	// echo server reads and writes.
-	e.listenEcho(t, e.app, accelEchoPort, simnode.AppRequest{ReadWrite: mode == dataplane.AccelBoth})
+	e.listenEcho(t, e.app, accelEchoPort, simnode.AppRequest{ReadWrite: mode == accel.Both})
 	e.listenEcho(t, e.out, accelEchoPort, simnode.AppRequest{})
 	return e
 }
@@ -69,9 +70,9 @@ func (e *accelNode) listenEcho(t *testing.T, app *simnode.App, port uint16, req 
 	}
 }
 
-func (e *accelNode) stats(t *testing.T) dataplane.AccelStats {
+func (e *accelNode) stats(t *testing.T) accel.Stats {
 	t.Helper()
-	info, err := dataplane.ReadAccel(e.n.BPFFSDir)
+	info, err := accel.Read(e.n.BPFFSDir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,7 +101,7 @@ func (e *accelNode) loBytes(t *testing.T) uint64 {
 // bulkRun is one bulk-tcp connection and the counters around it.
 type bulkRun struct {
 	resp          simnode.AppResponse
-	before, after dataplane.AccelStats
+	before, after accel.Stats
 	lo, loAfter   uint64
 }
 
@@ -131,21 +132,21 @@ func (e *accelNode) bulk(t *testing.T, from *simnode.App, dst netip.AddrPort, si
 // accelerates reports whether mode accelerates anything on this kernel:
 // before Linux 5.15 every mode is the flag's fallback, plain TCP, and the
 // tests below check that instead.
-func accelerates(mode dataplane.AccelMode) bool { return mode.On() && features.HasSockmapAccel() }
+func accelerates(mode accel.Mode) bool { return mode.On() && features.HasSockmapAccel() }
 
 // Real traffic both ways through the hop, in writes of up to 256 KiB,
 // half-closed by the client: every byte arrives in order, and the pod's lo
 // carries only what each mode leaves to TCP.
 func TestAccelCarriesBulk(t *testing.T) {
 	const size = 8 << 20
-	for _, mode := range []dataplane.AccelMode{dataplane.AccelOff, dataplane.AccelToZtunnel, dataplane.AccelBoth} {
+	for _, mode := range []accel.Mode{accel.Off, accel.ToZtunnel, accel.Both} {
 		t.Run(string(mode), func(t *testing.T) {
 			e := newAccelNode(t, mode)
 			if st := e.d.AccelStatus(); st.Active != accelerates(mode) {
 				t.Fatalf("status %+v for mode %s", st, mode)
 			}
 			// How many of the two directions skip TCP.
-			redirected := map[dataplane.AccelMode]uint64{dataplane.AccelOff: 0, dataplane.AccelToZtunnel: 1, dataplane.AccelBoth: 2}[mode]
+			redirected := map[accel.Mode]uint64{accel.Off: 0, accel.ToZtunnel: 1, accel.Both: 2}[mode]
 			if !accelerates(mode) {
 				redirected = 0
 			}
@@ -193,7 +194,7 @@ func TestAccelCarriesBulk(t *testing.T) {
 // changed nothing and says why.
 func checkAccelerated(t *testing.T, dp *dataplane.Dataplane, n *simnode.Node) {
 	st := dp.AccelStatus()
-	info, err := dataplane.ReadAccel(n.BPFFSDir)
+	info, err := accel.Read(n.BPFFSDir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -217,10 +218,10 @@ func checkAccelerated(t *testing.T, dp *dataplane.Dataplane, n *simnode.Node) {
 // (the kernel drops each as it closes).
 func waitAccelEmpty(t *testing.T, n *simnode.Node) {
 	t.Helper()
-	var info dataplane.AccelInfo
+	var info accel.Info
 	if !testenv.Poll(5*time.Second, func() bool {
 		var err error
-		if info, err = dataplane.ReadAccel(n.BPFFSDir); err != nil {
+		if info, err = accel.Read(n.BPFFSDir); err != nil {
 			t.Fatal(err)
 		}
 		return info.Senders+info.Receivers == 0
@@ -246,7 +247,7 @@ func TestAccelLeavesMPTCPToTCP(t *testing.T) {
 		unix.Close(fd)
 	}
 	const size = 1 << 20
-	e := newAccelNode(t, dataplane.AccelBoth)
+	e := newAccelNode(t, accel.Both)
 	const mptcpPort = accelEchoPort + 1
 	e.listenEcho(t, e.app, mptcpPort, simnode.AppRequest{ReadWrite: true, MPTCP: true})
 	for _, c := range []struct {
@@ -275,7 +276,7 @@ func TestAccelLeavesMPTCPToTCP(t *testing.T) {
 			switch c.name {
 			case "mptcp_client":
 				// The app's end was refused; ztunnel's found no peer.
-				if accelerates(dataplane.AccelBoth) && after.InsertErrors == before.InsertErrors || redirected != 0 {
+				if accelerates(accel.Both) && after.InsertErrors == before.InsertErrors || redirected != 0 {
 					t.Errorf("an MPTCP client's hop was not left to TCP: counters before %+v, after %+v", before, after)
 				}
 			default:
@@ -299,7 +300,7 @@ func TestAccelFallsBack(t *testing.T) {
 	n := simnode.New(t)
 	a := n.AddPod("a")
 	cfg := ebpfConfig(n)
-	cfg.SockmapAccel = dataplane.AccelBoth
+	cfg.SockmapAccel = accel.Both
 	var foreign *ebpf.Map
 	if features.HasSockmapAccel() {
 		var err error
@@ -321,7 +322,7 @@ func TestAccelFallsBack(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = d.Uninstall() })
 	st := d.AccelStatus()
-	if st.Active || st.Reason == "" || st.Mode != dataplane.AccelBoth {
+	if st.Active || st.Reason == "" || st.Mode != accel.Both {
 		t.Errorf("status %+v, want inactive with a reason", st)
 	}
 	t.Logf("status: %+v", st)
@@ -354,7 +355,7 @@ func TestAccelFallsBack(t *testing.T) {
 
 // restart stops the agent's data path (its pins stay) and starts it again
 // in mode, as an agent restarted with --sockmap-accel=mode.
-func (e *accelNode) restart(t *testing.T, mode dataplane.AccelMode) {
+func (e *accelNode) restart(t *testing.T, mode accel.Mode) {
 	t.Helper()
 	if err := e.d.Close(); err != nil {
 		t.Fatal(err)
@@ -380,8 +381,8 @@ func (e *accelNode) restart(t *testing.T, mode dataplane.AccelMode) {
 // connection is gone, an agent with the flag off removes the rest.
 func TestAccelSurvivesRestartsAndToggles(t *testing.T) {
 	// Before 5.15 the flag changes nothing, restarts and toggles included.
-	on := accelerates(dataplane.AccelBoth)
-	e := newAccelNode(t, dataplane.AccelBoth)
+	on := accelerates(accel.Both)
+	e := newAccelNode(t, accel.Both)
 	dst := netip.AddrPortFrom(simnode.OutsideV4, accelEchoPort)
 	if _, err := e.app.Do(simnode.AppRequest{Op: "stream-open", Name: "s", Addr: dst}); err != nil {
 		t.Fatal(err)
@@ -448,11 +449,11 @@ func TestAccelSurvivesRestartsAndToggles(t *testing.T) {
 	echo("agent-restarted")
 	fresh("agent-restarted", 2<<20)
 
-	e.restart(t, dataplane.AccelOff)
-	if st := e.d.AccelStatus(); st.Active || st.Mode != dataplane.AccelOff {
+	e.restart(t, accel.Off)
+	if st := e.d.AccelStatus(); st.Active || st.Mode != accel.Off {
 		t.Errorf("restarted with the flag off: %+v", st)
 	}
-	if info, err := dataplane.ReadAccel(e.n.BPFFSDir); err != nil || info.Active || info.Installed != on {
+	if info, err := accel.Read(e.n.BPFFSDir); err != nil || info.Active || info.Installed != on {
 		t.Errorf("flag off with an accelerated connection open: pins %+v (%v), want the maps without the sockops link", info, err)
 	}
 	echo("flag-off")
@@ -462,13 +463,13 @@ func TestAccelSurvivesRestartsAndToggles(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitAccelEmpty(t, e.n)
-	e.restart(t, dataplane.AccelOff)
+	e.restart(t, accel.Off)
 	if pins := accelPins(); len(pins) != 0 {
 		t.Errorf("flag off, nothing accelerated: pins %v left", pins)
 	}
 	fresh("removed", 0)
 
-	e.restart(t, dataplane.AccelToZtunnel)
+	e.restart(t, accel.ToZtunnel)
 	if st := e.d.AccelStatus(); st.Active != on {
 		t.Fatalf("flag on again: %+v", st)
 	}
@@ -484,7 +485,7 @@ func TestAccelSurvivesRestartsAndToggles(t *testing.T) {
 // 4-tuple, a send went into the dead socket and its connection stalled.
 func TestAccelKeepsConnectionsApartWhenTuplesComeBack(t *testing.T) {
 	const conns = 2000
-	e := newAccelNode(t, dataplane.AccelBoth)
+	e := newAccelNode(t, accel.Both)
 	e.n.Sysctl(e.a.NS, "net/ipv4/tcp_max_tw_buckets", "0")
 	e.n.Sysctl(e.a.NS, "net/ipv4/ip_local_port_range", "47000 47063")
 	before := e.stats(t)
@@ -519,7 +520,7 @@ func TestAccelKeepsConnectionsApartWhenTuplesComeBack(t *testing.T) {
 		t.Errorf("%d of %d connections could not connect, but ztunnel failed only %d (%s); the first failure: %s",
 			resp.ConnectFailures, conns, relayErrors, firstRelayError, resp.FirstError)
 	}
-	if accelerates(dataplane.AccelBoth) && after.RedirectMsgs == before.RedirectMsgs {
+	if accelerates(accel.Both) && after.RedirectMsgs == before.RedirectMsgs {
 		t.Error("nothing went through the sockmap")
 	}
 }

@@ -4,8 +4,11 @@
 package bpfobj
 
 import (
+	"fmt"
 	"net/netip"
 	"path/filepath"
+
+	"github.com/cilium/ebpf/link"
 )
 
 // The pins under the agent's bpffs directory (Config.BPFFSDir of package
@@ -45,4 +48,21 @@ func GoString[T ~int8 | ~uint8](src []T) string {
 		b = append(b, byte(c))
 	}
 	return string(b)
+}
+
+// SameCgroup checks that a pinned cgroup link is attached to the cgroup
+// with id want (the configured root), not to one an earlier agent had.
+func SameCgroup(l link.Link, want uint64) error {
+	info, err := l.Info()
+	if err != nil {
+		return fmt.Errorf("read link info: %w", err)
+	}
+	cg := info.Cgroup()
+	if cg == nil {
+		return fmt.Errorf("link %d is not a cgroup link", info.ID)
+	}
+	if cg.CgroupId != want {
+		return fmt.Errorf("attached to cgroup id %d, not the configured root's (id %d)", cg.CgroupId, want)
+	}
+	return nil
 }

@@ -1,54 +1,37 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-package dataplane
+package accel
 
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 )
 
-// The sockmap acceleration (Config.SockmapAccel, bpf/accel.c) adds to the
-// pinned layout:
-//
-//	maps/ae_accel        ends whose sends are redirected (sockhash, by cookie)
-//	maps/ae_accel_rx     ends that are redirected to (sockhash, by cookie)
-//	maps/ae_accel_pair   connections by their connecting end's 4-tuple:
-//	                     who the two ends are
-//	maps/ae_accel_sk     each end's cookie, peer and decision (socket storage)
-//	maps/ae_accel_stats  its counters (per CPU)
-//	links/accel_sockops  the sockops program that fills ae_accel, on the
-//	                     node's cgroup root beside links/sockops
-//	links/accel_msg      the sk_msg program on ae_accel (Linux 6.10+; before,
-//	                     the program is attached to the map itself, which
-//	                     holds it as long as the pinned map lives)
-//
-// Turning the flag off removes links/accel_sockops, so no new hop is
-// accelerated (and the connections still open leave their ae_accel_pair
-// entries behind: their close no longer runs the program; the entries go
-// with the maps). Sockets already in ae_accel keep their program until they
-// close: taking a socket out of a sockhash would drop what was redirected
-// to it and not yet read. The map and the program go once it is empty
-// (checked at each start with the flag off).
+// Link pins of the acceleration (see the package doc).
 const (
-	accelSockopsPin = "accel_sockops"
-	accelMsgPin     = "accel_msg"
+	SockopsPin = "accel_sockops"
+	MsgPin     = "accel_msg"
 )
 
-// accelMapPins are the pins of accel.c's own maps.
-var accelMapPins = []string{accelMapAeAccel, accelMapAeAccelRx, accelMapAeAccelPair, accelMapAeAccelSk, accelMapAeAccelStats}
+// MapPins are the pins of accel.c's own maps.
+func MapPins() []string {
+	return []string{accelMapAeAccel, accelMapAeAccelRx, accelMapAeAccelPair, accelMapAeAccelSk, accelMapAeAccelStats}
+}
 
-// AccelStatus says whether the sockmap acceleration runs, and why not.
-type AccelStatus struct {
-	// Mode is Config.SockmapAccel.
-	Mode AccelMode `json:"mode"`
+// Status says whether the sockmap acceleration runs, and why not.
+type Status struct {
+	// Mode is the mode asked for.
+	Mode Mode `json:"mode"`
 	// Active: new hops are accelerated.
 	Active bool `json:"active"`
 	// Reason says why a requested acceleration is not active.
@@ -58,15 +41,32 @@ type AccelStatus struct {
 	Attach string `json:"attach,omitempty"`
 }
 
-// accelState is the loaded acceleration: its programs and maps, and the
-// links the agent holds (pinned).
-type accelState struct {
+// Options is what Setup needs of the runtime.
+type Options struct {
+	Mode Mode
+	// BPFFSDir is the agent's pin directory; CgroupRoot the cgroup v2
+	// root the node-wide hooks are on, and CgroupID its id.
+	BPFFSDir   string
+	CgroupRoot string
+	CgroupID   uint64
+	// Config is the node-wide ae_cfg the other objects were loaded with.
+	Config bpfobj.SockAeConfig
+	Log    *slog.Logger
+}
+
+// Accel is the loaded acceleration: its programs and maps, and the links
+// the agent holds (pinned).
+type Accel struct {
 	objs    accelObjects
 	sockops link.Link
 	msg     link.Link // nil where the program is attached to the map
 }
 
-func (a *accelState) close() {
+// Close releases the agent's handles; the pins keep the acceleration.
+func (a *Accel) Close() {
+	if a == nil {
+		return
+	}
 	if a.sockops != nil {
 		a.sockops.Close()
 	}
@@ -76,52 +76,48 @@ func (a *accelState) close() {
 	a.objs.Close()
 }
 
-// AccelStatus reports the sockmap acceleration's state.
-func (d *Dataplane) AccelStatus() AccelStatus {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.accelStatus
-}
-
-// setupAccel starts, adopts or stops the sockmap acceleration as the
-// configuration asks. It never fails New: without it the hop is TCP, as
-// it is without the flag; why is logged and kept in AccelStatus.
-func (d *Dataplane) setupAccel(cgroupID uint64) {
-	d.accelStatus = AccelStatus{Mode: d.cfg.SockmapAccel}
-	if !d.cfg.SockmapAccel.On() {
-		d.stopAccel()
-		return
+// Setup starts, adopts or stops the sockmap acceleration as o.Mode asks.
+// It never fails: without it the hop is TCP, as it is without the flag;
+// why is logged and kept in the Status. The Accel is nil unless active.
+func Setup(o Options) (*Accel, Status) {
+	st := Status{Mode: o.Mode}
+	if !o.Mode.On() {
+		stop(o.BPFFSDir, o.Log)
+		return nil, st
 	}
 	if !features.HasSockmapAccel() {
-		d.accelStatus.Reason = "the kernel lacks bpf_get_netns_cookie in sockops and sk_msg programs (Linux 5.15)"
-		d.log.Warn("sockmap acceleration requested but not available: the app <-> ztunnel hop stays on TCP", "reason", d.accelStatus.Reason)
-		return
+		st.Reason = "the kernel lacks bpf_get_netns_cookie in sockops and sk_msg programs (Linux 5.15)"
+		o.Log.Warn("sockmap acceleration requested but not available: the app <-> ztunnel hop stays on TCP", "reason", st.Reason)
+		return nil, st
 	}
-	a, err := d.startAccel(cgroupID)
+	a, err := start(o)
 	if err != nil {
-		d.accelStatus.Reason = err.Error()
-		d.log.Warn("sockmap acceleration could not start: the app <-> ztunnel hop stays on TCP", "error", err)
-		return
+		st.Reason = err.Error()
+		var ve *ebpf.VerifierError
+		if errors.As(err, &ve) {
+			o.Log.Error("verifier rejected a program", "log", fmt.Sprintf("%+v", ve))
+		}
+		o.Log.Warn("sockmap acceleration could not start: the app <-> ztunnel hop stays on TCP", "error", err)
+		return nil, st
 	}
-	d.accel = a
-	d.accelStatus.Active = true
-	d.accelStatus.Attach = "map"
+	st.Active, st.Attach = true, "map"
 	if a.msg != nil {
-		d.accelStatus.Attach = "link"
+		st.Attach = "link"
 	}
-	d.log.Info("sockmap acceleration on", "mode", d.cfg.SockmapAccel, "attach", d.accelStatus.Attach)
+	o.Log.Info("sockmap acceleration on", "mode", o.Mode, "attach", st.Attach)
+	return a, st
 }
 
-// startAccel loads accel.c (its maps pinned by name), attaches the sk_msg
+// start loads accel.c (its maps pinned by name), attaches the sk_msg
 // program to ae_accel and then the sockops program to the cgroup root, so
 // no socket enters the map before the program that serves it. Pins of an
 // earlier agent are adopted: their programs are replaced in place. On
 // error, what this call created is removed.
-func (d *Dataplane) startAccel(cgroupID uint64) (*accelState, error) {
+func start(o Options) (*Accel, error) {
 	var fresh []string // map pins this call creates
-	for _, name := range accelMapPins {
-		if _, err := os.Stat(filepath.Join(mapsDir(d.cfg), name)); errors.Is(err, os.ErrNotExist) {
-			fresh = append(fresh, filepath.Join(mapsDir(d.cfg), name))
+	for _, name := range MapPins() {
+		if _, err := os.Stat(filepath.Join(bpfobj.MapsDir(o.BPFFSDir), name)); errors.Is(err, os.ErrNotExist) {
+			fresh = append(fresh, filepath.Join(bpfobj.MapsDir(o.BPFFSDir), name))
 		}
 	}
 	spec, err := loadAccel()
@@ -132,31 +128,28 @@ func (d *Dataplane) startAccel(cgroupID uint64) (*accelState, error) {
 	if err := spec.Assign(&as); err != nil {
 		return nil, fmt.Errorf("read sockmap programs: %w", err)
 	}
-	cfg := d.cfg.bpfConfig()
-	cfg.Flags = d.bpfFlags
-	if err := as.AeCfg.Set(cfg); err != nil {
+	if err := as.AeCfg.Set(o.Config); err != nil {
 		return nil, fmt.Errorf("configure sockmap programs: %w", err)
 	}
 	intoApp := uint32(0)
-	if d.cfg.SockmapAccel == AccelBoth {
+	if o.Mode == Both {
 		intoApp = 1
 	}
 	if err := as.AccelIntoApp.Set(intoApp); err != nil {
 		return nil, fmt.Errorf("configure sockmap programs: %w", err)
 	}
-	a := &accelState{}
-	if err := spec.LoadAndAssign(&a.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: mapsDir(d.cfg)}}); err != nil {
-		d.logVerifier(err)
+	a := &Accel{}
+	if err := spec.LoadAndAssign(&a.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: bpfobj.MapsDir(o.BPFFSDir)}}); err != nil {
 		removePins(fresh)
 		return nil, fmt.Errorf("load sockmap programs: %w", err)
 	}
 	var created []string // link pins this call creates
 	rollback := func() {
-		a.close()
+		a.Close()
 		removePins(created)
 		removePins(fresh)
 	}
-	msgPin := filepath.Join(linksDir(d.cfg), accelMsgPin)
+	msgPin := filepath.Join(bpfobj.LinksDir(o.BPFFSDir), MsgPin)
 	if len(fresh) > 0 {
 		// A link pin that outlived its map (removed by hand) would update
 		// the old map's program.
@@ -183,18 +176,18 @@ func (d *Dataplane) startAccel(cgroupID uint64) (*accelState, error) {
 			return nil, fmt.Errorf("attach sk_msg program to ae_accel: %w", err)
 		}
 	}
-	sockopsPin := filepath.Join(linksDir(d.cfg), accelSockopsPin)
+	sockopsPin := filepath.Join(bpfobj.LinksDir(o.BPFFSDir), SockopsPin)
 	l, made, err := adoptOrLink(sockopsPin, func() (link.Link, error) {
-		return link.AttachCgroup(link.CgroupOptions{Path: d.cfg.CgroupRoot, Attach: ebpf.AttachCGroupSockOps, Program: a.objs.AeAccelSockops})
+		return link.AttachCgroup(link.CgroupOptions{Path: o.CgroupRoot, Attach: ebpf.AttachCGroupSockOps, Program: a.objs.AeAccelSockops})
 	}, a.objs.AeAccelSockops)
 	if err == nil && !made {
-		if err = sameCgroup(l, cgroupID); err != nil {
+		if err = bpfobj.SameCgroup(l, o.CgroupID); err != nil {
 			l.Close()
 		}
 	}
 	if err != nil {
 		rollback()
-		return nil, fmt.Errorf("attach sockmap sockops to cgroup %s: %w", d.cfg.CgroupRoot, err)
+		return nil, fmt.Errorf("attach sockmap sockops to cgroup %s: %w", o.CgroupRoot, err)
 	}
 	a.sockops = l
 	return a, nil
@@ -224,43 +217,43 @@ func adoptOrLink(pin string, attach func() (link.Link, error), prog *ebpf.Progra
 	return nil, false, fmt.Errorf("load pinned link %s: %w", pin, err)
 }
 
-// stopAccel is the flag off: no new hop is accelerated; the maps and the
+// stop is the flag off: no new hop is accelerated; the maps and the
 // sk_msg program stay while sockets are in ae_accel (see the layout above).
-func (d *Dataplane) stopAccel() {
-	pin := filepath.Join(linksDir(d.cfg), accelSockopsPin)
+func stop(bpffsDir string, log *slog.Logger) {
+	pin := filepath.Join(bpfobj.LinksDir(bpffsDir), SockopsPin)
 	if err := detachPinnedLink(pin); err != nil {
-		d.log.Warn("sockmap acceleration off: cannot detach its sockops program", "pin", pin, "error", err)
+		log.Warn("sockmap acceleration off: cannot detach its sockops program", "pin", pin, "error", err)
 		return
 	}
-	info, err := ReadAccel(d.cfg.BPFFSDir)
+	info, err := Read(bpffsDir)
 	if err != nil {
-		d.log.Warn("sockmap acceleration off: cannot read its maps", "error", err)
+		log.Warn("sockmap acceleration off: cannot read its maps", "error", err)
 		return
 	}
 	if !info.Installed {
 		return
 	}
 	if n := info.Senders + info.Receivers; n > 0 {
-		d.log.Info("sockmap acceleration off: accelerated connections keep it until they close", "map_entries", n)
+		log.Info("sockmap acceleration off: accelerated connections keep it until they close", "map_entries", n)
 		return
 	}
-	if err := detachPinnedLink(filepath.Join(linksDir(d.cfg), accelMsgPin)); err != nil {
-		d.log.Warn("sockmap acceleration off: cannot detach its sk_msg program", "error", err)
+	if err := detachPinnedLink(filepath.Join(bpfobj.LinksDir(bpffsDir), MsgPin)); err != nil {
+		log.Warn("sockmap acceleration off: cannot detach its sk_msg program", "error", err)
 		return
 	}
-	for _, name := range accelMapPins {
-		removePins([]string{filepath.Join(mapsDir(d.cfg), name)})
+	for _, name := range MapPins() {
+		removePins([]string{filepath.Join(bpfobj.MapsDir(bpffsDir), name)})
 	}
-	d.log.Info("sockmap acceleration removed")
+	log.Info("sockmap acceleration removed")
 }
 
-// uninstallAccel removes the acceleration's link pins (Uninstall removes
-// the map pins with the directory). Accelerated connections keep their
-// program, which keeps the map, until they close.
-func (d *Dataplane) uninstallAccel() error {
+// Uninstall removes the acceleration's link pins (the runtime's Uninstall
+// removes the map pins with the directory). Accelerated connections keep
+// their program, which keeps the map, until they close.
+func Uninstall(bpffsDir string) error {
 	var errs []error
-	for _, name := range []string{accelSockopsPin, accelMsgPin} {
-		if err := detachPinnedLink(filepath.Join(linksDir(d.cfg), name)); err != nil {
+	for _, name := range []string{SockopsPin, MsgPin} {
+		if err := detachPinnedLink(filepath.Join(bpfobj.LinksDir(bpffsDir), name)); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -327,20 +320,20 @@ func countPinned(pin string) (int, error) {
 	return n, nil
 }
 
-// AccelInfo is the sockmap acceleration as the pins show it.
-type AccelInfo struct {
+// Info is the sockmap acceleration as the pins show it.
+type Info struct {
 	// Installed: maps/ae_accel exists.
 	Installed bool `json:"installed"`
 	// Active: links/accel_sockops exists, so new hops are accelerated.
 	Active bool `json:"active"`
 	// Sockets in ae_accel (sending ends) and ae_accel_rx (receiving) now.
-	Senders   int        `json:"senders"`
-	Receivers int        `json:"receivers"`
-	Stats     AccelStats `json:"stats"`
+	Senders   int   `json:"senders"`
+	Receivers int   `json:"receivers"`
+	Stats     Stats `json:"stats"`
 }
 
-// AccelStats are the acceleration's counters, summed over CPUs.
-type AccelStats struct {
+// Stats are the acceleration's counters, summed over CPUs.
+type Stats struct {
 	Sockets       uint64 `json:"sockets"`       // sockets put into ae_accel or ae_accel_rx
 	InsertErrors  uint64 `json:"insertErrors"`  // sockets the kernel refused (MPTCP, kTLS, full)
 	Unpaired      uint64 `json:"unpaired"`      // accepted sockets with no proven connecting end
@@ -352,25 +345,25 @@ type AccelStats struct {
 	PeerGone      uint64 `json:"peerGone"`      // sends whose peer had closed
 }
 
-// ReadAccel reads the acceleration's pins under bpffsDir (Config.BPFFSDir).
-func ReadAccel(bpffsDir string) (AccelInfo, error) {
-	var info AccelInfo
-	if _, err := os.Stat(filepath.Join(bpffsDir, "links", accelSockopsPin)); err == nil {
+// Read reads the acceleration's pins under bpffsDir.
+func Read(bpffsDir string) (Info, error) {
+	var info Info
+	if _, err := os.Stat(filepath.Join(bpfobj.LinksDir(bpffsDir), SockopsPin)); err == nil {
 		info.Active = true
 	}
 	ro := &ebpf.LoadPinOptions{ReadOnly: true}
-	if _, err := os.Stat(filepath.Join(bpffsDir, "maps", accelMapAeAccel)); errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(filepath.Join(bpfobj.MapsDir(bpffsDir), accelMapAeAccel)); errors.Is(err, os.ErrNotExist) {
 		return info, nil
 	}
 	info.Installed = true
 	var err error
-	if info.Senders, err = countPinned(filepath.Join(bpffsDir, "maps", accelMapAeAccel)); err != nil {
+	if info.Senders, err = countPinned(filepath.Join(bpfobj.MapsDir(bpffsDir), accelMapAeAccel)); err != nil {
 		return info, err
 	}
-	if info.Receivers, err = countPinned(filepath.Join(bpffsDir, "maps", accelMapAeAccelRx)); err != nil {
+	if info.Receivers, err = countPinned(filepath.Join(bpfobj.MapsDir(bpffsDir), accelMapAeAccelRx)); err != nil {
 		return info, err
 	}
-	sm, err := ebpf.LoadPinnedMap(filepath.Join(bpffsDir, "maps", accelMapAeAccelStats), ro)
+	sm, err := ebpf.LoadPinnedMap(filepath.Join(bpfobj.MapsDir(bpffsDir), accelMapAeAccelStats), ro)
 	if err != nil {
 		return info, fmt.Errorf("open ae_accel_stats: %w", err)
 	}
