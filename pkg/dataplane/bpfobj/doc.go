@@ -15,9 +15,10 @@
 //	           listeners opened before an enrolment
 //
 // The sockmap acceleration's object is package accel's own. Build tag
-// ae_layout_next swaps in the upgrade tests' next layout (sock_next and
-// tc_next: the same programs with a field more in a map value); no shipped
-// binary has it.
+// ae_layout_next swaps in the upgrade tests' next layout: package next
+// builds it (the same programs with a field more in a map value) and
+// next_bpfel.go re-exports it under the same names; no shipped binary
+// has it.
 //
 // Nothing here loads or attaches anything: package dataplane does.
 package bpfobj

@@ -16,8 +16,5 @@ package bpfobj
 // .BTF alone.
 //go:generate go tool bpf2go -tags linux -target bpfel Listeners ../../../bpf/listeners.c -- -I../../../headers -I../../../bpf
 
-// The next pinned layout, for the upgrade tests only (build tag
-// ae_layout_next, layout_next.go): the same programs with a field more in
-// a map value (AE_LAYOUT_NEXT in bpf/common.h). No shipped binary has it.
-//go:generate go tool bpf2go -tags linux,ae_layout_next -output-stem sock_next -target bpfel -type ae_addr -type pod_info -type netns_info -type pod_meta -type pod_stats -type orig_key -type orig_dst -type probe_key -type probe_nat -type ae_event -type ae_reason Sock ../../../bpf/sock.c -- -I../../../headers -I../../../bpf -DAE_LAYOUT_NEXT
-//go:generate go tool bpf2go -tags linux,ae_layout_next -output-stem tc_next -target bpfel Tc ../../../bpf/tc.c -- -I../../../headers -I../../../bpf -DAE_LAYOUT_NEXT
+// The next pinned layout of the upgrade tests is built in package next
+// (build tag ae_layout_next), and next_bpfel.go re-exports it here.
