@@ -35,7 +35,7 @@ type agentNode struct {
 }
 
 func newAgentNode(t *testing.T, names ...string) *agentNode {
-	n := &agentNode{Node: agentrun.New(t, simnode.New(t)), pods: map[string]*simnode.Pod{}}
+	n := &agentNode{Node: agentrun.New(t, simnode.New(t), agentrun.Options{LogLevel: "debug"}), pods: map[string]*simnode.Pod{}}
 	var pods []*simnode.Pod
 	for _, name := range names {
 		n.pods[name] = n.AddPod(name)

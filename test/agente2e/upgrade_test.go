@@ -189,7 +189,7 @@ func (n *agentNode) replaceAgent(t *testing.T, builds []build, crashAt ...string
 func (n *agentNode) crashAgent(t *testing.T, step string) {
 	t.Helper()
 	t.Setenv(agent.FailpointEnv, step)
-	n.Agent = simnode.StartProcess(t, n.NodeNS, "", n.AgentArgs()...)
+	n.StartAgent(t)
 	t.Setenv(agent.FailpointEnv, "")
 	// Generous: under emulation (hack/vmtest) a migration's steps take
 	// seconds each; 20 s was too little for migrate/switched on 5.10 and

@@ -88,7 +88,7 @@ const nodeBackend = reference.Legacy
 
 func newScenario(t *testing.T, specs ...podSpec) *scenario {
 	t.Helper()
-	s := &scenario{Node: agentrun.New(t, simnode.New(t))}
+	s := &scenario{Node: agentrun.New(t, simnode.New(t), agentrun.Options{LogLevel: "debug"})}
 	node := simnode.NetnsPath(s.NodeNS)
 	installUnrelated(t, node)
 	s.ref = &reference.Iptables{Backend: nodeBackend}
