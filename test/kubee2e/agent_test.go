@@ -6,9 +6,6 @@ package kubee2e
 import (
 	"context"
 	"fmt"
-	"io"
-	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -26,90 +23,42 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
 
 // agentRun is the real agent binary on a simulated node against the real
-// API server.
+// API server: it runs in the test's own netns (so it reaches the API
+// server on loopback) and works on the simulated node through
+// --node-netns.
 type agentRun struct {
-	t                         *testing.T
-	c                         *kubeapi.Cluster
-	node                      *simnode.Node
-	nodeName, ns              string
-	bin, dir, kubeconfig      string
-	zds, cni, confDir, binDir string
-	health, metrics           string
-	proc                      *simnode.Process
-}
-
-func freePort(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
+	*agentrun.Node
+	t  *testing.T
+	c  *kubeapi.Cluster
+	ns string
 }
 
 func newAgentRun(t *testing.T, c *kubeapi.Cluster, ns string) *agentRun {
-	r := &agentRun{t: t, c: c, node: simnode.New(t), nodeName: newNode(), ns: ns, dir: t.TempDir()}
-	r.bin = simnode.BuildBinary(t, r.dir, "github.com/ambient-ebpf/ambient-ebpf/cmd/ambient-ebpf-agent")
-	cni := simnode.BuildBinary(t, r.dir, "github.com/ambient-ebpf/ambient-ebpf/cmd/ambient-ebpf-cni")
-	simnode.BuildBinary(t, r.dir, "github.com/ambient-ebpf/ambient-ebpf/cmd/ambient-ebpf-cni-fallback")
-	r.zds, r.cni = filepath.Join(r.dir, "ztunnel.sock"), filepath.Join(r.dir, "cni.sock")
-	r.confDir, r.binDir = filepath.Join(r.dir, "net.d"), filepath.Join(r.dir, "bin")
-	for _, d := range []string{r.confDir, r.binDir} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
+	r := &agentRun{t: t, c: c, ns: ns, Node: agentrun.New(t, simnode.New(t), agentrun.Options{NodeName: newNode(),
+		Kube:       &agentrun.Kube{Server: c.Config.Host, Token: c.Config.BearerToken, DaemonSetNamespace: ns, DaemonSetName: "ambient-ebpf"},
+		InstallCNI: true, CallerNetns: true, LogLevel: "debug"})}
 	// The primary CNI's config, which the installer chains into.
-	if err := os.WriteFile(filepath.Join(r.confDir, "10-primary.conflist"),
+	if err := os.WriteFile(filepath.Join(r.CNIConfDir, "10-primary.conflist"),
 		[]byte(`{"cniVersion": "1.0.0", "name": "primary", "plugins": [{"type": "ptp"}]}`), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	_ = os.Rename(cni, filepath.Join(r.dir, "ambient-ebpf-cni"))
-	r.kubeconfig = filepath.Join(r.dir, "kubeconfig")
-	kc := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: %q, insecure-skip-tls-verify: true}}]\n"+
-		"users: [{name: u, user: {token: %q}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n",
-		c.Config.Host, c.Config.BearerToken)
-	if err := os.WriteFile(r.kubeconfig, []byte(kc), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	token := filepath.Join(r.dir, "token")
-	if err := os.WriteFile(token, []byte(c.Config.BearerToken), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	r.health, r.metrics = freePort(t), freePort(t)
 	return r
 }
 
-// start runs the agent in the test's own netns (so it reaches the API
-// server on loopback); it works on the simulated node through --node-netns.
+// start runs the agent and waits until it is ready.
 func (r *agentRun) start(extra ...string) {
 	r.t.Helper()
-	args := append([]string{r.bin, "--kubeconfig", r.kubeconfig, "--node-name", r.nodeName,
-		"--bpffs-dir", r.node.BPFFSDir, "--cgroup-root", r.node.CgroupRoot, "--node-netns", simnode.NetnsPath(r.node.NodeNS),
-		"--zds-socket", r.zds, "--cni-socket", r.cni, "--inspect-socket", filepath.Join(r.dir, "inspect.sock"),
-		"--health-addr", r.health, "--metrics-addr", r.metrics,
-		"--cni-bin-dir", r.binDir, "--cni-conf-dir", r.confDir, "--cni-plugin-binary", filepath.Join(r.dir, "ambient-ebpf-cni"),
-		"--token-path", filepath.Join(r.dir, "token"), "--ca-path", "/dev/null", "--api-server", r.c.Config.Host,
-		"--daemonset-namespace", r.ns, "--daemonset-name", "ambient-ebpf", "--log-level", "debug"}, extra...)
-	r.proc = simnode.StartProcess(r.t, "", "", args...)
-	r.waitFor("agent ready", func() bool { code, _ := r.get(r.health, "/readyz"); return code == http.StatusOK })
-}
-
-func (r *agentRun) get(addr, path string) (int, string) {
-	c := &http.Client{Timeout: 2 * time.Second}
-	resp, err := c.Get("http://" + addr + path)
-	if err != nil {
-		return 0, err.Error()
+	r.StartAgent(r.t, extra...)
+	if _, err := r.WaitReady(); err != nil {
+		r.t.Fatal(err)
 	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b)
 }
 
 func (r *agentRun) waitFor(what string, cond func() bool) {
@@ -117,10 +66,10 @@ func (r *agentRun) waitFor(what string, cond func() bool) {
 	held := false
 	testenv.Poll(30*time.Second, func() bool {
 		held = cond()
-		return held || (r.proc != nil && r.proc.Exited())
+		return held || (r.Agent != nil && r.Agent.Exited())
 	})
 	if !held {
-		r.t.Fatalf("timed out waiting for %s; agent output:\n%s", what, r.proc.Output.String())
+		r.t.Fatalf("timed out waiting for %s; agent output:\n%s", what, r.Agent.Output.String())
 	}
 }
 
@@ -128,9 +77,9 @@ func (r *agentRun) waitFor(what string, cond func() bool) {
 // with the same UID and addresses; running marks it Running.
 func (r *agentRun) pod(name string, running bool, annotations map[string]string) (*corev1.Pod, *simnode.Pod) {
 	r.t.Helper()
-	kp := r.c.Pod(r.t, kubeapi.PodSpec{Namespace: r.ns, Name: name, Node: r.nodeName, Annotations: annotations})
+	kp := r.c.Pod(r.t, kubeapi.PodSpec{Namespace: r.ns, Name: name, Node: r.NodeName, Annotations: annotations})
 	idx := len(name) // any two distinct names below get distinct addresses
-	sp := r.node.AddPodWith(name, r.ns, string(kp.UID),
+	sp := r.AddPodWith(name, r.ns, string(kp.UID),
 		netip.AddrFrom4([4]byte{198, 18, 3, byte(10 + idx + int(name[0]))}),
 		netip.MustParseAddr(fmt.Sprintf("fd00:198:18:3::%x", 10+idx+int(name[0]))))
 	if running {
@@ -149,7 +98,7 @@ func (r *agentRun) annotation(kp *corev1.Pod) string {
 
 func (r *agentRun) pinned() map[string]bool {
 	out := map[string]bool{}
-	view, err := dataplane.OpenPinned(r.node.BPFFSDir)
+	view, err := dataplane.OpenPinned(r.BPFFSDir)
 	if err != nil {
 		return out
 	}
@@ -183,11 +132,11 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 	late, lateNode := r.pod("late", true, nil)
 	var lateApp *simnode.App
 	for _, p := range []*simnode.Pod{oldNode, lateNode} {
-		app := r.node.StartApp(p)
+		app := r.StartApp(p)
 		app.Listen("tcp", p.Name, netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
 		lateApp = app
 	}
-	zt := r.node.StartZtunnelFor(r.zds)
+	zt := r.StartZtunnelFor(r.ZDS)
 	r.start()
 	r.waitFor("snapshot pod enrolled and the late pod repaired", func() bool {
 		p := r.pinned()
@@ -200,7 +149,7 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 	if err != nil || !strings.Contains(fmt.Sprint(ev.Items), "RedirectionRepaired") {
 		t.Errorf("no RedirectionRepaired event for the late pod (%v)", err)
 	}
-	out := r.node.StartOutsideApp()
+	out := r.StartOutsideApp()
 	resp, err := out.Dial("tcp", simnode.AppRequest{Addr: netip.AddrPortFrom(lateNode.V4, 8080)})
 	if err != nil {
 		t.Fatal(err)
@@ -211,7 +160,7 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 
 	// A new pod through the CNI plugin's channel, before its app starts.
 	fresh, freshNode := r.pod("fresh", false, nil)
-	cl, err := events.NewClient(r.cni)
+	cl, err := events.NewClient(r.CNI)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -256,7 +205,7 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond)
-	r.proc.Kill()
+	r.Agent.Kill()
 	if p := r.pinned(); !p["old"] || !p["late"] {
 		t.Errorf("pins after SIGKILL: %v", p)
 	}
@@ -269,7 +218,7 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 	if r.annotation(old) != enrollment.RedirectionEnabled || r.annotation(late) != enrollment.RedirectionEnabled {
 		t.Errorf("annotations after the restart: %q %q", r.annotation(old), r.annotation(late))
 	}
-	_, metrics := r.get(r.metrics, "/metrics")
+	_, metrics := r.Get("/metrics")
 	for _, want := range []string{"istio_cni_install_ready 1", `istio_cni_installs_total{result="SUCCESS"} 1`,
 		`istio_cni_installs_total{result="CREATE_CNI_CONFIG_FAILURE"} 0`, "ambient_ebpf_enrolled_pods",
 		`nodeagent_reconcile_events_total{type="add"}`, `istio_cni_repair_pods_repaired_total{result="fail",type="repair"} 0`} {
@@ -277,13 +226,13 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 			t.Errorf("metrics lack %q", want)
 		}
 	}
-	if b, err := os.ReadFile(filepath.Join(r.confDir, "10-primary.conflist")); err != nil || !strings.Contains(string(b), "ambient-ebpf-cni") {
+	if b, err := os.ReadFile(filepath.Join(r.CNIConfDir, "10-primary.conflist")); err != nil || !strings.Contains(string(b), "ambient-ebpf-cni") {
 		t.Errorf("the plugin is not chained into the primary conflist: %s %v", b, err)
 	}
 
 	// Stop while the DaemonSet exists (an upgrade): everything stays.
-	if !r.proc.Terminate(15 * time.Second) {
-		t.Errorf("agent did not stop cleanly:\n%s", r.proc.Output.String())
+	if err := r.Stop(15 * time.Second); err != nil {
+		t.Error(err)
 	}
 	if p := r.pinned(); !p["old"] {
 		t.Errorf("state lost on an upgrade-style stop: %v", p)
@@ -292,11 +241,11 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 	// while the label matches, and removes everything once it does not
 	// (the node left the DaemonSet: a node-by-node move to istio-cni).
 	const redirectorLabel = "ambient-ebpf.io/redirector"
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: r.nodeName, Labels: map[string]string{redirectorLabel: "ebpf"}}}
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: r.NodeName, Labels: map[string]string{redirectorLabel: "ebpf"}}}
 	if _, err := c.Client.CoreV1().Nodes().Create(context.Background(), node, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = c.Client.CoreV1().Nodes().Delete(context.Background(), r.nodeName, metav1.DeleteOptions{}) })
+	t.Cleanup(func() { _ = c.Client.CoreV1().Nodes().Delete(context.Background(), r.NodeName, metav1.DeleteOptions{}) })
 	cur, err := c.Client.AppsV1().DaemonSets(ns.Name).Get(context.Background(), "ambient-ebpf", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -306,21 +255,21 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.start()
-	if !r.proc.Terminate(15 * time.Second) {
-		t.Errorf("agent did not stop cleanly:\n%s", r.proc.Output.String())
+	if err := r.Stop(15 * time.Second); err != nil {
+		t.Error(err)
 	}
 	if p := r.pinned(); !p["old"] {
 		t.Errorf("state lost on a stop while the DaemonSet selects the node: %v", p)
 	}
 	r.start()
 	patch := []byte(`{"metadata":{"labels":{"` + redirectorLabel + `":null}}}`)
-	if _, err := c.Client.CoreV1().Nodes().Patch(context.Background(), r.nodeName, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+	if _, err := c.Client.CoreV1().Nodes().Patch(context.Background(), r.NodeName, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if !r.proc.Terminate(15 * time.Second) {
-		t.Errorf("agent did not stop cleanly:\n%s", r.proc.Output.String())
+	if err := r.Stop(15 * time.Second); err != nil {
+		t.Error(err)
 	}
-	if _, err := os.Stat(r.node.BPFFSDir); !os.IsNotExist(err) {
+	if _, err := os.Stat(r.BPFFSDir); !os.IsNotExist(err) {
 		t.Errorf("pins left after the node left the DaemonSet: %v", err)
 	}
 	// Uninstall: the DaemonSet is gone; the next stop removes everything.
@@ -328,16 +277,16 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.start()
-	if !r.proc.Terminate(15 * time.Second) {
-		t.Errorf("agent did not stop cleanly:\n%s", r.proc.Output.String())
+	if err := r.Stop(15 * time.Second); err != nil {
+		t.Error(err)
 	}
-	if _, err := os.Stat(r.node.BPFFSDir); !os.IsNotExist(err) {
+	if _, err := os.Stat(r.BPFFSDir); !os.IsNotExist(err) {
 		t.Errorf("pins left after uninstall: %v", err)
 	}
-	if b, _ := os.ReadFile(filepath.Join(r.confDir, "10-primary.conflist")); strings.Contains(string(b), "ambient-ebpf-cni") {
+	if b, _ := os.ReadFile(filepath.Join(r.CNIConfDir, "10-primary.conflist")); strings.Contains(string(b), "ambient-ebpf-cni") {
 		t.Errorf("the plugin is still chained after uninstall: %s", b)
 	}
-	if _, err := os.Stat(filepath.Join(r.binDir, "ambient-ebpf-cni")); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(r.CNIBinDir, "ambient-ebpf-cni")); !os.IsNotExist(err) {
 		t.Errorf("the plugin binary is still installed after uninstall: %v", err)
 	}
 }

@@ -30,16 +30,16 @@ func TestLiveOptionChangesAgainstAPIServer(t *testing.T) {
 	ns := c.Namespace(t, "options", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
 	r := newAgentRun(t, c, ns.Name)
 	kp, sp := r.pod("web", true, nil)
-	vm := r.node.AddVirtualInterface(sp, "virt0")
-	app := r.node.StartApp(sp)
+	vm := r.AddVirtualInterface(sp, "virt0")
+	app := r.StartApp(sp)
 	app.Listen("tcp", "web", netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
-	vmApp := r.node.StartVMApp(vm)
-	out := r.node.StartOutsideApp()
+	vmApp := r.StartVMApp(vm)
+	out := r.StartOutsideApp()
 	out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
 	if _, err := out.Do(simnode.AppRequest{Op: "dns-server", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), 53), Answer: simnode.OutsideDNSAnswer}); err != nil {
 		t.Fatal(err)
 	}
-	zt := r.node.StartZtunnelFor(r.zds)
+	zt := r.StartZtunnelFor(r.ZDS)
 	r.start()
 	r.waitFor("pod repaired in place and annotated", func() bool {
 		return r.pinned()["web"] && r.annotation(kp) == enrollment.RedirectionEnabled
@@ -99,7 +99,7 @@ func TestLiveOptionChangesAgainstAPIServer(t *testing.T) {
 		}
 	}
 	opts := func() dataplane.Options {
-		view, err := dataplane.OpenPinned(r.node.BPFFSDir)
+		view, err := dataplane.OpenPinned(r.BPFFSDir)
 		if err != nil {
 			return dataplane.Options{}
 		}
@@ -133,11 +133,11 @@ func TestLiveOptionChangesAgainstAPIServer(t *testing.T) {
 	if a := r.annotation(kp); a != enrollment.RedirectionEnabled {
 		t.Errorf("annotation %q after the changes; want enabled", a)
 	}
-	if _, m := r.get(r.metrics, "/metrics"); !strings.Contains(m, "ambient_ebpf_remove_duration_seconds_count 0") {
+	if _, m := r.Get("/metrics"); !strings.Contains(m, "ambient_ebpf_remove_duration_seconds_count 0") {
 		t.Errorf("the agent removed a pod from the data path on the way")
 	}
-	if !r.proc.Terminate(15 * time.Second) {
-		t.Errorf("agent did not stop cleanly:\n%s", r.proc.Output.String())
+	if err := r.Stop(15 * time.Second); err != nil {
+		t.Error(err)
 	}
 }
 
@@ -152,7 +152,7 @@ func listener(zt *simnode.Ztunnel, peer netip.AddrPort) string {
 }
 
 func (r *agentRun) pinnedUID(name string) string {
-	view, err := dataplane.OpenPinned(r.node.BPFFSDir)
+	view, err := dataplane.OpenPinned(r.BPFFSDir)
 	if err != nil {
 		return ""
 	}
