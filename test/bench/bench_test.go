@@ -293,7 +293,7 @@ func newEnv(t *testing.T, s settings) *env {
 	e.agent = newNodeAgent(t, n, e.cgroup("agent"), append(known, e.scalePods...))
 	e.agent.start()
 	e.ebpfList, e.iptablesList = e.agent.conflists()
-	if err := call(e.zt, ztunnelRequest{Op: "zds", Socket: e.agent.zds}, nil); err != nil {
+	if err := call(e.zt, ztunnelRequest{Op: "zds", Socket: e.agent.ZDS}, nil); err != nil {
 		t.Fatalf("connect to the agent over ZDS: %v", err)
 	}
 	e.agent.waitFor("ztunnel to connect", func(st cli.Status) bool { return st.Agent.ZtunnelConnections > 0 })
@@ -389,7 +389,7 @@ func (e *env) remove(pods []*simnode.Pod) error {
 // cni has the runtime exec the path's CNI plugin (ADD or DEL) for pods,
 // conc calls in flight.
 func (e *env) cni(path, command string, pods []*simnode.Pod, conc int) (cniResult, error) {
-	req := cniRequest{Command: command, BinDir: e.agent.cniBin, Conc: conc, Pods: toCNIPods(pods)}
+	req := cniRequest{Command: command, BinDir: e.agent.CNIBinDir, Conc: conc, Pods: toCNIPods(pods)}
 	switch path {
 	case pathEBPF:
 		req.Conflist, req.Plugin, req.Check, req.BPFFS = e.ebpfList, plugin.PluginType, checkNetns, e.node.BPFFSDir
@@ -398,7 +398,7 @@ func (e *env) cni(path, command string, pods []*simnode.Pod, conc int) (cniResul
 	}
 	var res cniResult
 	if err := call(e.runtime, req, &res); err != nil {
-		out := e.agent.proc.Output.String()
+		out := e.agent.Agent.Output.String()
 		return res, fmt.Errorf("%w; the agent's latest output:\n%s", err, out[max(0, len(out)-4000):])
 	}
 	return res, nil

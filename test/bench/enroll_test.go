@@ -92,7 +92,7 @@ func (e *env) enrollment(res *Results) {
 		machine := startMachineProfiler(dir)
 		var agent *profiler
 		if name == pathEBPF {
-			agent = startProfiler(e.agent.proc.PID(), dir, true)
+			agent = startProfiler(e.agent.Agent.PID(), dir, true)
 		}
 		e.cniEnroll(name, pods)
 		res.Notes["enroll_cni: CPU by process while enrolling one at a time (perf -a, share of all samples, one extra batch), "+name] = machine.byProcess(

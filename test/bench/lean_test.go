@@ -403,7 +403,7 @@ func (e *env) measureLean(v leanVariant, req loadRequest) leanRun {
 // programs' events are on.
 func (e *env) startTrace() {
 	e.t.Helper()
-	if err := call(e.tracer, tracerRequest{Op: "start", BPFFS: e.node.BPFFSDir, Inspect: e.agent.inspect}, nil); err != nil {
+	if err := call(e.tracer, tracerRequest{Op: "start", BPFFS: e.node.BPFFSDir, Inspect: e.agent.Inspect}, nil); err != nil {
 		e.t.Fatalf("start tracing: %v", err)
 	}
 	e.waitTrace(true)
@@ -503,7 +503,7 @@ func threadsCPU(pids []int) time.Duration {
 // does not list in its --help (which the flag package prints as
 // "  -name type").
 func (a *nodeAgent) unknownFlags(flags []string) []string {
-	out, _ := exec.Command(a.bin, "--help").CombinedOutput()
+	out, _ := exec.Command(a.Bin, "--help").CombinedOutput()
 	var missing []string
 	for _, f := range flags {
 		name, _, _ := strings.Cut(strings.TrimLeft(f, "-"), "=")

@@ -29,34 +29,25 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
 // nodeAgent is the real agent binary (cmd/ambient-ebpf-agent), built for
-// the run, serving the simulated node as its DaemonSet pod would:
-// standalone with a pod file, in the node netns, pins under the node's
-// bpffs, socket hooks on the node's cgroup root, sockets and CNI
-// directories in a temporary directory, health and metrics on the node
-// netns's loopback. Its installer chains the real CNI plugin
-// (cmd/ambient-ebpf-cni) into a primary conflist; the runtime helper execs
-// it from there.
+// the run, serving the simulated node as its DaemonSet pod would
+// (agentrun): standalone with a pod file, in the node netns and a cgroup
+// of its own, health and metrics on the node netns's loopback. Its
+// installer chains the real CNI plugin (cmd/ambient-ebpf-cni) into a
+// primary conflist; the runtime helper execs it from there.
 type nodeAgent struct {
-	t                 *testing.T
-	node              *simnode.Node
-	cgroup            string
-	bin, plugin       string // the agent and the CNI plugin it installs
-	cniBin, confDir   string // CNI_PATH and the runtime's conflist directory
-	podFile           string
-	zds, cni, inspect string
-	proc              *simnode.Process
-	flags             []string // the extra flags of the latest start
-	http              *http.Client
+	*agentrun.Node
+	t      *testing.T
+	cgroup string
+	flags  []string // the extra flags of the latest start
 }
 
 const (
 	benchNodeName = "bench-node"
-	readyzURL     = "http://127.0.0.1:8000/readyz"
-	metricsURL    = "http://127.0.0.1:15014/metrics"
 	// iptablesPlugin is test/reference/iptables-cni: istio-cni's iptables
 	// enrollment, exec'd like ambient-ebpf-cni.
 	iptablesPlugin = "iptables-cni"
@@ -66,21 +57,10 @@ const (
 // in ambient namespaces) and the primary CNI's conflist; start runs it.
 func newNodeAgent(t *testing.T, n *simnode.Node, cgroup string, pods []*simnode.Pod) *nodeAgent {
 	t.Helper()
-	dir := t.TempDir()
-	a := &nodeAgent{t: t, node: n, cgroup: cgroup, cniBin: filepath.Join(dir, "cni-bin"), confDir: filepath.Join(dir, "net.d"),
-		podFile: filepath.Join(dir, "pods.yaml"), zds: filepath.Join(dir, "ztunnel.sock"), cni: filepath.Join(dir, "cni.sock"),
-		inspect: filepath.Join(dir, "inspect.sock")}
-	for _, d := range []string{a.cniBin, a.confDir, filepath.Join(dir, "build")} {
-		if err := os.Mkdir(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	const mod = "github.com/ambient-ebpf/ambient-ebpf/"
-	a.bin = simnode.BuildBinary(t, filepath.Join(dir, "build"), mod+"cmd/ambient-ebpf-agent")
-	a.plugin = simnode.BuildBinary(t, filepath.Join(dir, "build"), mod+"cmd/ambient-ebpf-cni")
-	simnode.BuildBinary(t, filepath.Join(dir, "build"), mod+"cmd/ambient-ebpf-cni-fallback")
-	simnode.BuildBinary(t, a.cniBin, mod+"test/reference/"+iptablesPlugin)
-	if err := writePodFile(a.podFile, pods); err != nil {
+	a := &nodeAgent{t: t, cgroup: cgroup, Node: agentrun.New(t, n, agentrun.Options{NodeName: benchNodeName, InstallCNI: true,
+		Cgroup: cgroup, HealthAddr: "127.0.0.1:8000", MetricsAddr: "127.0.0.1:15014", ReadyPoll: 5 * time.Millisecond})}
+	simnode.BuildBinary(t, a.CNIBinDir, "github.com/ambient-ebpf/ambient-ebpf/test/reference/"+iptablesPlugin)
+	if err := writePodFile(a.PodFile, pods); err != nil {
 		t.Fatalf("write pod file: %v", err)
 	}
 	// The primary CNI's conflist (ptp + host-local, never run here: the
@@ -88,16 +68,10 @@ func newNodeAgent(t *testing.T, n *simnode.Node, cgroup string, pods []*simnode.
 	// helper passes what ptp would have returned as prevResult).
 	primary := fmt.Sprintf(`{"cniVersion": "1.1.0", "name": "bench", "plugins": [
   {"type": "ptp", "mtu": 1500, "ipam": {"type": "host-local", "dataDir": %q,
-   "ranges": [[{"subnet": "198.18.64.0/18"}], [{"subnet": "fd00:198:18:2::/64"}]]}}]}`, filepath.Join(dir, "ipam"))
-	if err := os.WriteFile(filepath.Join(a.confDir, "10-bench.conflist"), []byte(primary), 0o644); err != nil {
+   "ranges": [[{"subnet": "198.18.64.0/18"}], [{"subnet": "fd00:198:18:2::/64"}]]}}]}`, filepath.Join(a.Dir, "ipam"))
+	if err := os.WriteFile(filepath.Join(a.CNIConfDir, "10-bench.conflist"), []byte(primary), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	var err error
-	var closeHTTP func()
-	if a.http, closeHTTP, err = simnode.HTTPClient(n.NodeNS); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(closeHTTP)
 	return a
 }
 
@@ -134,42 +108,34 @@ func writePodFile(path string, pods []*simnode.Pod) error {
 // answers 200, with the time from the exec.
 func (a *nodeAgent) start(extra ...string) time.Duration {
 	a.t.Helper()
-	return a.waitReady(a.exec(extra...))
+	a.exec(extra...)
+	return a.waitReady()
 }
 
 // exec starts the agent and returns when.
 func (a *nodeAgent) exec(extra ...string) time.Time {
 	a.t.Helper()
-	args := append([]string{a.bin, "--standalone-pods", a.podFile, "--node-name", benchNodeName,
-		"--bpffs-dir", a.node.BPFFSDir, "--cgroup-root", a.node.CgroupRoot, "--node-netns", simnode.NetnsPath(a.node.NodeNS),
-		"--zds-socket", a.zds, "--cni-socket", a.cni, "--inspect-socket", a.inspect, "--proc-root", "/proc",
-		"--health-addr", "127.0.0.1:8000", "--metrics-addr", "127.0.0.1:15014",
-		"--cni-bin-dir", a.cniBin, "--cni-conf-dir", a.confDir, "--cni-plugin-binary", a.plugin}, extra...)
-	t0 := time.Now()
-	a.proc = simnode.StartProcess(a.t, a.node.NodeNS, a.cgroup, args...)
+	a.StartAgent(a.t, extra...)
 	a.flags = extra
-	return t0
+	return a.Started
 }
 
-// waitReady polls /readyz until it answers 200 and returns the time since
-// t0.
-func (a *nodeAgent) waitReady(t0 time.Time) time.Duration {
+// waitReady waits until /readyz answers 200 and returns the time since
+// the exec.
+func (a *nodeAgent) waitReady() time.Duration {
 	a.t.Helper()
-	for deadline := t0.Add(2 * time.Minute); ; time.Sleep(5 * time.Millisecond) {
-		if code, _, err := simnode.Get(a.http, readyzURL); err == nil && code == http.StatusOK {
-			return time.Since(t0)
-		}
-		if a.proc.Exited() || time.Now().After(deadline) {
-			a.t.Fatalf("agent not ready; its output:\n%s", a.proc.Output.String())
-		}
+	took, err := a.WaitReady()
+	if err != nil {
+		a.t.Fatal(err)
 	}
+	return took
 }
 
 // stop sends SIGTERM and fails the test unless the agent exits cleanly.
 func (a *nodeAgent) stop() {
 	a.t.Helper()
-	if !a.proc.Terminate(time.Minute) {
-		a.t.Fatalf("agent did not stop cleanly; its output:\n%s", a.proc.Output.String())
+	if err := a.Stop(time.Minute); err != nil {
+		a.t.Fatal(err)
 	}
 }
 
@@ -180,7 +146,7 @@ func (a *nodeAgent) status() cli.Status {
 	var out bytes.Buffer
 	cmd := cli.NewCommand(&out)
 	cmd.SetErr(io.Discard)
-	cmd.SetArgs([]string{"--bpffs", a.node.BPFFSDir, "--inspect-socket", a.inspect, "-o", "json", "status"})
+	cmd.SetArgs([]string{"--bpffs", a.BPFFSDir, "--inspect-socket", a.Inspect, "-o", "json", "status"})
 	// Not ready yet is a report too (the command then exits non-zero).
 	if err := cmd.Execute(); err != nil && !errors.Is(err, cli.ErrUnhealthy) {
 		a.t.Fatalf("ambient-ebpf status: %v", err)
@@ -201,7 +167,7 @@ func (a *nodeAgent) waitFor(what string, cond func(cli.Status) bool) {
 			return
 		}
 		if time.Now().After(deadline) {
-			a.t.Fatalf("agent: timed out waiting for %s (status %+v); its output:\n%s", what, st, a.proc.Output.String())
+			a.t.Fatalf("agent: timed out waiting for %s (status %+v); its output:\n%s", what, st, a.Agent.Output.String())
 		}
 	}
 }
@@ -210,9 +176,9 @@ func (a *nodeAgent) waitFor(what string, cond func(cli.Status) bool) {
 // name_sum, name_count) from /metrics.
 func (a *nodeAgent) metric(name string) float64 {
 	a.t.Helper()
-	code, body, err := simnode.Get(a.http, metricsURL)
-	if err != nil || code != http.StatusOK {
-		a.t.Fatalf("agent metrics: %d %v", code, err)
+	code, body := a.Get("/metrics")
+	if code != http.StatusOK {
+		a.t.Fatalf("agent metrics: %d %s", code, body)
 	}
 	for l := range strings.Lines(body) {
 		if rest, ok := strings.CutPrefix(l, name+" "); ok {
@@ -228,9 +194,9 @@ func (a *nodeAgent) metric(name string) float64 {
 // place, as istio-cni would be chained.
 func (a *nodeAgent) conflists() (ebpfList, iptablesList []byte) {
 	a.t.Helper()
-	files, err := libcni.ConfFiles(a.confDir, []string{".conflist"})
+	files, err := libcni.ConfFiles(a.CNIConfDir, []string{".conflist"})
 	if err != nil || len(files) != 1 {
-		a.t.Fatalf("conflists in %s: %v, %v", a.confDir, files, err)
+		a.t.Fatalf("conflists in %s: %v, %v", a.CNIConfDir, files, err)
 	}
 	list, err := libcni.NetworkConfFromFile(files[0])
 	if err != nil {

@@ -64,7 +64,7 @@ func (e *env) scale(res *Results) {
 	at1, norm1 := rateAt()
 
 	// Enrollment: CNI ADDs, scaleConc in flight.
-	pid := e.agent.proc.PID()
+	pid := e.agent.Agent.PID()
 	prof := startProfiler(pid, e.t.TempDir(), true)
 	cpu0, zds0 := cpuTime(pid), e.zdsCounts()
 	add, err := e.cni(pathEBPF, "ADD", pods, scaleConc)
@@ -88,7 +88,7 @@ func (e *env) scale(res *Results) {
 
 	// Removal: CNI DELs, scaleConc in flight.
 	e.agent.waitFor("ztunnel to reconnect", func(st cli.Status) bool { return st.Agent.ZtunnelConnections > 0 })
-	pid = e.agent.proc.PID()
+	pid = e.agent.Agent.PID()
 	prof = startProfiler(pid, e.t.TempDir(), true)
 	cpu0 = cpuTime(pid)
 	del, err := e.cni(pathEBPF, "DEL", pods, scaleConc)
@@ -158,9 +158,9 @@ func (e *env) adopt(res *Results) (time.Duration, time.Duration) {
 		e.t.Fatalf("the agent's stop changed the pins: %d pods pinned, %d before", got, want)
 	}
 	t0 := e.agent.exec("--uninstall-on-exit")
-	pid := e.agent.proc.PID()
+	pid := e.agent.Agent.PID()
 	prof := startProfiler(pid, e.t.TempDir(), false) // perf misses the first moment
-	took := e.agent.waitReady(t0)
+	took := e.agent.waitReady()
 	adopted := func(st cli.Status) bool { return int(st.Agent.GetEnrolledPods()) == want && st.PinnedPods == want }
 	if st := e.agent.status(); st.Agent == nil || !adopted(st) {
 		// Ready before every pod was adopted: the figure runs on.
@@ -244,7 +244,7 @@ func (e *env) teardown() {
 
 // agentMemory is the node agent's memory and its pinned maps'.
 func (e *env) agentMemory() memResult {
-	m, err := memory(e.agent.proc.PID(), e.node.BPFFSDir)
+	m, err := memory(e.agent.Agent.PID(), e.node.BPFFSDir)
 	if err != nil {
 		e.t.Fatalf("agent memory: %v", err)
 	}
