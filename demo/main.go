@@ -31,6 +31,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podfile"
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -134,9 +135,7 @@ type demo struct {
 	ambient                map[string]bool
 	cni                    *libcni.CNIConfig
 	list                   *libcni.NetworkConfigList
-	confDir, binDir, sock  string
-	zdsSock, inspectSock   string
-	agent                  *simnode.Process
+	agent                  *agentrun.Node
 	zt                     *simnode.Ztunnel
 	inNode                 func(func() error) error
 }
@@ -171,6 +170,7 @@ func (d *demo) run() {
 	d.r.Cleanup(nodeNS.Close)
 	d.inNode = nodeNS.Do
 	fmt.Fprintf(d.out, "node netns %s, outside host %s, pins under %s\n", d.node.NodeNS, simnode.OutsideV4, d.node.BPFFSDir)
+	d.agent = agentrun.New(d.r, d.node, agentrun.Options{BinDir: d.bin, NodeName: "demo-node", PodFile: d.podsPath, InstallCNI: true})
 
 	d.setupCNI()
 	d.startAgent()
@@ -184,10 +184,8 @@ func (d *demo) run() {
 // agent's installer chains ambient-ebpf-cni into it.
 func (d *demo) setupCNI() {
 	d.step("CNI: ptp + host-local as the primary network; the agent's installer adds ambient-ebpf-cni")
-	d.confDir = d.r.TempDir()
-	d.binDir = d.r.TempDir()
 	for _, p := range []string{"ptp", "host-local", "loopback"} {
-		if err := copyFile(filepath.Join(d.plugins, p), filepath.Join(d.binDir, p)); err != nil {
+		if err := copyFile(filepath.Join(d.plugins, p), filepath.Join(d.agent.CNIBinDir, p)); err != nil {
 			d.r.Fatalf("CNI plugin %s (run `make cni-plugins`): %v", p, err)
 		}
 	}
@@ -196,45 +194,22 @@ func (d *demo) setupCNI() {
    "ipam": {"type": "host-local", "dataDir": %q,
             "ranges": [[{"subnet": "198.18.100.0/24"}], [{"subnet": "fd00:198:18:100::/64"}]],
             "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}]}}]}`, d.r.TempDir())
-	if err := os.WriteFile(filepath.Join(d.confDir, "10-demo.conflist"), []byte(primary), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(d.agent.CNIConfDir, "10-demo.conflist"), []byte(primary), 0o644); err != nil {
 		d.r.Fatal(err)
 	}
-	d.cni = libcni.NewCNIConfigWithCacheDir([]string{d.binDir}, d.r.TempDir(), nil)
+	d.cni = libcni.NewCNIConfigWithCacheDir([]string{d.agent.CNIBinDir}, d.r.TempDir(), nil)
 }
 
 func (d *demo) startAgent() {
 	d.step("the agent (standalone: pods from %s), and ztunnel connecting over ZDS", filepath.Base(d.podsPath))
-	dir := d.r.TempDir()
-	d.zdsSock, d.sock, d.inspectSock = filepath.Join(dir, "ztunnel.sock"), filepath.Join(dir, "cni.sock"), filepath.Join(dir, "inspect.sock")
-	d.agent = simnode.StartProcess(d.r, d.node.NodeNS, "", filepath.Join(d.bin, "ambient-ebpf-agent"),
-		"--standalone-pods", d.podsPath, "--node-name", "demo-node",
-		"--bpffs-dir", d.node.BPFFSDir, "--cgroup-root", d.node.CgroupRoot, "--node-netns", simnode.NetnsPath(d.node.NodeNS),
-		"--zds-socket", d.zdsSock, "--cni-socket", d.sock, "--inspect-socket", filepath.Join(dir, "inspect.sock"), "--proc-root", "/proc",
-		"--cni-bin-dir", d.binDir, "--cni-conf-dir", d.confDir, "--cni-plugin-binary", filepath.Join(d.bin, "ambient-ebpf-cni"),
-		"--uninstall-on-exit")
-	d.waitAgent("/readyz", "")
+	d.agent.StartAgent(d.r, "--uninstall-on-exit")
+	if _, err := d.agent.WaitReady(); err != nil {
+		d.r.Fatal(err)
+	}
 	fmt.Fprintln(d.out, "agent ready: the CNI plugin is chained and the agent serves")
-	d.zt = d.node.StartZtunnelFor(d.zdsSock)
-	d.waitAgent("/metrics", "ztunnel_connected 1")
+	d.zt = d.node.StartZtunnelFor(d.agent.ZDS)
+	d.agent.WaitZtunnel(d.r)
 	fmt.Fprintln(d.out, "ztunnel stand-in connected over ZDS (/var/run/ztunnel/ztunnel.sock in production)")
-}
-
-func (d *demo) waitAgent(path, want string) {
-	port := "8000"
-	if path == "/metrics" {
-		port = "15014"
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		code, body, err := simnode.HTTPGet(d.node.NodeNS, "http://127.0.0.1:"+port+path)
-		if err == nil && code == 200 && strings.Contains(body, want) {
-			return
-		}
-		if d.agent.Exited() || time.Now().After(deadline) {
-			d.r.Fatalf("agent: %s not there (%v); its log:\n%s", path, err, d.agent.Output.String())
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
 }
 
 func (d *demo) runtimeConf(p *simnode.Pod) *libcni.RuntimeConf {
@@ -247,9 +222,9 @@ func (d *demo) runtimeConf(p *simnode.Pod) *libcni.RuntimeConf {
 // a netns, then the CNI chain's ADD.
 func (d *demo) addPods() {
 	d.step("pods: sandboxes created through the CNI chain, as a container runtime would")
-	files, err := libcni.ConfFiles(d.confDir, []string{".conflist"})
+	files, err := libcni.ConfFiles(d.agent.CNIConfDir, []string{".conflist"})
 	if err != nil || len(files) == 0 {
-		d.r.Fatalf("no conflist in %s: %v", d.confDir, err)
+		d.r.Fatalf("no conflist in %s: %v", d.agent.CNIConfDir, err)
 	}
 	if d.list, err = libcni.ConfListFromFile(files[0]); err != nil {
 		d.r.Fatal(err)
@@ -273,7 +248,7 @@ func (d *demo) addPods() {
 			return err
 		})
 		if err != nil {
-			d.r.Fatalf("CNI ADD %s/%s: %v\nagent log:\n%s", kp.Namespace, kp.Name, err, d.agent.Output.String())
+			d.r.Fatalf("CNI ADD %s/%s: %v\nagent log:\n%s", kp.Namespace, kp.Name, err, d.agent.Agent.Output.String())
 		}
 		d.r.Cleanup(func() { d.del(p) })
 		cur, err := current.NewResultFromResult(res)
@@ -372,7 +347,7 @@ func (d *demo) show(what string, app *simnode.App, dst netip.AddrPort) {
 func (d *demo) inspect() {
 	for _, args := range [][]string{{"status"}, {"pods"}, {"stats"}, {"maps"}} {
 		d.step("ambient-ebpf %s", strings.Join(args, " "))
-		cmd := exec.Command(filepath.Join(d.bin, "ambient-ebpf"), append([]string{"--bpffs", d.node.BPFFSDir, "--inspect-socket", d.inspectSock}, args...)...)
+		cmd := exec.Command(filepath.Join(d.bin, "ambient-ebpf"), append([]string{"--bpffs", d.node.BPFFSDir, "--inspect-socket", d.agent.Inspect}, args...)...)
 		cmd.Stdout, cmd.Stderr = d.out, d.out
 		if err := cmd.Run(); err != nil {
 			d.r.Fatalf("ambient-ebpf %s: %v", args[0], err)
@@ -388,8 +363,8 @@ func (d *demo) teardown() {
 	for _, p := range d.pods {
 		d.del(p)
 	}
-	if !d.agent.Terminate(15 * time.Second) {
-		fmt.Fprintf(os.Stderr, "demo: the agent did not stop cleanly; its log:\n%s", d.agent.Output.String())
+	if err := d.agent.Stop(15 * time.Second); err != nil {
+		fmt.Fprintln(os.Stderr, "demo:", err)
 	}
 	if _, err := os.Stat(d.node.BPFFSDir); !errors.Is(err, os.ErrNotExist) {
 		d.r.Fatalf("pins left after the agent's uninstall: %v", err)
