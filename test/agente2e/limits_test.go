@@ -47,7 +47,7 @@ func TestAgentWeighsItsOpenFileLimit(t *testing.T) {
 			t.Errorf("warning does not say %q:\n%s", want, out)
 		}
 	}
-	if !n.Agent.Terminate(10 * time.Second) {
-		t.Errorf("agent did not stop cleanly:\n%s", n.Agent.Output.String())
+	if err := n.Stop(10 * time.Second); err != nil {
+		t.Error(err)
 	}
 }

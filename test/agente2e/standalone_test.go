@@ -150,8 +150,8 @@ func TestAgentEnrollsThroughCNIAndZDS(t *testing.T) {
 	if got := agentrun.PinnedPods(t, n.BPFFSDir); len(got) != 0 {
 		t.Errorf("pinned pods after DEL = %+v", got)
 	}
-	if !n.Agent.Terminate(10 * time.Second) {
-		t.Errorf("agent did not stop cleanly:\n%s", n.Agent.Output.String())
+	if err := n.Stop(10 * time.Second); err != nil {
+		t.Error(err)
 	}
 	if _, err := os.Stat(n.BPFFSDir); !os.IsNotExist(err) {
 		t.Errorf("pins left after uninstall: %v", err)
