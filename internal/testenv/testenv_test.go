@@ -24,3 +24,14 @@ func TestPollSaysWhetherCondHeld(t *testing.T) {
 		t.Errorf("Poll with no time left: calls %d, want one call that holds", calls)
 	}
 }
+
+// PollEvery answers as Poll does, asking at the interval it is given.
+func TestPollEverySaysWhetherCondHeld(t *testing.T) {
+	calls := 0
+	if !PollEvery(time.Millisecond, time.Minute, func() bool { calls++; return calls == 3 }) || calls != 3 {
+		t.Errorf("PollEvery of a cond true on the third call: calls %d, want true after 3", calls)
+	}
+	if PollEvery(time.Millisecond, 20*time.Millisecond, func() bool { return false }) {
+		t.Error("PollEvery of a cond that never holds said true")
+	}
+}
