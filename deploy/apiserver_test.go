@@ -155,7 +155,7 @@ func TestChartRBACIsEnoughForEachRepairMode(t *testing.T) {
 
 			ns := c.Namespace(t, "rbac-"+mode, map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
 			node := "node-" + testenv.RunID()
-			stale := map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled}
+			stale := map[string]string{enrollment.RedirectionAnnotation: string(enrollment.RedirectionEnabled)}
 			pod := c.RunningPod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: node, Annotations: stale}, netip.MustParseAddr("10.244.0.10"))
 
 			var logs syncBuffer
@@ -207,7 +207,7 @@ func TestChartRBACIsEnoughForEachRepairMode(t *testing.T) {
 			case "repair":
 				what, reason = "pod redirected in place and annotated", kube.EventRepairedInPlace
 				cond = func() bool {
-					return get().Annotations[enrollment.RedirectionAnnotation] == enrollment.RedirectionEnabled && len(mesh.Calls()) > 0
+					return get().Annotations[enrollment.RedirectionAnnotation] == string(enrollment.RedirectionEnabled) && len(mesh.Calls()) > 0
 				}
 			case "delete":
 				what, reason = "unredirected pod deleted", kube.EventRepairDeleted

@@ -15,6 +15,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/takeover"
 )
@@ -41,7 +42,7 @@ func (i *inspector) Status(context.Context, *inspectv1.StatusRequest) (*inspectv
 	}
 	for _, p := range i.rec.Pods() {
 		resp.EnrolledPods++
-		if p.State == reconciler.Pending {
+		if p.Redirection == enrollment.RedirectionPending {
 			resp.PendingPods++
 		}
 	}

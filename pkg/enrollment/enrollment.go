@@ -22,11 +22,23 @@ const (
 
 	SidecarStatusAnnotation     = "sidecar.istio.io/status"
 	RedirectionAnnotation       = "ambient.istio.io/redirection"
-	RedirectionEnabled          = "enabled"
-	RedirectionPending          = "pending"
 	BypassInboundAnnotation     = "ambient.istio.io/bypass-inbound-capture"
 	DNSCaptureAnnotation        = "ambient.istio.io/dns-capture"
 	RerouteInterfacesAnnotation = "istio.io/reroute-virtual-interfaces"
+)
+
+// Redirection is a pod's redirection state, as the agent publishes it in
+// the ambient.istio.io/redirection annotation (None: no annotation).
+type Redirection string
+
+const (
+	// RedirectionNone: the data path does not redirect the pod.
+	RedirectionNone Redirection = ""
+	// RedirectionPending: traffic is redirected, ztunnel has not acked
+	// the pod.
+	RedirectionPending Redirection = "pending"
+	// RedirectionEnabled: redirected, and ztunnel acked the pod.
+	RedirectionEnabled Redirection = "enabled"
 )
 
 // Config holds the node-wide selection settings.

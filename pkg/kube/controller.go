@@ -135,7 +135,7 @@ func (c *Controller) Snapshot() ([]*corev1.Pod, error) {
 	}
 	var out []*corev1.Pod
 	for _, p := range all {
-		if p.Annotations[enrollment.RedirectionAnnotation] == enrollment.RedirectionEnabled {
+		if enrollment.Redirection(p.Annotations[enrollment.RedirectionAnnotation]) == enrollment.RedirectionEnabled {
 			out = append(out, p.DeepCopy())
 		}
 	}

@@ -73,12 +73,12 @@ func TestNewRefusesBadConfig(t *testing.T) {
 
 func TestRedirectionAnnotationIsMergePatchedThroughStatus(t *testing.T) {
 	cases := []struct {
-		state Redirection
+		state enrollment.Redirection
 		want  any
 	}{
-		{RedirectionEnabled, "enabled"},
-		{RedirectionPending, "pending"},
-		{RedirectionNone, nil},
+		{enrollment.RedirectionEnabled, "enabled"},
+		{enrollment.RedirectionPending, "pending"},
+		{enrollment.RedirectionNone, nil},
 	}
 	for _, tc := range cases {
 		t.Run(string(tc.state)+"|", func(t *testing.T) {

@@ -22,19 +22,3 @@
 //	go w.Run(ctx); go rec.Run(ctx)   // status writer, reconciler
 //	go c.Run(ctx, rec)               // handlers until ctx ends
 package kube
-
-import "github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
-
-// Redirection is a pod's redirection state (reconciler.State); its
-// non-empty values are those of the ambient.istio.io/redirection annotation.
-type Redirection = reconciler.State
-
-const (
-	// RedirectionNone: the dataplane does not redirect the pod.
-	RedirectionNone = reconciler.None
-	// RedirectionPending: traffic is redirected but ztunnel has not yet
-	// acknowledged the pod.
-	RedirectionPending = reconciler.Pending
-	// RedirectionEnabled: redirected, and ztunnel acknowledged the pod.
-	RedirectionEnabled = reconciler.Enabled
-)

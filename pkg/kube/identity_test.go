@@ -47,7 +47,7 @@ func runningPod(ns, name, uid string) *corev1.Pod {
 		ObjectMeta: metav1.ObjectMeta{
 			Namespace: ns, Name: name, UID: types.UID(uid),
 			Labels:      map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient},
-			Annotations: map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled},
+			Annotations: map[string]string{enrollment.RedirectionAnnotation: string(enrollment.RedirectionEnabled)},
 		},
 		Spec:   corev1.PodSpec{NodeName: "node-1"},
 		Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "198.18.0.9"},
@@ -76,7 +76,7 @@ func TestControllerSkipsPodsWithInvalidIdentity(t *testing.T) {
 			t.Errorf("snapshot = %d pods, %v; want none of the invalid ones", len(snap), err)
 		}
 	})
-	testenv.Eventually(t, 10*time.Second, "the valid pod enrolled", func() bool { return mesh.Redirection("uid-good") == reconciler.Enabled })
+	testenv.Eventually(t, 10*time.Second, "the valid pod enrolled", func() bool { return mesh.Redirection("uid-good") == enrollment.RedirectionEnabled })
 	stop()
 	for _, call := range mesh.Calls() {
 		if call.UID != "uid-good" {

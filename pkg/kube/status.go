@@ -28,8 +28,8 @@ import (
 // podWriter is where the status writer's results go.
 type podWriter interface {
 	// setRedirection writes r as the redirection annotation through the
-	// pods/status subresource, or removes the annotation for RedirectionNone.
-	setRedirection(ctx context.Context, pod *corev1.Pod, r Redirection) error
+	// pods/status subresource, or removes the annotation for enrollment.RedirectionNone.
+	setRedirection(ctx context.Context, pod *corev1.Pod, r enrollment.Redirection) error
 	// deletePod deletes the pod with UID and resourceVersion preconditions.
 	deletePod(ctx context.Context, pod *corev1.Pod) error
 	// labelPod sets one label on the pod.
@@ -154,15 +154,15 @@ func (s *StatusWriter) write(ctx context.Context, key string) error {
 	if c.Repair == reconciler.Unredirected {
 		errs = append(errs, s.repair(ctx, pod, c))
 	}
-	if c.Pod == nil || Redirection(c.Pod.Annotations[enrollment.RedirectionAnnotation]) != c.State {
-		if err := s.w.setRedirection(ctx, pod, c.State); err != nil {
-			errs = append(errs, fmt.Errorf("set redirection %q on pod %s: %w", c.State, key, err))
+	if c.Pod == nil || enrollment.Redirection(c.Pod.Annotations[enrollment.RedirectionAnnotation]) != c.Redirection {
+		if err := s.w.setRedirection(ctx, pod, c.Redirection); err != nil {
+			errs = append(errs, fmt.Errorf("set redirection %q on pod %s: %w", c.Redirection, key, err))
 		}
 	}
 	err := errors.Join(errs...)
 	if err == nil {
 		s.mu.Lock()
-		if s.pending[key] == p && len(p.events) == 0 && p.latest.Pod == c.Pod && p.latest.State == c.State {
+		if s.pending[key] == p && len(p.events) == 0 && p.latest.Pod == c.Pod && p.latest.Redirection == c.Redirection {
 			delete(s.pending, key)
 		}
 		s.mu.Unlock()
@@ -242,9 +242,9 @@ type apiWriter struct {
 // setRedirection merge-patches the annotation through pods/status. The patch
 // carries the pod's UID, which the API server refuses to change: a pod
 // recreated under the same name is never annotated for its predecessor.
-func (w *apiWriter) setRedirection(ctx context.Context, pod *corev1.Pod, r Redirection) error {
+func (w *apiWriter) setRedirection(ctx context.Context, pod *corev1.Pod, r enrollment.Redirection) error {
 	var value any // nil removes the annotation
-	if r != RedirectionNone {
+	if r != enrollment.RedirectionNone {
 		value = string(r)
 	}
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{

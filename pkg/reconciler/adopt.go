@@ -43,7 +43,7 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 		// The options as the pod asks for them; whether it still belongs
 		// in the mesh is decided once the sources synced.
 		mb := &member{uid: uid, namespace: pod.Namespace, name: pod.Name, serviceAccount: pod.Spec.ServiceAccountName,
-			ips: podIPs(pod), opts: enrollment.PodOptions(r.cfg.Enrollment, pod), state: Enabled, claimed: true}
+			ips: podIPs(pod), opts: enrollment.PodOptions(r.cfg.Enrollment, pod), redirection: enrollment.RedirectionEnabled, claimed: true}
 		ns, ok := netnsOf[pod.UID]
 		if !ok {
 			err := fmt.Errorf("pod uid %s: %w", pod.UID, podnetns.ErrNotFound)
@@ -91,7 +91,7 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 			continue
 		}
 		mb := &member{uid: uid, namespace: p.Namespace, name: p.Name, iface: p.Interface, ips: p.IPs,
-			opts: enrollmentOptions(p.Options), state: Enabled, claimed: true}
+			opts: enrollmentOptions(p.Options), redirection: enrollment.RedirectionEnabled, claimed: true}
 		if r.cfg.Takeover != nil {
 			mb.takeover = takeoverInspect // a takeover cut short finishes
 		}

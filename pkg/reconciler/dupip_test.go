@@ -66,7 +66,7 @@ func TestDuplicateIPRefusalIsReportedAndRetried(t *testing.T) {
 	if !errors.Is(err, dataplane.ErrDuplicateIP) {
 		t.Fatalf("reconcile: %v, want ErrDuplicateIP (retried)", err)
 	}
-	if c, ok := e.chg.last(e.web.UID); !ok || c.Repair != RepairFailed || !errors.Is(c.Err, dataplane.ErrDuplicateIP) || c.State != None {
+	if c, ok := e.chg.last(e.web.UID); !ok || c.Repair != RepairFailed || !errors.Is(c.Err, dataplane.ErrDuplicateIP) || c.Redirection != enrollment.RedirectionNone {
 		t.Errorf("published %+v, want a failed repair with ErrDuplicateIP, not redirected", c)
 	}
 	e.dp.fail = nil

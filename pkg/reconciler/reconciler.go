@@ -52,19 +52,6 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
 
-// State is a pod's redirection state; its non-empty values are those of the
-// ambient.istio.io/redirection annotation.
-type State string
-
-const (
-	// None: the data path does not redirect the pod.
-	None State = ""
-	// Pending: traffic is redirected, ztunnel has not acked the pod.
-	Pending State = enrollment.RedirectionPending
-	// Enabled: redirected, and ztunnel acked the pod.
-	Enabled State = enrollment.RedirectionEnabled
-)
-
 // Repair says what a Change reports about a running ambient pod that the
 // data path did not redirect.
 type Repair int
@@ -93,7 +80,7 @@ type Change struct {
 	Pod             *corev1.Pod
 	UID             types.UID
 	Namespace, Name string
-	State           State
+	Redirection     enrollment.Redirection
 	Reason          enrollment.Reason
 	Repair          Repair
 	Err             error // RepairFailed: why
@@ -196,7 +183,7 @@ type member struct {
 	iface          string
 	ips            []netip.Addr
 	opts           enrollment.Options
-	state          State
+	redirection    enrollment.Redirection
 	// nacked: ztunnel refused the pod; the next reconcile sends it again.
 	nacked bool
 	// istioCNI: istio-cni's rules redirect the pod, not the data path (a
@@ -306,9 +293,9 @@ func (r *Reconciler) publish(c Change) {
 }
 
 func (r *Reconciler) publishLocked(c Change) {
-	c.State = None
+	c.Redirection = enrollment.RedirectionNone
 	if mb := r.members[string(c.UID)]; mb != nil {
-		c.State = mb.state
+		c.Redirection = mb.redirection
 	}
 	if d, ok := r.desired[c.Namespace+"/"+c.Name]; ok && d.pod != nil && d.pod.UID == c.UID {
 		c.Pod = d.pod
@@ -663,22 +650,24 @@ func (r *Reconciler) update(uid string, f func(*member)) {
 	}
 }
 
-func (r *Reconciler) stateOf(uid string) State {
+func (r *Reconciler) redirectionOf(uid string) enrollment.Redirection {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if mb := r.members[uid]; mb != nil {
-		return mb.state
+		return mb.redirection
 	}
-	return None
+	return enrollment.RedirectionNone
 }
 
-// State reports the pod's redirection state.
-func (r *Reconciler) State(uid types.UID) State { return r.stateOf(string(uid)) }
+// Redirection reports the pod's redirection state.
+func (r *Reconciler) Redirection(uid types.UID) enrollment.Redirection {
+	return r.redirectionOf(string(uid))
+}
 
 // Pod is a member as the inspector and the hand-back see it.
 type Pod struct {
 	UID, Namespace, Name string
-	State                State
+	Redirection          enrollment.Redirection
 	Netns                string // "" when not known
 	IPs                  []netip.Addr
 	Options              enrollment.Options
@@ -694,7 +683,7 @@ func (r *Reconciler) Pods() []Pod {
 	defer r.mu.Unlock()
 	out := make([]Pod, 0, len(r.members))
 	for _, mb := range r.members {
-		out = append(out, Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, State: mb.state,
+		out = append(out, Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Redirection: mb.redirection,
 			Netns: mb.netns, IPs: slices.Clone(mb.ips), Options: mb.opts, IstioCNI: mb.istioCNI, Note: mb.note})
 	}
 	return out
@@ -730,12 +719,12 @@ func (r *Reconciler) add(ctx context.Context, mb *member, strict bool) (retry, e
 			return nil, fmt.Errorf("enroll pod %s in the dataplane: %w", key, err)
 		}
 	}
-	mb.state = Pending
+	mb.redirection = enrollment.RedirectionPending
 	r.put(mb)
 	zerr := r.cfg.Ztunnel.AddWorkload(ctx, mb.workload())
 	switch {
 	case zerr == nil:
-		r.setState(mb.uid, Enabled, false)
+		r.setRedirection(mb.uid, enrollment.RedirectionEnabled, false)
 	case strict:
 		r.forget(mb.uid)
 		if rerr := r.cfg.Dataplane.Remove(context.WithoutCancel(ctx), mb.uid); rerr != nil {
@@ -745,7 +734,7 @@ func (r *Reconciler) add(ctx context.Context, mb *member, strict bool) (retry, e
 	case errors.Is(zerr, zds.ErrNoZtunnel):
 		r.log.Warn("pod redirected, no ztunnel connected yet", "pod", key)
 	default:
-		r.setState(mb.uid, Pending, true)
+		r.setRedirection(mb.uid, enrollment.RedirectionPending, true)
 		r.log.Warn("pod redirected, ztunnel did not take it", "pod", key, "error", zerr)
 		retry = fmt.Errorf("hand pod %s to ztunnel: %w", key, zerr)
 	}
@@ -760,19 +749,19 @@ func (r *Reconciler) handOver(ctx context.Context, mb *member) error {
 	err := r.cfg.Ztunnel.AddWorkload(ctx, mb.workload())
 	switch {
 	case err == nil:
-		r.setState(mb.uid, Enabled, false)
+		r.setRedirection(mb.uid, enrollment.RedirectionEnabled, false)
 		return nil
 	case errors.Is(err, zds.ErrNoZtunnel):
 		// The next connection's snapshot carries it.
-		r.setState(mb.uid, Pending, false)
+		r.setRedirection(mb.uid, enrollment.RedirectionPending, false)
 		return nil
 	}
-	r.setState(mb.uid, Pending, true)
+	r.setRedirection(mb.uid, enrollment.RedirectionPending, true)
 	return fmt.Errorf("hand pod %s to ztunnel: %w", mb.key(), err)
 }
 
-func (r *Reconciler) setState(uid string, s State, nacked bool) {
-	r.update(uid, func(m *member) { m.state, m.nacked = s, nacked })
+func (r *Reconciler) setRedirection(uid string, s enrollment.Redirection, nacked bool) {
+	r.update(uid, func(m *member) { m.redirection, m.nacked = s, nacked })
 }
 
 func (r *Reconciler) observeError(op string) {
@@ -845,12 +834,12 @@ func (r *Reconciler) OnAck(a zds.Ack) {
 	}
 	key := mb.key()
 	switch {
-	case a.Err == nil && mb.state != Enabled:
-		mb.state, mb.nacked = Enabled, false
+	case a.Err == nil && mb.redirection != enrollment.RedirectionEnabled:
+		mb.redirection, mb.nacked = enrollment.RedirectionEnabled, false
 		r.log.Info("ztunnel acked pod", "pod", key, "uid", a.UID, "snapshot", a.Snapshot)
 		r.publishLocked(Change{UID: types.UID(mb.uid), Namespace: mb.namespace, Name: mb.name})
 	case a.Err != nil:
-		mb.state, mb.nacked = Pending, true
+		mb.redirection, mb.nacked = enrollment.RedirectionPending, true
 		if a.Snapshot {
 			r.log.Warn("ztunnel refused a snapshot entry; retrying", "pod", key, "error", a.Err)
 			r.queue.AddRateLimited(key)

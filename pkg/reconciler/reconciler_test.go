@@ -223,8 +223,8 @@ func TestCNIAddEnrollsAmbientPodsAndPublishesThem(t *testing.T) {
 	if !e.dp.has("uid-web") || e.zt.addedCount() != 1 {
 		t.Errorf("dataplane %v, ztunnel %v", e.dp.enrolled, e.zt.added)
 	}
-	if c, ok := e.chg.last("uid-web"); e.r.State("uid-web") != Enabled || !ok || c.State != Enabled {
-		t.Errorf("state %q, published %+v", e.r.State("uid-web"), c)
+	if c, ok := e.chg.last("uid-web"); e.r.Redirection("uid-web") != enrollment.RedirectionEnabled || !ok || c.Redirection != enrollment.RedirectionEnabled {
+		t.Errorf("state %q, published %+v", e.r.Redirection("uid-web"), c)
 	}
 }
 
@@ -268,17 +268,17 @@ func TestPendingPodTurnsEnabledOnItsSnapshotAck(t *testing.T) {
 	if err := e.liveAdd(t, e.web); err != nil {
 		t.Fatal(err)
 	}
-	if got := e.r.State(e.web.UID); got != Pending {
+	if got := e.r.Redirection(e.web.UID); got != enrollment.RedirectionPending {
 		t.Fatalf("state %q, want pending", got)
 	}
 	if snap := e.r.Snapshot(); len(snap) != 1 || snap[0].UID != "uid-web" {
 		t.Fatalf("snapshot %v", snap)
 	}
 	e.r.OnAck(zds.Ack{Conn: 1, UID: "uid-web", Op: zds.OpAdd, Snapshot: true})
-	if got := e.r.State(e.web.UID); got != Enabled {
+	if got := e.r.Redirection(e.web.UID); got != enrollment.RedirectionEnabled {
 		t.Errorf("state %q after the snapshot ack, want enabled", got)
 	}
-	if c, ok := e.chg.last(e.web.UID); !ok || c.State != Enabled || c.Pod == nil {
+	if c, ok := e.chg.last(e.web.UID); !ok || c.Redirection != enrollment.RedirectionEnabled || c.Pod == nil {
 		t.Errorf("published %+v; want enabled with the pod", c)
 	}
 	if n := e.zt.addedCount(); n != 0 {
@@ -315,7 +315,7 @@ func TestNACKedAddIsRetriedWithExponentialBackoff(t *testing.T) {
 	e.zt.nacks = 4
 	e.run(t)
 	e.r.SetPod(e.web, e.ns["shop"])
-	testenv.Eventually(t, 10*time.Second, "pod enabled once ztunnel takes it", func() bool { return e.r.State(e.web.UID) == Enabled })
+	testenv.Eventually(t, 10*time.Second, "pod enabled once ztunnel takes it", func() bool { return e.r.Redirection(e.web.UID) == enrollment.RedirectionEnabled })
 	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
 	if got := rl.of("shop/web"); !slices.Equal(got, want) {
 		t.Errorf("retry delays %v; want %v", got, want)
@@ -330,7 +330,7 @@ func TestNACKedAddIsRetriedWithExponentialBackoff(t *testing.T) {
 	other := e.web.DeepCopy()
 	other.Name, other.UID = "db", "uid-db"
 	e.r.SetPod(other, e.ns["shop"])
-	testenv.Eventually(t, 10*time.Second, "second pod enabled", func() bool { return e.r.State(other.UID) == Enabled })
+	testenv.Eventually(t, 10*time.Second, "second pod enabled", func() bool { return e.r.Redirection(other.UID) == enrollment.RedirectionEnabled })
 	if got := rl.of("shop/db"); !slices.Equal(got, want[:1]) {
 		t.Errorf("second pod's retry delays %v; want %v", got, want[:1])
 	}
@@ -361,7 +361,7 @@ func TestNACKedSnapshotEntryIsRetried(t *testing.T) {
 	e.zt.mu.Unlock()
 	e.run(t)
 	e.r.OnAck(zds.Ack{Conn: 1, UID: "uid-web", Op: zds.OpAdd, Snapshot: true, Err: fmt.Errorf("%w: busy", zds.ErrNack)})
-	testenv.Eventually(t, 10*time.Second, "pod enabled by the retry", func() bool { return e.r.State(e.web.UID) == Enabled })
+	testenv.Eventually(t, 10*time.Second, "pod enabled by the retry", func() bool { return e.r.Redirection(e.web.UID) == enrollment.RedirectionEnabled })
 	if e.zt.addedCount() != 1 {
 		t.Errorf("ztunnel took %d live Adds; want 1", e.zt.addedCount())
 	}
@@ -400,8 +400,8 @@ func TestOptionChangesAreAppliedInPlace(t *testing.T) {
 			t.Errorf("step %d: Enroll(%+v); want options %+v in the pod's netns", i, got, s.want)
 		}
 	}
-	if e.dp.removes != 0 || e.r.State(e.web.UID) != Enabled || e.zt.addedCount() != 1 {
-		t.Errorf("removes %d, state %q, ztunnel Adds %d; want 0, enabled, 1", e.dp.removes, e.r.State(e.web.UID), e.zt.addedCount())
+	if e.dp.removes != 0 || e.r.Redirection(e.web.UID) != enrollment.RedirectionEnabled || e.zt.addedCount() != 1 {
+		t.Errorf("removes %d, state %q, ztunnel Adds %d; want 0, enabled, 1", e.dp.removes, e.r.Redirection(e.web.UID), e.zt.addedCount())
 	}
 	// Unchanged options touch nothing.
 	before := len(e.dp.enrolls)
@@ -433,7 +433,7 @@ func TestCNIDelWithoutUIDFindsTheEnrolledPod(t *testing.T) {
 			if err := e.r.CNIDel(context.Background(), delReq(p)); err != nil {
 				t.Fatal(err)
 			}
-			if e.dp.count() != 0 || e.r.State("uid-web") != None {
+			if e.dp.count() != 0 || e.r.Redirection("uid-web") != enrollment.RedirectionNone {
 				t.Errorf("pod still enrolled after DEL %v: dataplane %v", p, e.dp.enrolled)
 			}
 		})
@@ -480,7 +480,7 @@ func TestCNIDelNeverRemovesAnotherPod(t *testing.T) {
 			if err := e.r.CNIDel(context.Background(), tc.del); err != nil {
 				t.Fatal(err)
 			}
-			if !e.dp.has("uid-web") || e.r.State("uid-web") == None {
+			if !e.dp.has("uid-web") || e.r.Redirection("uid-web") == enrollment.RedirectionNone {
 				t.Errorf("DEL %v removed pod uid-web", tc.del)
 			}
 		})
@@ -539,7 +539,7 @@ func TestCNIEnrolledPodSurvivesTheDeleteOfItsPredecessor(t *testing.T) {
 	if err := e.r.reconcile(context.Background(), "shop/web"); err != nil {
 		t.Fatal(err)
 	}
-	if !e.dp.has("uid-web") || e.r.State("uid-web") != Enabled {
+	if !e.dp.has("uid-web") || e.r.Redirection("uid-web") != enrollment.RedirectionEnabled {
 		t.Fatalf("the delete of an older pod of the name removed the new one: %v", e.dp.enrolled)
 	}
 	if err := e.liveAdd(t, e.web); err != nil { // reported now
@@ -549,7 +549,7 @@ func TestCNIEnrolledPodSurvivesTheDeleteOfItsPredecessor(t *testing.T) {
 	if err := e.r.reconcile(context.Background(), "shop/web"); err != nil {
 		t.Fatal(err)
 	}
-	if e.dp.has("uid-web") || e.r.State("uid-web") != None {
+	if e.dp.has("uid-web") || e.r.Redirection("uid-web") != enrollment.RedirectionNone {
 		t.Errorf("deleted pod still enrolled: %v", e.dp.enrolled)
 	}
 }

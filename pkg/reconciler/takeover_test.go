@@ -78,7 +78,7 @@ func withTakeover(tk *fakeTakeover) func(*Config) {
 // snapshotPod is web as istio-cni left it: running and annotated enabled.
 func (e *testEnv) snapshotPod() *corev1.Pod {
 	p := e.web.DeepCopy()
-	p.Annotations = map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled}
+	p.Annotations = map[string]string{enrollment.RedirectionAnnotation: string(enrollment.RedirectionEnabled)}
 	return p
 }
 
@@ -101,7 +101,7 @@ func TestTakeoverEnrolsFirstThenFinishesUntilDrained(t *testing.T) {
 	if e.dp.has("uid-web") {
 		t.Fatal("adopted before it was inspected")
 	}
-	if p, ok := e.pod("uid-web"); !ok || !p.IstioCNI || p.State != Enabled {
+	if p, ok := e.pod("uid-web"); !ok || !p.IstioCNI || p.Redirection != enrollment.RedirectionEnabled {
 		t.Fatalf("before the inspection: %+v %v, want a member istio-cni redirects, enabled", p, ok)
 	}
 	e.r.SetPod(pod, e.ns["shop"])
@@ -139,7 +139,7 @@ func TestTakeoverRefusedLeavesThePodOnIstioCNI(t *testing.T) {
 		return p.Note == "hand-edited"
 	})
 	p, _ := e.pod("uid-web")
-	if !p.IstioCNI || p.State != Enabled || e.dp.has("uid-web") || tk.finished() != 0 {
+	if !p.IstioCNI || p.Redirection != enrollment.RedirectionEnabled || e.dp.has("uid-web") || tk.finished() != 0 {
 		t.Fatalf("pod %+v, enrolled %v, finishes %d: want left on istio-cni, enabled, not enrolled", p, e.dp.has("uid-web"), tk.finished())
 	}
 	if ws := e.r.Snapshot(); len(ws) != 1 || ws[0].UID != "uid-web" {

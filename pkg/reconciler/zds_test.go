@@ -91,7 +91,7 @@ func TestPendingPodTurnsEnabledOnTheAckOfItsSnapshotEntry(t *testing.T) {
 	enabled := make(chan struct{})
 	var once sync.Once
 	rec.Subscribe(func(c reconciler.Change) {
-		if c.UID == "uid-web" && c.State == reconciler.Enabled {
+		if c.UID == "uid-web" && c.Redirection == enrollment.RedirectionEnabled {
 			once.Do(func() { close(enabled) })
 		}
 	})
@@ -107,7 +107,7 @@ func TestPendingPodTurnsEnabledOnTheAckOfItsSnapshotEntry(t *testing.T) {
 		Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "198.18.0.10"}}
 	rec.SetPod(pod, nil)
 	rec.Synced()
-	for rec.State(pod.UID) != reconciler.Pending {
+	for rec.Redirection(pod.UID) != enrollment.RedirectionPending {
 		select {
 		case <-ctx.Done():
 			return
@@ -133,7 +133,7 @@ func TestPendingPodTurnsEnabledOnTheAckOfItsSnapshotEntry(t *testing.T) {
 	if n := zt.addCount(); n != 1 {
 		t.Errorf("ztunnel got %d Adds by the time the pod was enabled; want 1 (its snapshot entry)", n)
 	}
-	if got := rec.State(pod.UID); got != reconciler.Enabled {
+	if got := rec.Redirection(pod.UID); got != enrollment.RedirectionEnabled {
 		t.Errorf("state %q", got)
 	}
 }

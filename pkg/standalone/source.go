@@ -46,7 +46,7 @@ type Source struct {
 	raw         []byte
 	file        *podfile.File
 	pods        map[string]*corev1.Pod
-	redirection map[types.UID]reconciler.State
+	redirection map[types.UID]enrollment.Redirection
 }
 
 // NewSource builds a source over the pod file at path for node; it does no
@@ -59,7 +59,7 @@ func NewSource(node, path string, log *slog.Logger) (*Source, error) {
 		log = slog.Default()
 	}
 	return &Source{node: node, path: path, log: log,
-		pods: map[string]*corev1.Pod{}, redirection: map[types.UID]reconciler.State{}}, nil
+		pods: map[string]*corev1.Pod{}, redirection: map[types.UID]enrollment.Redirection{}}, nil
 }
 
 // Start loads the file; unlike later reloads, a file that cannot be read or
@@ -79,7 +79,7 @@ func (s *Source) Snapshot() ([]*corev1.Pod, error) {
 	}
 	var out []*corev1.Pod
 	for _, p := range s.pods {
-		if p.Annotations[enrollment.RedirectionAnnotation] == enrollment.RedirectionEnabled {
+		if enrollment.Redirection(p.Annotations[enrollment.RedirectionAnnotation]) == enrollment.RedirectionEnabled {
 			out = append(out, p.DeepCopy())
 		}
 	}
@@ -221,10 +221,10 @@ func lookup(f *podfile.File, path, namespace, name string) (*corev1.Pod, *corev1
 // logs its repair (a reconciler listener; it never blocks).
 func (s *Source) Observe(c reconciler.Change) {
 	s.mu.Lock()
-	if c.State == reconciler.None {
+	if c.Redirection == enrollment.RedirectionNone {
 		delete(s.redirection, c.UID)
 	} else {
-		s.redirection[c.UID] = c.State
+		s.redirection[c.UID] = c.Redirection
 	}
 	s.mu.Unlock()
 	switch c.Repair {
@@ -239,7 +239,7 @@ func (s *Source) Observe(c reconciler.Change) {
 
 // Redirection returns the state last published for the pod with this UID
 // (the file's stand-in for the annotation on the pod status).
-func (s *Source) Redirection(uid types.UID) reconciler.State {
+func (s *Source) Redirection(uid types.UID) enrollment.Redirection {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.redirection[uid]

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler/reconcilertest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/standalone"
@@ -76,18 +77,18 @@ func TestFileSourceEnrollsAndRemovesPodsAsTheFileChanges(t *testing.T) {
 	src, mesh, path, stop := serveFile(t, strings.ReplaceAll(podFile, "NSMODE", "ambient"))
 
 	web := types.UID("web-uid")
-	testenv.Eventually(t, 10*time.Second, "web enrolled from the file", func() bool { return mesh.Redirection(web) == reconciler.Enabled })
-	testenv.Eventually(t, 10*time.Second, "redirection published", func() bool { return src.Redirection(web) == reconciler.Enabled })
+	testenv.Eventually(t, 10*time.Second, "web enrolled from the file", func() bool { return mesh.Redirection(web) == enrollment.RedirectionEnabled })
+	testenv.Eventually(t, 10*time.Second, "redirection published", func() bool { return src.Redirection(web) == enrollment.RedirectionEnabled })
 
 	writeAtomically(t, path, "apiVersion: v1\nkind: Pod\nmetadata: {name: [broken")
 	time.Sleep(200 * time.Millisecond)
-	if mesh.Redirection(web) != reconciler.Enabled {
+	if mesh.Redirection(web) != enrollment.RedirectionEnabled {
 		t.Fatal("a file that fails to parse dropped the pod from the mesh")
 	}
 
 	writeAtomically(t, path, strings.ReplaceAll(podFile, "NSMODE", "none"))
-	testenv.Eventually(t, 10*time.Second, "web removed when the namespace label goes", func() bool { return mesh.Redirection(web) == reconciler.None })
-	testenv.Eventually(t, 10*time.Second, "redirection withdrawn", func() bool { return src.Redirection(web) == reconciler.None })
+	testenv.Eventually(t, 10*time.Second, "web removed when the namespace label goes", func() bool { return mesh.Redirection(web) == enrollment.RedirectionNone })
+	testenv.Eventually(t, 10*time.Second, "redirection withdrawn", func() bool { return src.Redirection(web) == enrollment.RedirectionNone })
 
 	if calls := mesh.CallsFor("other-uid"); len(calls) != 0 {
 		t.Errorf("pod of another node got mesh calls %+v", calls)
@@ -103,7 +104,7 @@ func TestFileSourceGivesUIDlessPodsASafeStandaloneUID(t *testing.T) {
 		"spec: {nodeName: node-1, containers: [{name: app, image: app}]}\nstatus: {phase: Running, podIP: 198.18.0.5}\n"
 	_, mesh, _, stop := serveFile(t, strings.ReplaceAll(pod, "NAME", "web"))
 	uid := types.UID(validate.StandaloneUID("shop", "web"))
-	testenv.Eventually(t, 10*time.Second, "web enrolled under its standalone uid", func() bool { return mesh.Redirection(uid) == reconciler.Enabled })
+	testenv.Eventually(t, 10*time.Second, "web enrolled under its standalone uid", func() bool { return mesh.Redirection(uid) == enrollment.RedirectionEnabled })
 	stop()
 	for _, call := range mesh.Calls() {
 		if err := validate.PodUID(string(call.UID)); err != nil || call.UID != uid {

@@ -88,12 +88,12 @@ func (r *agentRun) pod(name string, running bool, annotations map[string]string)
 	return kp, sp
 }
 
-func (r *agentRun) annotation(kp *corev1.Pod) string {
+func (r *agentRun) annotation(kp *corev1.Pod) enrollment.Redirection {
 	p, err := r.c.Client.CoreV1().Pods(kp.Namespace).Get(context.Background(), kp.Name, metav1.GetOptions{})
 	if err != nil {
-		return "error: " + err.Error()
+		return enrollment.Redirection("error: " + err.Error())
 	}
-	return p.Annotations[enrollment.RedirectionAnnotation]
+	return enrollment.Redirection(p.Annotations[enrollment.RedirectionAnnotation])
 }
 
 func (r *agentRun) pinned() map[string]bool {
@@ -128,7 +128,7 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 
 	// Before the agent: a pod a previous agent enrolled (annotated), and
 	// one that started while no agent ran (to repair). Their apps run.
-	old, oldNode := r.pod("old", true, map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled})
+	old, oldNode := r.pod("old", true, map[string]string{enrollment.RedirectionAnnotation: string(enrollment.RedirectionEnabled)})
 	late, lateNode := r.pod("late", true, nil)
 	var lateApp *simnode.App
 	for _, p := range []*simnode.Pod{oldNode, lateNode} {

@@ -293,7 +293,7 @@ func TestFailedInPlaceRedirectIsRecordedAndRetried(t *testing.T) {
 // off, or is running and its in-place repair keeps failing.
 func TestStaleEnabledAnnotationIsCleared(t *testing.T) {
 	s := newScene(t, "stale", ambientLabels)
-	enabled := map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled}
+	enabled := map[string]string{enrollment.RedirectionAnnotation: string(enrollment.RedirectionEnabled)}
 	notRunning := s.pod(t, kubeapi.PodSpec{Name: "not-running", Annotations: enabled})
 	failing := s.running(t, kubeapi.PodSpec{Name: "failing", Annotations: enabled})
 	barrier := s.running(t, kubeapi.PodSpec{Name: "barrier"})
@@ -312,7 +312,7 @@ func TestStaleEnabledAnnotationIsCleared(t *testing.T) {
 
 func TestStaleEnabledAnnotationIsClearedWithRepairOff(t *testing.T) {
 	s := newScene(t, "staleoff", ambientLabels)
-	enabled := map[string]string{enrollment.RedirectionAnnotation: enrollment.RedirectionEnabled}
+	enabled := map[string]string{enrollment.RedirectionAnnotation: string(enrollment.RedirectionEnabled)}
 	pod := s.running(t, kubeapi.PodSpec{Name: "app", Annotations: enabled})
 	a := s.agent(t, nil, withRepair(kube.RepairOff))
 

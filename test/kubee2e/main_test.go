@@ -253,7 +253,9 @@ func hasEvent(t *testing.T, pod *corev1.Pod, reason string) bool {
 	return false
 }
 
-func enrolled(a *agent, uid types.UID) bool { return a.mesh.Redirection(uid) != kube.RedirectionNone }
+func enrolled(a *agent, uid types.UID) bool {
+	return a.mesh.Redirection(uid) != enrollment.RedirectionNone
+}
 
 var ambientLabels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}
 

@@ -134,7 +134,9 @@ func (m *Mesh) Adopt(uid types.UID) {
 }
 
 // Redirection reports the pod's state in the reconciler.
-func (m *Mesh) Redirection(uid types.UID) reconciler.State { return m.Reconciler().State(uid) }
+func (m *Mesh) Redirection(uid types.UID) enrollment.Redirection {
+	return m.Reconciler().Redirection(uid)
+}
 
 // Calls returns the calls so far, in order.
 func (m *Mesh) Calls() []Call {
