@@ -128,7 +128,7 @@ func readStats(m *bpfobj.SockMaps, slot uint32) (Stats, error) {
 }
 
 // ErrNotInstalled is returned when no data path is pinned at a directory.
-var ErrNotInstalled = errors.New("no ambient-ebpf data path pinned here")
+var ErrNotInstalled = bpfobj.ErrNotInstalled
 
 // Pinned is a read-only view of a node's pinned maps. It works without the
 // agent: the CLI's pods, maps and stats commands read it.

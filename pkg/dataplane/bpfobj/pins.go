@@ -4,12 +4,17 @@
 package bpfobj
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"path/filepath"
 
 	"github.com/cilium/ebpf/link"
 )
+
+// ErrNotInstalled is returned when no data path is pinned at a directory
+// (package dataplane's ErrNotInstalled is this one).
+var ErrNotInstalled = errors.New("no ambient-ebpf data path pinned here")
 
 // The pins under the agent's bpffs directory (Config.BPFFSDir of package
 // dataplane, which documents each pin).
