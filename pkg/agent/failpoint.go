@@ -13,12 +13,13 @@ import (
 	"syscall"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/upgrade"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/takeover"
 )
 
 // FailpointEnv names a data path step (dataplane.Steps, or
-// dataplane.MigrateSteps of a start that migrates the pins, or a takeover's
-// takeover.Steps), optionally with
+// upgrade.Steps of a start that upgrades the pinned layout, or a
+// takeover's takeover.Steps), optionally with
 // "#N" for its Nth time, at which the agent kills itself with SIGKILL: no
 // cleanup, as a node's OOM killer or a power cut would. It exists for the
 // crash-injection tests; an agent without it never stops there.
@@ -40,7 +41,7 @@ func failpointFromEnv() (func(step string), error) {
 		}
 		want = n
 	}
-	steps := slices.Concat(dataplane.Steps, dataplane.MigrateSteps, takeover.Steps)
+	steps := slices.Concat(dataplane.Steps, upgrade.Steps, takeover.Steps)
 	if !slices.Contains(steps, step) {
 		return nil, fmt.Errorf("%s=%q: no such step (steps: %s)", FailpointEnv, spec, strings.Join(steps, ", "))
 	}

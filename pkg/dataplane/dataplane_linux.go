@@ -17,6 +17,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/upgrade"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
@@ -39,9 +40,9 @@ type Dataplane struct {
 	listenerIter    *ebpf.Program          // ae_file_listeners, in the sk_lookup mode
 	nodeNetns       []netnsID              // never a pod's (refuseNodeNetns)
 
-	// migration is what New found of the pins' layout; used from load
-	// until the links run the new programs, nil afterwards.
-	migration *migration
+	// upgrade is what New found of the pins' layout (package upgrade);
+	// used from load until the links run the new programs, nil afterwards.
+	upgrade *upgrade.Plan
 
 	mu        sync.Mutex
 	sock      bpfobj.SockObjects
@@ -114,10 +115,7 @@ func New(cfg Config) (*Dataplane, error) {
 func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 	// Pins this build cannot take over are refused before anything
 	// is created.
-	if rec, _, found, err := readLayout(cfg.BPFFSDir); err != nil {
-		return nil, err
-	} else if found && rec.Compat > layoutVersion {
-		_, err := planMigration(cfg)
+	if err := upgrade.Check(cfg.BPFFSDir); err != nil {
 		return nil, err
 	}
 	for _, dir := range []string{mapsDir(cfg), linksDir(cfg), podsDir(cfg)} {
@@ -154,9 +152,9 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 		d.Close()
 		return nil, err
 	}
-	err = d.migration.finish(cfg, d.nodeHookNames(), d.log.Info)
-	d.migration.close()
-	d.migration = nil
+	err = d.upgrade.Finish()
+	d.upgrade.Close()
+	d.upgrade = nil
 	if err != nil {
 		d.Close()
 		return nil, fmt.Errorf("migrate the pinned data path: %w", err)
@@ -294,42 +292,44 @@ func (d *Dataplane) load() error {
 		}
 	}
 
-	// The pinned maps, of this layout or migrated to it (migrate_linux.go):
+	// The pinned maps, of this layout or upgraded to it (package upgrade):
 	// every one is filled before a program that uses it is loaded.
-	mig, err := planMigration(d.cfg, sockSpec, tcSpec)
+	up, err := upgrade.Prepare(upgrade.Config{
+		BPFFSDir:    d.cfg.BPFFSDir,
+		ForeignMaps: accel.MapPins(), // the acceleration adopts its own (accel.Setup)
+		Links:       append(d.nodeHookNames(), accel.SockopsPin, accel.MsgPin),
+		Logger:      d.log,
+		Failpoint:   d.cfg.Failpoint,
+	}, sockSpec, tcSpec)
 	if err != nil {
-		return err
-	}
-	if err := mig.prepare(d.cfg, d.log.Info); err != nil {
-		mig.close()
 		return err
 	}
 	// A loader writes a data section's contents only into a map it
 	// creates itself.
-	if p := mig.byName[traceFlagMap]; p != nil {
-		if err := p.target.Put(uint32(0), tracing); err != nil {
-			mig.close()
+	if m := up.Map(traceFlagMap); m != nil {
+		if err := m.Put(uint32(0), tracing); err != nil {
+			up.Close()
 			return fmt.Errorf("write %s: %w", traceFlagMap, err)
 		}
 	}
-	d.migration = mig
+	d.upgrade = up
 
 	opts := func(cs *ebpf.CollectionSpec) *ebpf.CollectionOptions {
-		return &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: mapsDir(d.cfg)}, MapReplacements: mig.replacements(cs)}
+		return &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: mapsDir(d.cfg)}, MapReplacements: up.Replacements(cs)}
 	}
 	if err := sockSpec.LoadAndAssign(&d.sock, opts(sockSpec)); err != nil {
 		d.logVerifier(err)
-		mig.close()
+		up.Close()
 		return fmt.Errorf("load socket programs: %w", err)
 	}
 	if err := d.sock.AeNodeCfg.Put(uint32(0), &bpfCfg); err != nil {
 		d.sock.Close()
-		mig.close()
+		up.Close()
 		return fmt.Errorf("write ae_node_cfg: %w", err)
 	}
 	if err := tcSpec.LoadAndAssign(&d.tc, opts(tcSpec)); err != nil {
 		d.sock.Close()
-		mig.close()
+		up.Close()
 		d.logVerifier(err)
 		return fmt.Errorf("load tc programs: %w", err)
 	}
@@ -346,9 +346,9 @@ func (d *Dataplane) logVerifier(err error) {
 func (d *Dataplane) closeObjects() {
 	d.accel.Close()
 	d.accel = nil
-	if d.migration != nil {
-		d.migration.close()
-		d.migration = nil
+	if d.upgrade != nil {
+		d.upgrade.Close()
+		d.upgrade = nil
 	}
 	if d.nsQuery != nil {
 		d.nsQuery.Close()

@@ -46,9 +46,10 @@
 //
 //	ae_layout           the layout record: the pins' layout, the oldest
 //	                    layout that may take them over, the agent build
-//	                    that wrote them, a migration in progress
-//	next/<map>          during a migration: a map of the new layout being
-//	                    filled, renamed over maps/<map> when done
+//	                    that wrote them, an upgrade in progress
+//	next/<map>          during an upgrade (package upgrade): a map of the
+//	                    new layout being filled, renamed over maps/<map>
+//	                    when done
 //	maps/ae_pods        enrolled pods by IP (IPv4 as ::ffff:a.b.c.d)
 //	maps/ae_netns       enrolled pods by netns cookie
 //	maps/ae_pod_meta    the journal: uid, namespace, name, netns, state per slot
@@ -96,9 +97,8 @@
 // Pins outlive the agent: while it restarts or upgrades, redirection keeps
 // working, and New adopts what it finds (links are updated in place to the
 // new programs, so there is no moment without redirection). Pins of
-// another layout (layoutVersion, layout.go) are migrated first
-// (migrate_linux.go: new maps filled before any program uses them, entries
-// converted by the maps' BTF); pins of a layout this build cannot take
-// over are refused before anything is touched. Uninstall removes all of
-// it.
+// another layout are upgraded first (package upgrade: new maps filled
+// before any program uses them, entries converted by the maps' BTF); pins
+// of a layout this build cannot take over are refused before anything is
+// touched. Uninstall removes all of it.
 package dataplane

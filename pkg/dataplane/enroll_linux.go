@@ -556,7 +556,7 @@ func pinnedPod(dir string, st *podState) Pod {
 // removes or re-enrolls such pods.
 func (d *Dataplane) adoptLinks(st *podState) {
 	plan := d.podPlan(st)
-	if d.migration != nil && d.migration.active() {
+	if d.upgrade != nil && d.upgrade.Active() {
 		d.removeUnplanned(st, plan)
 	}
 	for _, a := range plan {
@@ -574,7 +574,7 @@ func (d *Dataplane) adoptLinks(st *podState) {
 }
 
 // removeUnplanned detaches the pod's pinned programs this build does not
-// plan: an older or newer layout's (a migration). A link detaches from
+// plan: an older or newer layout's (an upgrade). A link detaches from
 // its pin; a tc program's filter is looked for, by its name, on every
 // interface of the pod.
 func (d *Dataplane) removeUnplanned(st *podState, plan []attachment) {

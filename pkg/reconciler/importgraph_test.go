@@ -48,6 +48,9 @@ func TestImportGraph(t *testing.T) {
 		{"pkg/standalone", []string{"pkg/reconciler"}, []string{"pkg/kube", "pkg/cni/events", "pkg/agent"},
 			"the pod file reports to the reconciler"},
 		{"pkg/dataplane", nil, append([]string{"pkg/reconciler", "pkg/zds"}, sources...), ""},
+		// The layout upgrade is handed what it needs by the runtime and
+		// never calls it.
+		{"pkg/dataplane/upgrade", nil, append([]string{"pkg/dataplane", "pkg/reconciler", "pkg/zds"}, sources...), ""},
 		{"pkg/zds", nil, append([]string{"pkg/reconciler", "pkg/dataplane"}, sources...), ""},
 		{"pkg/enrollment", nil, append([]string{"pkg/reconciler", "pkg/dataplane", "pkg/zds"}, sources...), ""},
 	}

@@ -20,7 +20,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testbin"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/upgrade"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -65,7 +65,7 @@ func releaseBuild(t *testing.T) build {
 }
 
 func headBuild(n *agentNode) build {
-	return build{name: "HEAD", bin: n.Bin, layout: dataplane.BuildLayout(), recorded: true}
+	return build{name: "HEAD", bin: n.Bin, layout: upgrade.BuildLayout(), recorded: true}
 }
 
 // nextBuild is HEAD with the test-only next layout (build tag
@@ -73,7 +73,7 @@ func headBuild(n *agentNode) build {
 func nextBuild(t *testing.T, n *agentNode) build {
 	t.Helper()
 	return build{name: "HEAD next layout", bin: simnode.BuildBinary(t, n.Dir, agentPkg, "ae_layout_next"),
-		layout: dataplane.BuildLayout() + 1, recorded: true}
+		layout: upgrade.BuildLayout() + 1, recorded: true}
 }
 
 // Upgrade from the last release to HEAD, and back: pods enrolled by one
@@ -107,7 +107,7 @@ func TestMigrateToTheNextLayoutAndBack(t *testing.T) {
 // and the next start, of the new build or of the old one (a rollout
 // rolled back), finishes the migration to its own layout.
 func TestAgentKilledDuringAMigrationFinishesIt(t *testing.T) {
-	for _, step := range dataplane.MigrateSteps {
+	for _, step := range upgrade.Steps {
 		for _, rollback := range []bool{false, true} {
 			name := step
 			if rollback {
@@ -192,7 +192,7 @@ func (n *agentNode) crashAgent(t *testing.T, step string) {
 	n.StartAgent(t)
 	t.Setenv(agent.FailpointEnv, "")
 	// Generous: under emulation (hack/vmtest) a migration's steps take
-	// seconds each; 20 s was too little for migrate/switched on 5.10 and
+	// seconds each; 20 s was too little for upgrade/switched on 5.10 and
 	// 6.1.
 	if !testenv.Poll(2*time.Minute, n.Agent.Exited) {
 		n.Agent.Kill()
@@ -211,11 +211,11 @@ func (n *agentNode) crashAgent(t *testing.T, step string) {
 func (n *agentNode) checkBuild(t *testing.T, b build, pods []*simnode.Pod, before map[ebpf.ProgramID][]mapRef) {
 	t.Helper()
 	if b.recorded {
-		l, err := dataplane.ReadLayout(n.BPFFSDir)
+		l, err := upgrade.ReadLayout(n.BPFFSDir)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if l.Layout != b.layout || l.Migrating || !l.Recorded {
+		if l.Layout != b.layout || l.Upgrading || !l.Recorded {
 			t.Errorf("after %s: layout record %+v, want layout %d, stable", b.name, l, b.layout)
 		}
 	}
@@ -228,7 +228,7 @@ func (n *agentNode) checkBuild(t *testing.T, b build, pods []*simnode.Pod, befor
 			t.Errorf("after %s: %s has no pins: %v", b.name, p.Name, err)
 		}
 	}
-	if b.layout == dataplane.BuildLayout() {
+	if b.layout == upgrade.BuildLayout() {
 		if got := agentrun.PinnedPods(t, n.BPFFSDir); len(got) != len(pods) {
 			t.Errorf("after %s: the journal holds %+v, want %d pods", b.name, got, len(pods))
 		}

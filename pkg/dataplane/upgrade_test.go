@@ -4,14 +4,10 @@
 package dataplane
 
 import (
-	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"testing"
 
@@ -19,79 +15,14 @@ import (
 	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/link"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/upgrade"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
-// Entries convert field by field, matched by name: common fields are
-// copied (integers widened or narrowed), new ones start zero, dropped
-// ones go; a field that changes kind is refused.
-func TestConvertMatchesFieldsByName(t *testing.T) {
-	u16, u32, u64 := &btf.Int{Name: "u16", Size: 2}, &btf.Int{Name: "u32", Size: 4}, &btf.Int{Name: "u64", Size: 8}
-	old := &btf.Struct{Name: "v1", Size: 16, Members: []btf.Member{
-		{Name: "a", Type: u32, Offset: 0}, {Name: "gone", Type: u32, Offset: 32}, {Name: "b", Type: u64, Offset: 64}}}
-	cur := &btf.Struct{Name: "v2", Size: 16, Members: []btf.Member{
-		{Name: "b", Type: u64, Offset: 0}, {Name: "a", Type: u16, Offset: 64}, {Name: "added", Type: u32, Offset: 96}}}
-	src := []byte{0x34, 0x12, 0, 0, 0xff, 0xff, 0xff, 0xff, 8, 7, 6, 5, 4, 3, 2, 1}
-	got, err := convert(cur, old, src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := []byte{8, 7, 6, 5, 4, 3, 2, 1, 0x34, 0x12, 0, 0, 0, 0, 0, 0}
-	if !bytes.Equal(got, want) {
-		t.Errorf("upgrade: % x, want % x", got, want)
-	}
-	back, err := convert(old, cur, got)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if wantBack := []byte{0x34, 0x12, 0, 0, 0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1}; !bytes.Equal(back, wantBack) {
-		t.Errorf("downgrade: % x, want % x", back, wantBack)
-	}
-	changed := &btf.Struct{Name: "v3", Size: 8, Members: []btf.Member{{Name: "b", Type: &btf.Struct{Name: "s", Size: 8, Members: []btf.Member{{Name: "x", Type: u64}}}}}}
-	if err := convertible(changed, old); err == nil {
-		t.Error("an integer that became a struct converted")
-	}
-	if shape(old) == shape(cur) || shape(old) != shape(&btf.Typedef{Name: "t", Type: old}) {
-		t.Error("shape does not describe the layout alone")
-	}
-}
-
-// The pinned layout of this build is the one layoutVersion names: a
-// change to a pinned map (name, type, key, value, size) or to the
-// programs fails here until layoutVersion is bumped and its fingerprint
-// added to layoutFingerprints (layout.go).
-func TestLayoutFingerprint(t *testing.T) {
-	got := layoutFingerprint(t)
-	want, ok := layoutFingerprints()[layoutVersion]
-	if !ok || want != got {
-		t.Errorf("the pinned layout's fingerprint is %s, layout %d's is %q: a change to the pinned maps or programs needs a new layout (layout.go)", got, layoutVersion, want)
-	}
-}
-
-func layoutFingerprint(t *testing.T) string {
-	t.Helper()
-	var specs []*ebpf.CollectionSpec
-	for _, load := range []func() (*ebpf.CollectionSpec, error){bpfobj.LoadSock, bpfobj.LoadTc} {
-		cs, err := load()
-		if err != nil {
-			t.Fatal(err)
-		}
-		specs = append(specs, cs)
-	}
-	var lines []string
-	for _, ms := range pinnedSpecs(specs...) {
-		lines = append(lines, fmt.Sprintf("map %s %s %d %d %d %#x key=%s value=%s", ms.Name, ms.Type, ms.KeySize, ms.ValueSize, ms.MaxEntries, ms.Flags, shape(ms.Key), shape(ms.Value)))
-	}
-	for _, cs := range specs {
-		for name, ps := range cs.Programs {
-			lines = append(lines, fmt.Sprintf("prog %s %s %s", name, ps.Type, ps.AttachType))
-		}
-	}
-	slices.Sort(lines)
-	sum := sha256.Sum256([]byte(strings.Join(lines, "\n")))
-	return hex.EncodeToString(sum[:8])
-}
+// The data path's side of package upgrade: New upgrades pins of another
+// layout and refuses those it cannot take over.
 
 // Pins whose record asks for a newer layout than this build's are refused
 // before anything is touched, naming both versions; the data path keeps
@@ -107,17 +38,21 @@ func TestNewRefusesANewerLayoutAndTouchesNothing(t *testing.T) {
 	if err := d.Close(); err != nil {
 		t.Fatal(err)
 	}
-	future := layoutRecord{Layout: layoutVersion + 2, Compat: layoutVersion + 1}
-	bpfobj.CString(future.Version[:], "v9.9.9")
-	if err := writeLayout(cfg.BPFFSDir, future); err != nil {
+	own, err := upgrade.ReadLayout(cfg.BPFFSDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	build := upgrade.BuildLayout()
+	future := upgrade.Layout{Layout: build + 2, Compat: build + 1, Version: "v9.9.9"}
+	if err := upgrade.WriteLayout(cfg.BPFFSDir, future); err != nil {
 		t.Fatal(err)
 	}
 	before := pinSnapshot(t, cfg.BPFFSDir)
-	_, err := New(cfg)
+	_, err = New(cfg)
 	if err == nil {
 		t.Fatal("New took over pins of a newer layout")
 	}
-	for _, want := range []string{"v9.9.9", thisVersion(), fmt.Sprintf("layout %d", layoutVersion+2), fmt.Sprintf("has layout %d", layoutVersion)} {
+	for _, want := range []string{"v9.9.9", buildinfo.Read().Version, fmt.Sprintf("layout %d", build+2), fmt.Sprintf("has layout %d", build)} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("refusal %q does not name %q", err, want)
 		}
@@ -129,7 +64,7 @@ func TestNewRefusesANewerLayoutAndTouchesNothing(t *testing.T) {
 		t.Errorf("%d programs on the pod's lo after the refusal, want 1", got)
 	}
 	// An agent of that layout (here: the record put back) takes over.
-	if err := writeLayout(cfg.BPFFSDir, layoutRecord{Layout: layoutVersion, Compat: layoutCompat}); err != nil {
+	if err := upgrade.WriteLayout(cfg.BPFFSDir, upgrade.Layout{Layout: own.Layout, Compat: own.Compat}); err != nil {
 		t.Fatal(err)
 	}
 	d2 := newDataplane(t, n)
@@ -157,10 +92,9 @@ func pinSnapshot(t *testing.T, dir string) string {
 			info, _ := m.Info()
 			id, _ := info.ID()
 			fmt.Fprintf(&b, "map:%d;", id)
-			if rel == layoutRecordPin {
-				var rec layoutRecord
-				_ = m.Lookup(uint32(0), &rec)
-				fmt.Fprintf(&b, "%v;", rec)
+			if rel == upgrade.RecordPin {
+				rec, _ := m.LookupBytes(uint32(0))
+				fmt.Fprintf(&b, "%x;", rec)
 			}
 			m.Close()
 		} else if prog, err := ebpf.LoadPinnedProgram(path, nil); err == nil {
@@ -223,9 +157,8 @@ func pinOldLayout(t *testing.T, cfg Config) {
 	if err := old.Pin(pin); err != nil {
 		t.Fatal(err)
 	}
-	rec := layoutRecord{Layout: layoutVersion - 1, Compat: layoutVersion - 1}
-	bpfobj.CString(rec.Version[:], "v0.0.9-old")
-	if err := writeLayout(cfg.BPFFSDir, rec); err != nil {
+	older := upgrade.BuildLayout() - 1
+	if err := upgrade.WriteLayout(cfg.BPFFSDir, upgrade.Layout{Layout: older, Compat: older, Version: "v0.0.9-old"}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -251,7 +184,7 @@ func TestNewMigratesAMapOfAnotherLayout(t *testing.T) {
 	n := simnode.New(t)
 	p := n.AddPod("a")
 	cfg := Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
-	for _, step := range append([]string{""}, MigrateSteps...) {
+	for _, step := range append([]string{""}, upgrade.Steps...) {
 		t.Run("crash at "+step, func(t *testing.T) {
 			d := newDataplane(t, n)
 			if err := d.Enroll(context.Background(), podOf(p)); err != nil {
@@ -295,10 +228,10 @@ func TestNewMigratesAMapOfAnotherLayout(t *testing.T) {
 					t.Errorf("ae_pods[%v] = %+v, want %+v", k, got[k], w)
 				}
 			}
-			if l, err := ReadLayout(cfg.BPFFSDir); err != nil || l.Layout != layoutVersion || l.Migrating || l.Version != thisVersion() {
+			if l, err := upgrade.ReadLayout(cfg.BPFFSDir); err != nil || l.Layout != upgrade.BuildLayout() || l.Upgrading || l.Version != buildinfo.Read().Version {
 				t.Errorf("record after the migration %+v, %v", l, err)
 			}
-			if _, err := os.Stat(filepath.Join(cfg.BPFFSDir, stagingDir)); !os.IsNotExist(err) {
+			if _, err := os.Stat(filepath.Join(cfg.BPFFSDir, upgrade.StagingDir)); !os.IsNotExist(err) {
 				t.Errorf("staged maps left: %v", err)
 			}
 			if got := d2.List(); len(got) != 1 {

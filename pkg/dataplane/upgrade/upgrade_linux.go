@@ -1,41 +1,39 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-package dataplane
+package upgrade
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/link"
 
-	"github.com/ambient-ebpf/ambient-ebpf/internal/buildinfo"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
-// Upgrades and downgrades. The pins carry a record of their layout
+// The steps of an upgrade. The pins carry a record of their layout
 // (<root>/ae_layout, read before anything is loaded); pins without one were
 // written by v0.1.0, layout 1. When the pinned layout is not this build's,
-// New migrates:
+// the runtime's start upgrades it (to an older layout too: a downgrade is
+// an upgrade the other way):
 //
-//  1. The record says "migrating" to this layout (from the old one); a
+//  1. The record says "upgrading" to this layout (from the old one); a
 //     pinned layout this build cannot take over (its compat layout is
 //     newer than ours) is refused before this, nothing touched.
 //  2. Each map whose pinned layout differs gets a new map pinned under
 //     <root>/next/, filled from the old one (converted field by field,
 //     convert_linux.go). Unchanged maps are used as they are, with their
 //     entries and sockets; a new map starts empty under maps/.
-//  3. The programs are loaded on the new maps and every link is switched
-//     to them in place (link update, tc filter replace): each hook runs
-//     either the old programs on the old maps or the new ones on filled new
-//     maps, never a program on an empty map.
+//  3. The runtime loads the programs on the new maps and switches every
+//     link to them in place (link update, tc filter replace): each hook
+//     runs either the old programs on the old maps or the new ones on
+//     filled new maps, never a program on an empty map.
 //  4. Entries the old programs made while the links were switched are
 //     copied too, the new maps replace the old pins (rename), old maps and
 //     links this build does not have are removed, and the record says
@@ -45,123 +43,37 @@ import (
 // plans again from what the pins are (a staged map of its layout is
 // resumed, one of another layout replaced) and finishes.
 
-// The migration's failpoints (Config.Failpoint), in order.
-var MigrateSteps = []string{StepMigrateJournaled, StepMigrateCopied, StepMigrateSwitched, StepMigratePinned}
+// Steps are the upgrade's failpoints (Config.Failpoint), in order.
+var Steps = []string{StepJournaled, StepCopied, StepSwitched, StepPinned}
 
 const (
-	StepMigrateJournaled = "migrate/journaled" // the record says migrating; nothing else changed
-	StepMigrateCopied    = "migrate/copied"    // new maps pinned under next/ and filled; no program uses them
-	StepMigrateSwitched  = "migrate/switched"  // every link runs the new programs; old maps still pinned
-	StepMigratePinned    = "migrate/pinned"    // new maps under maps/, old pins gone; the record not yet stable
+	StepJournaled = "upgrade/journaled" // the record says upgrading; nothing else changed
+	StepCopied    = "upgrade/copied"    // new maps pinned under next/ and filled; no program uses them
+	StepSwitched  = "upgrade/switched"  // every link runs the new programs; old maps still pinned
+	StepPinned    = "upgrade/pinned"    // new maps under maps/, old pins gone; the record not yet stable
 )
 
-const (
-	layoutRecordPin = "ae_layout"
-	stagingDir      = "next"
-	// releaseLayout is the layout of pins without a record: v0.1.0's.
-	releaseLayout  = 1
-	releaseVersion = "v0.1.0 (no layout record)"
-
-	layoutStable    = 0
-	layoutMigrating = 1
-)
-
-// layoutRecord is the value of the pinned record (struct ae_layout in its
-// BTF, so bpftool prints it).
-type layoutRecord struct {
-	Layout      uint32   // the layout of the pins
-	Compat      uint32   // the oldest layout whose agent may take them over
-	State       uint32   // layoutStable or layoutMigrating
-	FromLayout  uint32   // migrating: from this layout
-	Version     [64]byte // the build that wrote the record
-	FromVersion [64]byte // migrating: the build that wrote the old pins
+// Config is what the runtime hands an upgrade.
+type Config struct {
+	// BPFFSDir is the pin directory, the runtime's.
+	BPFFSDir string
+	// ForeignMaps are pins under maps/ that no spec has and that stay
+	// (the sockmap acceleration's: it adopts its own maps).
+	ForeignMaps []string
+	// Links are the pins under links/ the runtime keeps (its node hooks,
+	// the acceleration's); Finish removes every other one.
+	Links  []string
+	Logger *slog.Logger
+	// Failpoint, when set, is called at each of Steps; the
+	// crash-injection tests kill the process there.
+	Failpoint func(step string)
 }
 
-// Layout is the pinned state's record, as OpenPinned and New read it.
-type Layout struct {
-	Layout    int    `json:"layout"`    // the pinned layout
-	Compat    int    `json:"compat"`    // the oldest layout whose agent may take the pins over
-	Version   string `json:"version"`   // the agent build that wrote them
-	Migrating bool   `json:"migrating"` // a migration was started and not finished
-	Recorded  bool   `json:"recorded"`  // false: pins of v0.1.0, which wrote no record
+func (c *Config) failpoint(step string) {
+	if c.Failpoint != nil {
+		c.Failpoint(step)
+	}
 }
-
-// BuildLayout is this build's pinned layout.
-func BuildLayout() int { return layoutVersion }
-
-func (r layoutRecord) public(recorded bool) Layout {
-	return Layout{Layout: int(r.Layout), Compat: int(r.Compat), Version: cStringOf(r.Version[:]),
-		Migrating: r.State == layoutMigrating, Recorded: recorded}
-}
-
-func cStringOf(b []byte) string {
-	if i := bytes.IndexByte(b, 0); i >= 0 {
-		b = b[:i]
-	}
-	return string(b)
-}
-
-func layoutRecordSpec() *ebpf.MapSpec {
-	u32 := &btf.Int{Name: "__u32", Size: 4}
-	str := &btf.Array{Index: u32, Type: &btf.Int{Name: "char", Size: 1, Encoding: btf.Char}, Nelems: 64}
-	value := &btf.Struct{Name: "ae_layout", Size: 144, Members: []btf.Member{
-		{Name: "layout", Type: u32, Offset: 0},
-		{Name: "compat", Type: u32, Offset: 32},
-		{Name: "state", Type: u32, Offset: 64},
-		{Name: "from_layout", Type: u32, Offset: 96},
-		{Name: "version", Type: str, Offset: 128},
-		{Name: "from_version", Type: str, Offset: 128 + 64*8},
-	}}
-	return &ebpf.MapSpec{Name: layoutRecordPin, Type: ebpf.Array, KeySize: 4, ValueSize: 144, MaxEntries: 1, Key: u32, Value: value}
-}
-
-// readLayout returns the pinned record; without one, the layout of
-// v0.1.0 when there are pins, and ok false when there are none (a first
-// start).
-func readLayout(bpffsDir string) (rec layoutRecord, recorded, ok bool, err error) {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(bpffsDir, layoutRecordPin), &ebpf.LoadPinOptions{ReadOnly: true})
-	if err == nil {
-		defer m.Close()
-		if err := m.Lookup(uint32(0), &rec); err != nil {
-			return rec, false, false, fmt.Errorf("read %s: %w", layoutRecordPin, err)
-		}
-		return rec, true, true, nil
-	}
-	if !errors.Is(err, os.ErrNotExist) {
-		return rec, false, false, fmt.Errorf("open %s: %w", layoutRecordPin, err)
-	}
-	entries, _ := os.ReadDir(filepath.Join(bpffsDir, "maps"))
-	if len(entries) == 0 {
-		return rec, false, false, nil
-	}
-	rec = layoutRecord{Layout: releaseLayout, Compat: releaseLayout}
-	bpfobj.CString(rec.Version[:], releaseVersion)
-	return rec, false, true, nil
-}
-
-// writeLayout creates or updates the pinned record.
-func writeLayout(bpffsDir string, rec layoutRecord) error {
-	pin := filepath.Join(bpffsDir, layoutRecordPin)
-	m, err := ebpf.LoadPinnedMap(pin, nil)
-	if errors.Is(err, os.ErrNotExist) {
-		if m, err = ebpf.NewMap(layoutRecordSpec()); err == nil {
-			if perr := m.Pin(pin); perr != nil {
-				m.Close()
-				return fmt.Errorf("pin %s: %w", layoutRecordPin, perr)
-			}
-		}
-	}
-	if err != nil {
-		return fmt.Errorf("open %s: %w", layoutRecordPin, err)
-	}
-	defer m.Close()
-	if err := m.Put(uint32(0), &rec); err != nil {
-		return fmt.Errorf("write %s: %w", layoutRecordPin, err)
-	}
-	return nil
-}
-
-func thisVersion() string { return buildinfo.Read().Version }
 
 // What becomes of one pinned map.
 const (
@@ -171,7 +83,7 @@ const (
 	mapRefill         // another layout, entries that refill themselves: a new, empty map
 )
 
-// mapPlan is one pinned map of this build and what New does with it.
+// mapPlan is one pinned map of this build and what the upgrade does with it.
 type mapPlan struct {
 	spec   *ebpf.MapSpec
 	action int
@@ -185,21 +97,24 @@ type mapPlan struct {
 
 func (p *mapPlan) name() string { return p.spec.Name }
 
-// migration is what New found and does about the pins' layout.
-type migration struct {
+// Plan is what an upgrade found of the pins' layout and does about it,
+// from Prepare until Finish; Close releases its maps. A Plan of pins of
+// this build's layout does nothing but write the record if it is missing.
+type Plan struct {
+	cfg          Config
 	from, to     layoutRecord
 	recorded     bool
-	resumed      bool // a killed agent's migration is being finished
+	resumed      bool // a killed agent's upgrade is being finished
 	maps         []*mapPlan
 	byName       map[string]*mapPlan
 	staleStaging []string // pins under next/ of another layout
 	obsolete     []string // pins under maps/ this build has no map for
 }
 
-// active reports whether the pins change layout, or a migration is to be
+// Active reports whether the pins change layout, or an upgrade is to be
 // finished.
-func (m *migration) active() bool {
-	if m.from.Layout != m.to.Layout || m.from.State == layoutMigrating || m.resumed || len(m.staleStaging) > 0 || len(m.obsolete) > 0 {
+func (m *Plan) Active() bool {
+	if m.from.Layout != m.to.Layout || m.from.State == layoutUpgrading || m.resumed || len(m.staleStaging) > 0 || len(m.obsolete) > 0 {
 		return true
 	}
 	for _, p := range m.maps {
@@ -210,7 +125,11 @@ func (m *migration) active() bool {
 	return false
 }
 
-func (m *migration) close() {
+// Close releases the maps the plan holds; the pins stay.
+func (m *Plan) Close() {
+	if m == nil {
+		return
+	}
 	for _, p := range m.maps {
 		if p.old != nil {
 			p.old.Close()
@@ -290,28 +209,46 @@ func sameLayout(spec *ebpf.MapSpec, m *ebpf.Map, types mapTypes) (bool, string) 
 	return true, ""
 }
 
-// planMigration reads the record and every pin and decides what becomes
-// of each map. It changes nothing; an error means nothing was touched.
-func planMigration(cfg Config, specs ...*ebpf.CollectionSpec) (_ *migration, err error) {
+// Prepare plans the upgrade of the pins to the layout of specs (the
+// collections the runtime will load) and carries out steps 1 and 2: every
+// map a program of specs will use exists and is filled when it returns.
+// On an error it holds nothing.
+func Prepare(cfg Config, specs ...*ebpf.CollectionSpec) (*Plan, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	m, err := plan(cfg, specs...)
+	if err != nil {
+		return nil, err
+	}
+	if err := m.prepare(); err != nil {
+		m.Close()
+		return nil, err
+	}
+	return m, nil
+}
+
+// plan reads the record and every pin and decides what becomes of each
+// map. It changes nothing; an error means nothing was touched.
+func plan(cfg Config, specs ...*ebpf.CollectionSpec) (_ *Plan, err error) {
 	from, recorded, found, err := readLayout(cfg.BPFFSDir)
 	if err != nil {
 		return nil, err
 	}
 	version := thisVersion()
 	if found && from.Compat > layoutVersion {
-		return nil, fmt.Errorf("the pinned data path in %s is layout %d, written by ambient-ebpf %s; this agent, ambient-ebpf %s, has layout %d and cannot take over pins of layout %d or newer: start %s (or a later release) again, or uninstall the data path first",
-			cfg.BPFFSDir, from.Layout, cStringOf(from.Version[:]), version, layoutVersion, from.Compat, cStringOf(from.Version[:]))
+		return nil, refusal(cfg.BPFFSDir, from)
 	}
 	if !found {
 		from = layoutRecord{Layout: layoutVersion, Compat: layoutCompat}
 		bpfobj.CString(from.Version[:], version)
 	}
-	mig := &migration{from: from, recorded: recorded, byName: map[string]*mapPlan{}}
-	mig.to = layoutRecord{Layout: layoutVersion, Compat: layoutCompat}
-	bpfobj.CString(mig.to.Version[:], version)
+	up := &Plan{cfg: cfg, from: from, recorded: recorded, byName: map[string]*mapPlan{}}
+	up.to = layoutRecord{Layout: layoutVersion, Compat: layoutCompat}
+	bpfobj.CString(up.to.Version[:], version)
 	defer func() {
 		if err != nil {
-			mig.close()
+			up.Close()
 		}
 	}()
 	for _, spec := range pinnedSpecs(specs...) {
@@ -319,30 +256,30 @@ func planMigration(cfg Config, specs ...*ebpf.CollectionSpec) (_ *migration, err
 		if err != nil {
 			return nil, err
 		}
-		mig.maps = append(mig.maps, p)
-		mig.byName[spec.Name] = p
+		up.maps = append(up.maps, p)
+		up.byName[spec.Name] = p
 	}
-	entries, _ := os.ReadDir(mapsDir(cfg))
+	entries, _ := os.ReadDir(bpfobj.MapsDir(cfg.BPFFSDir))
 	for _, e := range entries {
-		// accel.c's maps are the acceleration's own: it adopts them,
-		// creates them when missing and leaves an incompatible one alone
-		// (startAccel), so a migration never takes them for the old layout's.
-		if mig.byName[e.Name()] == nil && !slices.Contains(accel.MapPins(), e.Name()) {
-			mig.obsolete = append(mig.obsolete, e.Name())
+		// Foreign maps are another owner's (the acceleration adopts its
+		// own, creates them when missing and leaves an incompatible one
+		// alone), so an upgrade never takes them for the old layout's.
+		if up.byName[e.Name()] == nil && !slices.Contains(cfg.ForeignMaps, e.Name()) {
+			up.obsolete = append(up.obsolete, e.Name())
 		}
 	}
-	staged, _ := os.ReadDir(filepath.Join(cfg.BPFFSDir, stagingDir))
+	staged, _ := os.ReadDir(filepath.Join(cfg.BPFFSDir, StagingDir))
 	for _, e := range staged {
-		if p := mig.byName[e.Name()]; p == nil || !p.resume {
-			mig.staleStaging = append(mig.staleStaging, e.Name())
+		if p := up.byName[e.Name()]; p == nil || !p.resume {
+			up.staleStaging = append(up.staleStaging, e.Name())
 		}
 	}
-	return mig, nil
+	return up, nil
 }
 
 func planMap(cfg Config, spec *ebpf.MapSpec) (*mapPlan, error) {
 	p := &mapPlan{spec: spec}
-	cur, err := ebpf.LoadPinnedMap(filepath.Join(mapsDir(cfg), spec.Name), nil)
+	cur, err := ebpf.LoadPinnedMap(filepath.Join(bpfobj.MapsDir(cfg.BPFFSDir), spec.Name), nil)
 	if errors.Is(err, os.ErrNotExist) {
 		p.action = mapCreate
 		return p, nil
@@ -362,7 +299,7 @@ func planMap(cfg Config, spec *ebpf.MapSpec) (*mapPlan, error) {
 	}
 	p.old, p.oldBTF, p.why = cur, types, why
 	// A map an agent killed part way staged for this layout is resumed.
-	if staged, err := ebpf.LoadPinnedMap(filepath.Join(cfg.BPFFSDir, stagingDir, spec.Name), nil); err == nil {
+	if staged, err := ebpf.LoadPinnedMap(filepath.Join(cfg.BPFFSDir, StagingDir, spec.Name), nil); err == nil {
 		st, serr := pinnedTypes(staged)
 		if ok, _ := sameLayout(spec, staged, st); serr == nil && ok {
 			p.target, p.staged, p.resume = staged, true, true
@@ -413,24 +350,25 @@ func (p *mapPlan) checkConvertible() error {
 }
 
 // prepare creates and fills the maps the new programs will use (steps 1
-// and 2) and returns them by collection map name for each spec.
-func (m *migration) prepare(cfg Config, log func(msg string, args ...any)) error {
-	if m.active() {
-		if m.from.State == layoutMigrating {
-			// The record of a killed migration names where it came from.
+// and 2).
+func (m *Plan) prepare() error {
+	cfg, log := &m.cfg, m.cfg.Logger.Info
+	if m.Active() {
+		if m.from.State == layoutUpgrading {
+			// The record of a killed upgrade names where it came from.
 			m.from.Layout, m.from.Version = m.from.FromLayout, m.from.FromVersion
 			m.from.State, m.resumed = layoutStable, true
-			log("finishing the migration of the pinned data path a stopped agent left", "from_layout", m.from.Layout, "from_version", cStringOf(m.from.Version[:]), "layout", layoutVersion)
+			log("finishing the migration of the pinned data path a stopped agent left", "from_layout", m.from.Layout, "from_version", bpfobj.GoString(m.from.Version[:]), "layout", layoutVersion)
 		}
-		log("migrating the pinned data path", "from_layout", m.from.Layout, "from_version", cStringOf(m.from.Version[:]), "to_layout", layoutVersion, "to_version", cStringOf(m.to.Version[:]))
+		log("migrating the pinned data path", "from_layout", m.from.Layout, "from_version", bpfobj.GoString(m.from.Version[:]), "to_layout", layoutVersion, "to_version", bpfobj.GoString(m.to.Version[:]))
 		rec := m.to
-		rec.State, rec.FromLayout, rec.FromVersion = layoutMigrating, m.from.Layout, m.from.Version
+		rec.State, rec.FromLayout, rec.FromVersion = layoutUpgrading, m.from.Layout, m.from.Version
 		if err := writeLayout(cfg.BPFFSDir, rec); err != nil {
 			return err
 		}
-		cfg.failpoint(StepMigrateJournaled)
+		cfg.failpoint(StepJournaled)
 	}
-	staging := filepath.Join(cfg.BPFFSDir, stagingDir)
+	staging := filepath.Join(cfg.BPFFSDir, StagingDir)
 	for _, name := range m.staleStaging {
 		// A map another layout's agent staged; programs of that agent may
 		// still use it until their links are switched below.
@@ -442,7 +380,7 @@ func (m *migration) prepare(cfg Config, log func(msg string, args ...any)) error
 		if p.target != nil {
 			continue
 		}
-		dir := mapsDir(cfg)
+		dir := bpfobj.MapsDir(cfg.BPFFSDir)
 		if p.action != mapCreate {
 			dir, p.staged = staging, true
 			if err := os.MkdirAll(staging, 0o700); err != nil {
@@ -470,14 +408,25 @@ func (m *migration) prepare(cfg Config, log func(msg string, args ...any)) error
 			log("map starts empty in the new layout", "map", p.name(), "change", p.why, "why", refilled(p.name(), p.spec.Type))
 		}
 	}
-	if m.active() {
-		cfg.failpoint(StepMigrateCopied)
+	if m.Active() {
+		cfg.failpoint(StepCopied)
 	}
 	return nil
 }
 
-// replacements are the maps the collection spec cs loads with.
-func (m *migration) replacements(cs *ebpf.CollectionSpec) map[string]*ebpf.Map {
+// Map is the map the programs will use for the pin name, nil when no
+// spec has it. A loader writes a data section's contents only into a map
+// it creates itself: the runtime writes those of a replaced one here.
+func (m *Plan) Map(name string) *ebpf.Map {
+	if p := m.byName[name]; p != nil {
+		return p.target
+	}
+	return nil
+}
+
+// Replacements are the maps the collection spec cs loads with
+// (CollectionOptions.MapReplacements): every map it pins by name.
+func (m *Plan) Replacements(cs *ebpf.CollectionSpec) map[string]*ebpf.Map {
 	out := map[string]*ebpf.Map{}
 	for k, ms := range cs.Maps {
 		if p := m.byName[ms.Name]; p != nil && ms.Pinning == ebpf.PinByName {
@@ -567,18 +516,21 @@ func (p *mapPlan) convertKey(k []byte) ([]byte, error) {
 	return convert(p.spec.Key, p.oldBTF.key, k)
 }
 
-// finish runs after every link was switched to the new programs (steps 3
-// and 4): entries the old programs made meanwhile are copied, the new maps
-// take the old pins' places, old maps and node links this build does not
-// have are removed, and the record says "stable".
-func (m *migration) finish(cfg Config, nodeHooks []string, log func(msg string, args ...any)) error {
-	if !m.active() {
+// Finish runs after the runtime switched every link to the new programs
+// (step 3) and carries out step 4: entries the old programs made meanwhile
+// are copied, the new maps take the old pins' places, old maps and the
+// links under links/ that Config.Links does not name are removed, and the
+// record says "stable".
+func (m *Plan) Finish() error {
+	cfg, log := &m.cfg, m.cfg.Logger.Info
+	if !m.Active() {
 		if !m.recorded || m.from != m.to {
 			return writeLayout(cfg.BPFFSDir, m.to)
 		}
 		return nil
 	}
-	cfg.failpoint(StepMigrateSwitched)
+	cfg.failpoint(StepSwitched)
+	staging, maps := filepath.Join(cfg.BPFFSDir, StagingDir), bpfobj.MapsDir(cfg.BPFFSDir)
 	for _, p := range m.maps {
 		if p.action != mapConvert {
 			continue
@@ -597,34 +549,35 @@ func (m *migration) finish(cfg Config, nodeHooks []string, log func(msg string, 
 		}
 		// rename(2) replaces the old pin in one step: maps/<name> always
 		// names a map.
-		if err := os.Rename(filepath.Join(cfg.BPFFSDir, stagingDir, p.name()), filepath.Join(mapsDir(cfg), p.name())); err != nil {
+		if err := os.Rename(filepath.Join(staging, p.name()), filepath.Join(maps, p.name())); err != nil {
 			return fmt.Errorf("move map %s in place: %w", p.name(), err)
 		}
 	}
 	for _, name := range m.obsolete {
 		log("removing a map of the old layout", "map", name)
-		if err := os.Remove(filepath.Join(mapsDir(cfg), name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := os.Remove(filepath.Join(maps, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("remove map %s: %w", name, err)
 		}
 	}
-	links, _ := os.ReadDir(linksDir(cfg))
-	for _, e := range links {
-		if slices.Contains(nodeHooks, e.Name()) || e.Name() == accel.SockopsPin || e.Name() == accel.MsgPin {
-			continue // the node's hooks, and the acceleration's (startAccel)
+	links := bpfobj.LinksDir(cfg.BPFFSDir)
+	entries, _ := os.ReadDir(links)
+	for _, e := range entries {
+		if slices.Contains(cfg.Links, e.Name()) {
+			continue // the node's hooks, and the acceleration's
 		}
 		log("removing a node link of the old layout", "link", e.Name())
-		if err := removePinnedLink(filepath.Join(linksDir(cfg), e.Name())); err != nil {
+		if err := removePinnedLink(filepath.Join(links, e.Name())); err != nil {
 			return err
 		}
 	}
-	if err := os.RemoveAll(filepath.Join(cfg.BPFFSDir, stagingDir)); err != nil {
-		return fmt.Errorf("remove %s: %w", stagingDir, err)
+	if err := os.RemoveAll(staging); err != nil {
+		return fmt.Errorf("remove %s: %w", StagingDir, err)
 	}
-	cfg.failpoint(StepMigratePinned)
+	cfg.failpoint(StepPinned)
 	if err := writeLayout(cfg.BPFFSDir, m.to); err != nil {
 		return err
 	}
-	log("migrated the pinned data path", "from_layout", m.from.Layout, "from_version", cStringOf(m.from.Version[:]), "layout", layoutVersion, "version", cStringOf(m.to.Version[:]))
+	log("migrated the pinned data path", "from_layout", m.from.Layout, "from_version", bpfobj.GoString(m.from.Version[:]), "layout", layoutVersion, "version", bpfobj.GoString(m.to.Version[:]))
 	return nil
 }
 
@@ -640,18 +593,4 @@ func removePinnedLink(pin string) error {
 		return fmt.Errorf("remove %s: %w", pin, err)
 	}
 	return nil
-}
-
-// ReadLayout returns the layout of the pins under bpffsDir: the record,
-// or layout 1 without one (v0.1.0 wrote none); ErrNotInstalled without
-// pins.
-func ReadLayout(bpffsDir string) (Layout, error) {
-	rec, recorded, found, err := readLayout(bpffsDir)
-	if err != nil {
-		return Layout{}, err
-	}
-	if !found {
-		return Layout{}, fmt.Errorf("%s: %w", bpffsDir, ErrNotInstalled)
-	}
-	return rec.public(recorded), nil
 }

@@ -3,14 +3,14 @@
 
 //go:build !ae_layout_next
 
-package dataplane
+package upgrade
 
 // The pinned layout of this build: what maps (names, types, keys, values),
-// programs and links it keeps under Config.BPFFSDir. Bump layoutVersion
-// with every change to one of them (TestLayoutFingerprint fails until
-// layoutFingerprints names the new layout), and layoutCompat when an agent
-// of an older layout can no longer take the new one over by the generic
-// conversion (fields matched by name, see migrate_linux.go).
+// programs and links it keeps under the bpffs directory. Bump
+// layoutVersion with every change to one of them (TestLayoutFingerprint
+// fails until layoutFingerprints names the new layout), and layoutCompat
+// when an agent of an older layout can no longer take the new one over by
+// the generic conversion (fields matched by name, see convert_linux.go).
 const (
 	layoutVersion = 1
 	layoutCompat  = 1
