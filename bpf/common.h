@@ -54,8 +54,8 @@ struct pod_info {
 	__u32 pad;
 #ifdef AE_LAYOUT_NEXT
 	/* Only in the test-only build of the next pinned layout (build tag
-	 * ae_layout_next, pkg/dataplane/layout_next.go): a field the shipped
-	 * layout lacks, so the upgrade tests migrate a real layout change. */
+	 * ae_layout_next, pkg/dataplane/upgrade/layout_next.go): a field the
+	 * shipped layout lacks, so the upgrade tests upgrade a real change. */
 	__u64 next_generation;
 #endif
 };

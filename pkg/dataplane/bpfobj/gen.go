@@ -16,5 +16,6 @@ package bpfobj
 // .BTF alone.
 //go:generate go tool bpf2go -tags linux -target bpfel Listeners ../../../bpf/listeners.c -- -I../../../headers -I../../../bpf
 
-// The next pinned layout of the upgrade tests is built in package next
-// (build tag ae_layout_next), and next_bpfel.go re-exports it here.
+// The next pinned layout of the upgrade tests (package upgrade's
+// layout_next.go) is built in package next (build tag ae_layout_next),
+// and next_bpfel.go re-exports it here.
