@@ -46,6 +46,8 @@ import (
 // Steps are the upgrade's failpoints (Config.Failpoint), in order.
 var Steps = []string{StepJournaled, StepCopied, StepSwitched, StepPinned}
 
+// The failpoints: after each, a killed agent leaves pins the next one
+// finishes the upgrade of.
 const (
 	StepJournaled = "upgrade/journaled" // the record says upgrading; nothing else changed
 	StepCopied    = "upgrade/copied"    // new maps pinned under next/ and filled; no program uses them
@@ -98,8 +100,9 @@ type mapPlan struct {
 func (p *mapPlan) name() string { return p.spec.Name }
 
 // Plan is what an upgrade found of the pins' layout and does about it,
-// from Prepare until Finish; Close releases its maps. A Plan of pins of
-// this build's layout does nothing but write the record if it is missing.
+// from Prepare until Finish; Close releases its maps. On pins of this
+// build's layout it only writes the record where that is missing or names
+// another build.
 type Plan struct {
 	cfg          Config
 	from, to     layoutRecord
@@ -210,9 +213,10 @@ func sameLayout(spec *ebpf.MapSpec, m *ebpf.Map, types mapTypes) (bool, string) 
 }
 
 // Prepare plans the upgrade of the pins to the layout of specs (the
-// collections the runtime will load) and carries out steps 1 and 2: every
-// map a program of specs will use exists and is filled when it returns.
-// On an error it holds nothing.
+// collections the runtime will load) and, where the layout changes,
+// carries out steps 1 and 2: the record says upgrading and each changed
+// map has a filled new one under next/. Every map a program of specs will
+// use exists and is filled when it returns. On an error it holds nothing.
 func Prepare(cfg Config, specs ...*ebpf.CollectionSpec) (*Plan, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
