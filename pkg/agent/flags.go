@@ -17,6 +17,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
@@ -66,11 +67,11 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.nodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name (default $NODE_NAME)")
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig path; empty: in-cluster")
 	fs.StringVar(&f.standalone, "standalone-pods", "", "read pods and namespaces from this file instead of the Kubernetes API")
-	fs.StringVar(&f.bpffs, "bpffs-dir", dataplane.DefaultBPFFSDir, "directory all pins live under (on a bpffs)")
+	fs.StringVar(&f.bpffs, "bpffs-dir", bpfobj.DefaultBPFFSDir, "directory all pins live under (on a bpffs)")
 	fs.StringVar(&f.cgroupRoot, "cgroup-root", "", "cgroup v2 directory the socket hooks attach to; empty: the cgroup2 mount")
 	fs.StringVar(&f.nodeNetns, "node-netns", "", "the node's netns (where pods' veth peers are); empty: the agent's own")
-	fs.StringVar(&f.probeV4, "probe-snat-v4", dataplane.DefaultProbeV4.String(), "host-probe SNAT address (IPv4)")
-	fs.StringVar(&f.probeV6, "probe-snat-v6", dataplane.DefaultProbeV6.String(), "host-probe SNAT address (IPv6)")
+	fs.StringVar(&f.probeV4, "probe-snat-v4", bpfobj.DefaultProbeV4.String(), "host-probe SNAT address (IPv4)")
+	fs.StringVar(&f.probeV6, "probe-snat-v6", bpfobj.DefaultProbeV6.String(), "host-probe SNAT address (IPv6)")
 	fs.StringVar(&f.zdsSocket, "zds-socket", "", "ZDS socket ztunnel connects to (default /var/run/ztunnel/ztunnel.sock)")
 	fs.StringVar(&f.cniSocket, "cni-socket", "", "socket the CNI plugin calls (default /var/run/ambient-ebpf/cni.sock)")
 	fs.StringVar(&f.inspectSocket, "inspect-socket", "", "socket the CLI asks (default "+DefaultInspectSocket+")")

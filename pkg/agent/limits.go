@@ -4,7 +4,7 @@
 package agent
 
 import (
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 )
 
@@ -25,15 +25,15 @@ func (a *agent) checkFileLimit() error {
 			return nil // unknown: nothing to weigh
 		}
 	}
-	need := fdlimit.Need(dataplane.MaxPods)
-	warning, err := fdlimit.Check(l, dataplane.MaxPods)
+	need := fdlimit.Need(bpfobj.MaxPods)
+	warning, err := fdlimit.Check(l, bpfobj.MaxPods)
 	if err != nil {
 		return err
 	}
 	if warning != "" {
-		a.log.Warn(warning, "limit", l.Soft, "hard", l.Hard, "need", need, "pods", dataplane.MaxPods)
+		a.log.Warn(warning, "limit", l.Soft, "hard", l.Hard, "need", need, "pods", bpfobj.MaxPods)
 		return nil
 	}
-	a.log.Info("open file limit", "limit", l.Soft, "need", need, "pods", dataplane.MaxPods)
+	a.log.Info("open file limit", "limit", l.Soft, "need", need, "pods", bpfobj.MaxPods)
 	return nil
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // options are the flags every command shares.
@@ -44,7 +45,7 @@ func NewCommand(out io.Writer) *cobra.Command {
 		},
 	}
 	root.SetOut(out)
-	root.PersistentFlags().StringVar(&o.bpffs, "bpffs", dataplane.DefaultBPFFSDir, "directory the data path is pinned under")
+	root.PersistentFlags().StringVar(&o.bpffs, "bpffs", bpfobj.DefaultBPFFSDir, "directory the data path is pinned under")
 	root.PersistentFlags().StringVarP(&o.output, "output", "o", "table", "output format: table or json")
 	o.agent.addFlags(root)
 	root.AddCommand(podsCommand(o), mapsCommand(o), statsCommand(o), statusCommand(o), doctorCommand(o), whyCommand(o), traceCommand(o), versionCommand(o))

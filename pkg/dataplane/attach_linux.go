@@ -14,6 +14,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // Policy routing of the return path (R10, R14), as istio-cni sets it up:
@@ -170,7 +172,7 @@ func returnRule(family int) *netlink.Rule {
 	r := netlink.NewRule()
 	r.Family = family
 	r.Mark = returnMark
-	mask := uint32(DefaultMarkMask)
+	mask := uint32(bpfobj.DefaultMarkMask)
 	r.Mask = &mask
 	r.Priority = returnRulePrio
 	r.Table = returnTable

@@ -12,24 +12,6 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
-// Defaults of the ambient contract.
-const (
-	DefaultBPFFSDir     = "/sys/fs/bpf/ambient-ebpf"
-	DefaultZtunnelMark  = 0x539
-	DefaultMarkMask     = 0xfff
-	DefaultOutboundPort = 15001
-	DefaultInboundPort  = 15006
-	DefaultHBONEPort    = 15008
-	DefaultDNSPort      = 15053
-	DefaultInterface    = "eth0"
-)
-
-// Default host-probe SNAT addresses (contract section 1).
-var (
-	DefaultProbeV4 = netip.MustParseAddr("169.254.7.127")
-	DefaultProbeV6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
-)
-
 // Config is the node-wide configuration of the data path.
 type Config struct {
 	// BPFFSDir is the directory all pins live under; it must be on a bpffs.
@@ -101,7 +83,7 @@ func (c *Config) failpoint(step string) {
 
 func (c *Config) setDefaults() error {
 	if c.BPFFSDir == "" {
-		c.BPFFSDir = DefaultBPFFSDir
+		c.BPFFSDir = bpfobj.DefaultBPFFSDir
 	}
 	if c.CgroupRoot == "" {
 		return fmt.Errorf("no cgroup root configured")
@@ -113,10 +95,10 @@ func (c *Config) setDefaults() error {
 		c.NodeNetns = "/proc/self/ns/net"
 	}
 	if !c.ProbeV4.IsValid() {
-		c.ProbeV4 = DefaultProbeV4
+		c.ProbeV4 = bpfobj.DefaultProbeV4
 	}
 	if !c.ProbeV6.IsValid() {
-		c.ProbeV6 = DefaultProbeV6
+		c.ProbeV6 = bpfobj.DefaultProbeV6
 	}
 	if !c.ProbeV4.Is4() {
 		return fmt.Errorf("probe address %s is not IPv4", c.ProbeV4)
@@ -138,13 +120,13 @@ func (c *Config) setDefaults() error {
 // bpfConfig is what the programs see in ae_cfg.
 func (c *Config) bpfConfig() bpfobj.SockAeConfig {
 	cfg := bpfobj.SockAeConfig{
-		ZtunnelMark:  DefaultZtunnelMark,
-		MarkMask:     DefaultMarkMask,
+		ZtunnelMark:  bpfobj.DefaultZtunnelMark,
+		MarkMask:     bpfobj.DefaultMarkMask,
 		ReturnMark:   returnMark,
-		OutboundPort: DefaultOutboundPort,
-		InboundPort:  DefaultInboundPort,
-		HbonePort:    DefaultHBONEPort,
-		DnsPort:      DefaultDNSPort,
+		OutboundPort: bpfobj.DefaultOutboundPort,
+		InboundPort:  bpfobj.DefaultInboundPort,
+		HbonePort:    bpfobj.DefaultHBONEPort,
+		DnsPort:      bpfobj.DefaultDNSPort,
 	}
 	cfg.ProbeV4.B = c.ProbeV4.As16()
 	cfg.ProbeV6.B = c.ProbeV6.As16()

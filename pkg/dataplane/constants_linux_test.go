@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	_ "embed"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // commonH is bpf/common.h as `make generate` copies it (gen.go).
@@ -22,21 +24,21 @@ var commonH string
 func TestConstantsMatchCommonH(t *testing.T) {
 	defines := parseDefines(t, commonH)
 	for name, got := range map[string]uint64{
-		"AE_F_HAS_V4":                 flagHasV4,
-		"AE_F_HAS_V6":                 flagHasV6,
-		"AE_F_BYPASS_INBOUND":         flagBypassInbound,
-		"AE_F_DNS_CAPTURE":            flagDNSCapture,
-		"AE_MAX_PODS":                 maxPods,
+		"AE_F_HAS_V4":                 bpfobj.FlagHasV4,
+		"AE_F_HAS_V6":                 bpfobj.FlagHasV6,
+		"AE_F_BYPASS_INBOUND":         bpfobj.FlagBypassInbound,
+		"AE_F_DNS_CAPTURE":            bpfobj.FlagDNSCapture,
+		"AE_MAX_PODS":                 bpfobj.MaxPods,
 		"AE_LISTENER_SLOTS":           listenerSlots,
-		"AE_CFG_NETNS_COOKIE_SOCKOPS": flagNetnsCookieSockops,
-		"AE_CFG_NETNS_COOKIE_SOCKOPT": flagNetnsCookieSockopt,
-		"AE_CFG_SK_ASSIGN_REUSEPORT":  flagSkAssignReuseport,
-		"AE_CFG_SK_LOOKUP_IFINDEX":    flagSkLookupIfindex,
-		"AE_META_FREE":                metaFree,
-		"AE_META_ENROLLED":            metaEnrolled,
-		"AE_META_ENROLLING":           metaEnrolling,
-		"AE_META_REMOVING":            metaRemoving,
-		"AE_TRACE_LOST":               aeTraceLost,
+		"AE_CFG_NETNS_COOKIE_SOCKOPS": bpfobj.CfgNetnsCookieSockops,
+		"AE_CFG_NETNS_COOKIE_SOCKOPT": bpfobj.CfgNetnsCookieSockopt,
+		"AE_CFG_SK_ASSIGN_REUSEPORT":  bpfobj.CfgSkAssignReuseport,
+		"AE_CFG_SK_LOOKUP_IFINDEX":    bpfobj.CfgSkLookupIfindex,
+		"AE_META_FREE":                bpfobj.MetaFree,
+		"AE_META_ENROLLED":            bpfobj.MetaEnrolled,
+		"AE_META_ENROLLING":           bpfobj.MetaEnrolling,
+		"AE_META_REMOVING":            bpfobj.MetaRemoving,
+		"AE_TRACE_LOST":               bpfobj.TraceLost,
 	} {
 		want, ok := defines[name]
 		if !ok {

@@ -62,7 +62,7 @@ type podState struct {
 	netnsPath   string
 	savedFwmark uint32
 	ifindex     uint32               // of the pod interface, in its netns
-	journal     uint32               // metaEnrolled, or where a stopped agent left it
+	journal     uint32               // bpfobj.MetaEnrolled, or where a stopped agent left it
 	links       map[string]tcProgram // by pin name; adopted pins that could not be loaded are missing
 }
 
@@ -179,35 +179,27 @@ func (d *Dataplane) pickMechanisms() {
 		d.netnsCookie = d.queryNetnsCookie
 	}
 	if features.HasNetnsCookieSockops() {
-		d.bpfFlags |= flagNetnsCookieSockops
+		d.bpfFlags |= bpfobj.CfgNetnsCookieSockops
 	}
 	if features.HasNetnsCookieSockopt() {
-		d.bpfFlags |= flagNetnsCookieSockopt
+		d.bpfFlags |= bpfobj.CfgNetnsCookieSockopt
 	}
 	// tc's bpf_sk_assign takes reuseport listeners (all of ztunnel's are)
 	// since 6.5. That cannot be probed by loading a program, and kernel
 	// BTF misleads (Debian's 6.1 has the 6.5 helper function names), so
 	// it is inferred from TCX (6.6): without TCX, sk_lookup hands over.
 	if features.HasTCX() {
-		d.bpfFlags |= flagSkAssignReuseport
+		d.bpfFlags |= bpfobj.CfgSkAssignReuseport
 	}
 	// sk_lookup captures inbound alone where it sees the ingress
 	// interface and sockops can file ztunnel's listeners by netns.
 	if features.HasSkLookupIfindex() && features.HasNetnsCookieSockops() {
 		d.skLookupInbound = true
-		d.bpfFlags |= flagSkLookupIfindex
+		d.bpfFlags |= bpfobj.CfgSkLookupIfindex
 	}
 	d.log.Info("dataplane mechanisms", "sk_lookup_inbound", d.skLookupInbound, "tcx", features.HasTCX(), "so_netns_cookie", features.HasSONetnsCookie(),
 		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt())
 }
-
-// ae_cfg.flags bits (AE_CFG_* in bpf/common.h).
-const (
-	flagNetnsCookieSockops = 1 << 0
-	flagNetnsCookieSockopt = 1 << 1
-	flagSkAssignReuseport  = 1 << 2
-	flagSkLookupIfindex    = 1 << 3
-)
 
 // listenerSlots is AE_LISTENER_SLOTS: ae_listeners' slots per pod and port.
 const listenerSlots = 4
@@ -306,10 +298,10 @@ func (d *Dataplane) load() error {
 	}
 	// A loader writes a data section's contents only into a map it
 	// creates itself.
-	if m := up.Map(traceFlagMap); m != nil {
+	if m := up.Map(bpfobj.TraceFlagMap); m != nil {
 		if err := m.Put(uint32(0), tracing); err != nil {
 			up.Close()
-			return fmt.Errorf("write %s: %w", traceFlagMap, err)
+			return fmt.Errorf("write %s: %w", bpfobj.TraceFlagMap, err)
 		}
 	}
 	d.upgrade = up

@@ -151,7 +151,7 @@ func TestRemovingAPodPrunesItsLeftoverDeliveries(t *testing.T) {
 	// Nobody listens; 10 s lets the SYNs retransmitted at 1, 3 and 7 s
 	// through an enrolment that takes seconds under emulation.
 	d, delivery, done := overtake(t, n, p, 7017, 10*time.Second)
-	if d.bpfFlags&flagSkLookupIfindex != 0 {
+	if d.bpfFlags&bpfobj.CfgSkLookupIfindex != 0 {
 		if !testenv.Poll(10*time.Second, func() bool { return countEntries[bpfobj.SockSteerKey, uint32](t, d.sock.AeLocalFlows) >= len(delivery) }) {
 			t.Fatalf("ae_local_flows holds %d entries, want the %d deliveries' (filed as their SYNs were retransmitted)",
 				countEntries[bpfobj.SockSteerKey, uint32](t, d.sock.AeLocalFlows), len(delivery))

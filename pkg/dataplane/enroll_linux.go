@@ -20,21 +20,13 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 )
 
-// Journal states of a pod's ae_pod_meta slot (AE_META_* in bpf/common.h).
-const (
-	metaFree      = 0
-	metaEnrolled  = 1
-	metaEnrolling = 2
-	metaRemoving  = 3
-)
-
 func journalName(state uint32) string {
 	switch state {
-	case metaEnrolled:
+	case bpfobj.MetaEnrolled:
 		return "enrolled"
-	case metaEnrolling:
+	case bpfobj.MetaEnrolling:
 		return "enrolling"
-	case metaRemoving:
+	case bpfobj.MetaRemoving:
 		return "removing"
 	}
 	return "free"
@@ -100,7 +92,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 	} else {
 		slot, ok := d.slots.alloc()
 		if !ok {
-			return fmt.Errorf("pod %s/%s: %d pods enrolled already, the maximum", pod.Namespace, pod.Name, maxPods)
+			return fmt.Errorf("pod %s/%s: %d pods enrolled already, the maximum", pod.Namespace, pod.Name, bpfobj.MaxPods)
 		}
 		st.Slot = slot
 		undo = append(undo, func() { d.slots.release(slot) })
@@ -112,7 +104,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 	if !samePod {
 		// Intent before action: the slot names the pod, its netns and
 		// the sysctl value to restore before anything is changed.
-		if err := d.writeMeta(st, metaEnrolling); err != nil {
+		if err := d.writeMeta(st, bpfobj.MetaEnrolling); err != nil {
 			return fail(err)
 		}
 		undo = append(undo, func() { d.clearSlot(st.Slot) })
@@ -205,7 +197,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 	if err := d.fileExistingListeners(pod.Netns, ns.cookie); err != nil {
 		d.log.Warn("file ztunnel's existing listeners; the resync tries again", "pod", pod.Namespace+"/"+pod.Name, "error", err)
 	}
-	st.journal = metaEnrolled
+	st.journal = bpfobj.MetaEnrolled
 	d.pods[pod.UID] = st
 	d.cfg.failpoint(StepEnrollDone)
 	d.log.Debug("pod enrolled", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", pod.IPs, "slot", st.Slot)
@@ -249,7 +241,7 @@ func (d *Dataplane) writePodMaps(st *podState) error {
 		return fmt.Errorf("write ae_netns: %w", err)
 	}
 	d.cfg.failpoint(StepEnrollEntries)
-	return d.writeMeta(st, metaEnrolled)
+	return d.writeMeta(st, bpfobj.MetaEnrolled)
 }
 
 // deleteStaleEntries removes the entries of old that cur no longer owns.
@@ -393,7 +385,7 @@ func (d *Dataplane) sharedReturnPath(path string) bool {
 // undo says the pod's enrolment was left half done by a dead agent: a
 // return path someone else shares (Config.SharedReturnPath) stays then.
 func (d *Dataplane) detachPod(st *podState, undo bool) error {
-	if err := d.writeMeta(st, metaRemoving); err != nil {
+	if err := d.writeMeta(st, bpfobj.MetaRemoving); err != nil {
 		d.log.Warn("journal pod removal", "pod", st.Namespace+"/"+st.Name, "error", err)
 	}
 	d.cfg.failpoint(StepRemoveJournaled)
@@ -493,7 +485,7 @@ func (d *Dataplane) adoptPods() error {
 	for _, st := range pods {
 		d.slots.take(st.Slot)
 		st.netnsPath = d.verifiedNetns(st.netnsPath, st.NetnsCookie, netnsOf)
-		if st.journal != metaEnrolled {
+		if st.journal != bpfobj.MetaEnrolled {
 			d.log.Info("undoing what a stopped agent left part way", "pod", st.Namespace+"/"+st.Name, "uid", st.UID,
 				"state", journalName(st.journal), "netns", st.netnsPath)
 			st.links = d.pinnedAttachments(st)
@@ -636,21 +628,15 @@ func (d *Dataplane) removeOrphanPins() {
 	}
 }
 
-const maxPods = 8192 // AE_MAX_PODS in bpf/common.h
-
-// MaxPods is how many pods the data path can enrol: AE_MAX_PODS, the
-// size of its per-pod maps.
-const MaxPods = maxPods
-
 // slotAllocator hands out indexes into ae_pod_meta and ae_stats.
 type slotAllocator struct {
-	used [maxPods]bool
+	used [bpfobj.MaxPods]bool
 	next uint32
 }
 
 func (s *slotAllocator) alloc() (uint32, bool) {
-	for i := uint32(0); i < maxPods; i++ {
-		slot := (s.next + i) % maxPods
+	for i := uint32(0); i < bpfobj.MaxPods; i++ {
+		slot := (s.next + i) % bpfobj.MaxPods
 		if !s.used[slot] {
 			s.used[slot] = true
 			s.next = slot + 1
@@ -661,13 +647,13 @@ func (s *slotAllocator) alloc() (uint32, bool) {
 }
 
 func (s *slotAllocator) take(slot uint32) {
-	if slot < maxPods {
+	if slot < bpfobj.MaxPods {
 		s.used[slot] = true
 	}
 }
 
 func (s *slotAllocator) release(slot uint32) {
-	if slot < maxPods {
+	if slot < bpfobj.MaxPods {
 		s.used[slot] = false
 	}
 }

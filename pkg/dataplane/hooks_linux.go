@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
 // Read-only views of the hooks the data path shares with other software,
@@ -171,7 +172,7 @@ func (p *Pinned) TCHooks(nodeNetns string) ([]TCHook, error) {
 	}
 	var out []TCHook
 	for _, st := range pods {
-		if st.journal != metaEnrolled {
+		if st.journal != bpfobj.MetaEnrolled {
 			continue
 		}
 		dir := podDir(Config{BPFFSDir: p.dir}, st.UID)

@@ -28,7 +28,7 @@ func readPods(m *bpfobj.SockMaps) ([]*podState, error) {
 	)
 	it := m.AePodMeta.Iterate()
 	for it.Next(&slot, &meta) {
-		if meta.State == metaFree {
+		if meta.State == bpfobj.MetaFree {
 			continue
 		}
 		bySlot[slot] = &podState{EnrolledPod: EnrolledPod{
@@ -73,7 +73,7 @@ func readPods(m *bpfobj.SockMaps) ([]*podState, error) {
 		for _, a := range []struct {
 			flag uint32
 			addr bpfobj.SockAeAddr
-		}{{flagHasV4, ns.Ip4}, {flagHasV6, ns.Ip6}} {
+		}{{bpfobj.FlagHasV4, ns.Ip4}, {bpfobj.FlagHasV6, ns.Ip6}} {
 			if ip := bpfobj.Addr(a.addr); ns.Flags&a.flag != 0 && !slices.Contains(st.IPs, ip) {
 				st.IPs = append(st.IPs, ip)
 			}
@@ -94,7 +94,7 @@ func readPods(m *bpfobj.SockMaps) ([]*podState, error) {
 	out := make([]*podState, 0, len(bySlot))
 	for _, st := range bySlot {
 		slices.SortFunc(st.IPs, func(a, b netip.Addr) int { return a.Compare(b) })
-		if st.journal == metaEnrolled {
+		if st.journal == bpfobj.MetaEnrolled {
 			st.Problem = problem(m, st, nameOf)
 		}
 		out = append(out, st)
@@ -166,7 +166,7 @@ func (p *Pinned) Pods() ([]EnrolledPod, error) {
 	}
 	out := make([]EnrolledPod, 0, len(states))
 	for _, st := range states {
-		if st.journal == metaEnrolled {
+		if st.journal == bpfobj.MetaEnrolled {
 			out = append(out, st.EnrolledPod)
 		}
 	}
@@ -275,10 +275,10 @@ func (p *Pinned) Dump() (*MapDump, error) {
 	nit := p.maps.AeNetns.Iterate()
 	for nit.Next(&cookie, &ns) {
 		e := NetnsEntry{NetnsCookie: cookie, Pod: names[ns.Slot], Slot: ns.Slot, Options: optionsFromFlags(ns.Flags)}
-		if ns.Flags&flagHasV4 != 0 {
+		if ns.Flags&bpfobj.FlagHasV4 != 0 {
 			e.IPv4 = bpfobj.Addr(ns.Ip4)
 		}
-		if ns.Flags&flagHasV6 != 0 {
+		if ns.Flags&bpfobj.FlagHasV6 != 0 {
 			e.IPv6 = bpfobj.Addr(ns.Ip6)
 		}
 		d.Netns = append(d.Netns, e)

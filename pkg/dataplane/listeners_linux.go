@@ -69,7 +69,7 @@ func (d *Dataplane) fileExistingListeners(path string, cookie uint64) error {
 	// only walks the listening hash (under 0.2 ms with the netns switch).
 	// Nearly every enrolment finds none: ztunnel is handed a pod after it.
 	var listening bool
-	if err := inNetns(path, func() (err error) { listening, err = listeningOn(DefaultInboundPort); return err }); err != nil {
+	if err := inNetns(path, func() (err error) { listening, err = listeningOn(bpfobj.DefaultInboundPort); return err }); err != nil {
 		return fmt.Errorf("look for ztunnel's listeners in the pod netns: %w", err)
 	}
 	if !listening {
@@ -100,7 +100,7 @@ func (d *Dataplane) fileExistingListeners(path string, cookie uint64) error {
 // netns is in ae_listeners.
 func listenerFiled(m *bpfobj.SockMaps, cookie uint64) (bool, error) {
 	for i := range uint16(listenerSlots) {
-		key := bpfobj.SockListenerKey{NetnsCookie: cookie, Port: DefaultInboundPort, Idx: i}
+		key := bpfobj.SockListenerKey{NetnsCookie: cookie, Port: bpfobj.DefaultInboundPort, Idx: i}
 		var v uint64
 		err := m.AeListeners.Lookup(&key, &v)
 		if err == nil {

@@ -80,13 +80,6 @@ type Stats struct {
 	ProbeNATFull      uint64 `json:"probeNatFull"`
 }
 
-const (
-	flagHasV4         = 1 << 0
-	flagHasV6         = 1 << 1
-	flagBypassInbound = 1 << 2
-	flagDNSCapture    = 1 << 3
-)
-
 // validate refuses a pod the data path cannot represent, or whose
 // identity could reach a path: the UID names the pod's pin directory, and
 // interface names name pins too. The entry points (CNI, informers, the pod
@@ -166,7 +159,7 @@ func safeText(s string, max int) bool {
 
 func (p *Pod) normalize() {
 	if p.Interface == "" {
-		p.Interface = DefaultInterface
+		p.Interface = bpfobj.DefaultInterface
 	}
 	for i, ip := range p.IPs {
 		p.IPs[i] = ip.Unmap()
@@ -180,12 +173,12 @@ func (p *Pod) netnsInfo(slot uint32) bpfobj.SockNetnsInfo {
 	info := bpfobj.SockNetnsInfo{Slot: slot, Flags: p.flags()}
 	for _, ip := range p.IPs {
 		switch {
-		case ip.Is4() && info.Flags&flagHasV4 == 0:
+		case ip.Is4() && info.Flags&bpfobj.FlagHasV4 == 0:
 			info.Ip4.B = ip.As16()
-			info.Flags |= flagHasV4
-		case ip.Is6() && info.Flags&flagHasV6 == 0:
+			info.Flags |= bpfobj.FlagHasV4
+		case ip.Is6() && info.Flags&bpfobj.FlagHasV6 == 0:
 			info.Ip6.B = ip.As16()
-			info.Flags |= flagHasV6
+			info.Flags |= bpfobj.FlagHasV6
 		}
 	}
 	return info
@@ -194,16 +187,16 @@ func (p *Pod) netnsInfo(slot uint32) bpfobj.SockNetnsInfo {
 func (p *Pod) flags() uint32 {
 	var f uint32
 	if p.Options.BypassInbound {
-		f |= flagBypassInbound
+		f |= bpfobj.FlagBypassInbound
 	}
 	if p.Options.DNSCapture {
-		f |= flagDNSCapture
+		f |= bpfobj.FlagDNSCapture
 	}
 	return f
 }
 
 func optionsFromFlags(f uint32) Options {
-	return Options{BypassInbound: f&flagBypassInbound != 0, DNSCapture: f&flagDNSCapture != 0}
+	return Options{BypassInbound: f&bpfobj.FlagBypassInbound != 0, DNSCapture: f&bpfobj.FlagDNSCapture != 0}
 }
 
 func (p *Pod) hasV6() bool {

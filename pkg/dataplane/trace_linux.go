@@ -28,9 +28,6 @@ import (
 // pin directory for as long as it traces, and sets the flag only while
 // it holds it.
 
-// traceFlagMap is the pin name of ae_tracing's data section under maps/.
-const traceFlagMap = "ae_tracing"
-
 // ErrTraceBusy is returned by OpenTracer while another tracer reads the
 // events (the agent streams them to any number of clients: ask it).
 var ErrTraceBusy = errors.New("another tracer is reading this data path's events")
@@ -44,7 +41,7 @@ func pinTraceFlag(spec *ebpf.CollectionSpec, v *ebpf.VariableSpec, on uint32) er
 	if ms == nil {
 		return fmt.Errorf("no map holds section %s", v.SectionName)
 	}
-	ms.Name = traceFlagMap
+	ms.Name = bpfobj.TraceFlagMap
 	ms.Pinning = ebpf.PinByName
 	return v.Set(on)
 }
@@ -59,7 +56,7 @@ func traceFlagAtLoad(cfg Config) uint32 {
 		lock.Close()
 		return 0
 	}
-	flag, err := ebpf.LoadPinnedMap(filepath.Join(mapsDir(cfg), traceFlagMap), nil)
+	flag, err := ebpf.LoadPinnedMap(filepath.Join(mapsDir(cfg), bpfobj.TraceFlagMap), nil)
 	if err != nil {
 		return 0
 	}
@@ -91,14 +88,14 @@ func lockTrace(bpffsDir string) (*os.File, error) {
 // died, and every decision pays for an event nobody reads until the next
 // tracer or agent start switches it off.
 func TraceState(bpffsDir string) (on, held bool, err error) {
-	flag, err := ebpf.LoadPinnedMap(filepath.Join(bpffsDir, "maps", traceFlagMap), &ebpf.LoadPinOptions{ReadOnly: true})
+	flag, err := ebpf.LoadPinnedMap(filepath.Join(bpffsDir, "maps", bpfobj.TraceFlagMap), &ebpf.LoadPinOptions{ReadOnly: true})
 	if err != nil {
-		return false, false, fmt.Errorf("open %s: %w", traceFlagMap, err)
+		return false, false, fmt.Errorf("open %s: %w", bpfobj.TraceFlagMap, err)
 	}
 	defer flag.Close()
 	var v uint32
 	if err := flag.Lookup(uint32(0), &v); err != nil {
-		return false, false, fmt.Errorf("read %s: %w", traceFlagMap, err)
+		return false, false, fmt.Errorf("read %s: %w", bpfobj.TraceFlagMap, err)
 	}
 	lock, err := lockTrace(bpffsDir)
 	if errors.Is(err, ErrTraceBusy) {
@@ -174,8 +171,8 @@ func OpenTracer(bpffsDir string) (_ *Tracer, err error) {
 		return nil, err
 	}
 	dir := filepath.Join(bpffsDir, "maps")
-	if t.flag, err = ebpf.LoadPinnedMap(filepath.Join(dir, traceFlagMap), nil); err != nil {
-		return nil, fmt.Errorf("open %s: %w (a data path from before tracing: restart the agent)", filepath.Join(dir, traceFlagMap), err)
+	if t.flag, err = ebpf.LoadPinnedMap(filepath.Join(dir, bpfobj.TraceFlagMap), nil); err != nil {
+		return nil, fmt.Errorf("open %s: %w (a data path from before tracing: restart the agent)", filepath.Join(dir, bpfobj.TraceFlagMap), err)
 	}
 	// A writable handle: the reader advances the ring's consumer position.
 	if t.ring, err = ebpf.LoadPinnedMap(filepath.Join(dir, bpfobj.SockMapAeTrace), nil); err != nil {
@@ -260,14 +257,14 @@ func (t *Tracer) decode(raw *bpfobj.SockAeEvent) Event {
 // podName names the pod in a slot, checked against the event's netns
 // cookie where it has one (a slot is reused after its pod left).
 func (t *Tracer) podName(slot uint32, cookie uint64) string {
-	if slot >= maxPods {
+	if slot >= bpfobj.MaxPods {
 		return ""
 	}
 	if n, ok := t.names[slot]; ok && (cookie == 0 || n.cookie == cookie) {
 		return n.name
 	}
 	var meta bpfobj.SockPodMeta
-	if err := t.p.maps.AePodMeta.Lookup(slot, &meta); err != nil || meta.State == metaFree {
+	if err := t.p.maps.AePodMeta.Lookup(slot, &meta); err != nil || meta.State == bpfobj.MetaFree {
 		return ""
 	}
 	n := slotName{cookie: meta.NetnsCookie, name: bpfobj.GoString(meta.Namespace[:]) + "/" + bpfobj.GoString(meta.Name[:])}
@@ -349,13 +346,10 @@ type Decisions struct {
 	Lost uint64 `json:"lostEvents"`
 }
 
-// aeTraceLost is AE_TRACE_LOST in bpf/common.h: the last ae_decisions slot.
-const aeTraceLost = 31
-
 func readDecisions(m *bpfobj.SockMaps) (Decisions, error) {
 	d := Decisions{ByReason: map[Reason]uint64{}}
 	perCPU := make([]uint64, ebpf.MustPossibleCPU())
-	for _, r := range append(Reasons(), Reason(aeTraceLost)) {
+	for _, r := range append(Reasons(), Reason(bpfobj.TraceLost)) {
 		if err := m.AeDecisions.Lookup(uint32(r), &perCPU); err != nil {
 			return d, fmt.Errorf("read ae_decisions: %w", err)
 		}
@@ -363,7 +357,7 @@ func readDecisions(m *bpfobj.SockMaps) (Decisions, error) {
 		for _, v := range perCPU {
 			n += v
 		}
-		if r == aeTraceLost {
+		if r == bpfobj.TraceLost {
 			d.Lost = n
 		} else {
 			d.ByReason[r] = n

@@ -41,14 +41,14 @@ func TestReasonsAreTheProgramsEnum(t *testing.T) {
 			t.Errorf("%s says no decision, row or text", r)
 		}
 	}
-	if aeTraceLost < int(reasonCount) {
-		t.Errorf("the lost-events slot %d is a reason's", aeTraceLost)
+	if bpfobj.TraceLost < int(reasonCount) {
+		t.Errorf("the lost-events slot %d is a reason's", bpfobj.TraceLost)
 	}
 }
 
 func traceFlag(t *testing.T, n *simnode.Node) uint32 {
 	t.Helper()
-	m, err := ebpf.LoadPinnedMap(filepath.Join(n.BPFFSDir, "maps", traceFlagMap), nil)
+	m, err := ebpf.LoadPinnedMap(filepath.Join(n.BPFFSDir, "maps", bpfobj.TraceFlagMap), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,7 +62,7 @@ func traceFlag(t *testing.T, n *simnode.Node) uint32 {
 
 func setTraceFlag(t *testing.T, n *simnode.Node, on uint32) {
 	t.Helper()
-	m, err := ebpf.LoadPinnedMap(filepath.Join(n.BPFFSDir, "maps", traceFlagMap), nil)
+	m, err := ebpf.LoadPinnedMap(filepath.Join(n.BPFFSDir, "maps", bpfobj.TraceFlagMap), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

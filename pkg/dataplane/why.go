@@ -90,14 +90,14 @@ func readNodeConfig(m *bpfobj.SockMaps) nodeConfig {
 	var c bpfobj.SockAeConfig
 	if err := m.AeNodeCfg.Lookup(uint32(0), &c); err != nil || c.OutboundPort == 0 {
 		// Pins of an agent that did not write it: the contract's defaults.
-		c = (&Config{ProbeV4: DefaultProbeV4, ProbeV6: DefaultProbeV6}).bpfConfig()
-		c.Flags = flagSkLookupIfindex | flagNetnsCookieSockops | flagNetnsCookieSockopt
+		c = (&Config{ProbeV4: bpfobj.DefaultProbeV4, ProbeV6: bpfobj.DefaultProbeV6}).bpfConfig()
+		c.Flags = bpfobj.CfgSkLookupIfindex | bpfobj.CfgNetnsCookieSockops | bpfobj.CfgNetnsCookieSockopt
 	}
 	return nodeConfig{
 		mark: c.ZtunnelMark, mask: c.MarkMask, outbound: c.OutboundPort, inbound: c.InboundPort, hbone: c.HbonePort, dns: c.DnsPort,
 		probe4: bpfobj.Addr(c.ProbeV4), probe6: netip.AddrFrom16(c.ProbeV6.B),
-		skLookupInbound: c.Flags&flagSkLookupIfindex != 0, reuseport: c.Flags&flagSkAssignReuseport != 0,
-		netnsCookieSockops: c.Flags&flagNetnsCookieSockops != 0, sockopt: c.Flags&flagNetnsCookieSockopt != 0,
+		skLookupInbound: c.Flags&bpfobj.CfgSkLookupIfindex != 0, reuseport: c.Flags&bpfobj.CfgSkAssignReuseport != 0,
+		netnsCookieSockops: c.Flags&bpfobj.CfgNetnsCookieSockops != 0, sockopt: c.Flags&bpfobj.CfgNetnsCookieSockopt != 0,
 	}
 }
 
@@ -121,7 +121,7 @@ func (p *Pinned) Why(q Query) (*Answer, error) {
 	}
 	w := &why{cfg: readNodeConfig(&p.maps), byName: map[string]*podState{}, byIP: map[netip.Addr]*podState{}, listening: map[uint64]bool{}}
 	for _, st := range pods {
-		if st.journal != metaEnrolled {
+		if st.journal != bpfobj.MetaEnrolled {
 			continue
 		}
 		pinnedPod(podDir(Config{BPFFSDir: p.dir}, st.UID), st) // its virtual interfaces, from its pins

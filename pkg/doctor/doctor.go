@@ -17,6 +17,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
 
@@ -56,7 +57,7 @@ func (r *Report) Failed() bool { return r.Counts[Fail] > 0 }
 
 // Config says where to look; the defaults are a node's.
 type Config struct {
-	// BPFFSDir is the data path's pin directory (dataplane.DefaultBPFFSDir).
+	// BPFFSDir is the data path's pin directory (bpfobj.DefaultBPFFSDir).
 	BPFFSDir string
 	// CgroupRoot is the agent's --cgroup-root; empty: the cgroup2 mount.
 	CgroupRoot string
@@ -77,7 +78,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.BPFFSDir == "" {
-		c.BPFFSDir = dataplane.DefaultBPFFSDir
+		c.BPFFSDir = bpfobj.DefaultBPFFSDir
 	}
 	if c.CNIConfDir == "" {
 		c.CNIConfDir = "/etc/cni/net.d"

@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 )
 
@@ -38,11 +38,11 @@ func TestAgentWeighsItsOpenFileLimit(t *testing.T) {
 		t.Errorf("a refused agent left pins: %v", err)
 	}
 
-	short := fdlimit.Need(dataplane.MaxPods) / 2
+	short := fdlimit.Need(bpfobj.MaxPods) / 2
 	n.Wrapper = []string{"prlimit", fmt.Sprintf("--nofile=%d:%d", fdlimit.Base, short), "--"}
 	n.StartReadyAgent(t, "--uninstall-on-exit")
 	out = n.Agent.Output.String()
-	for _, want := range []string{fmt.Sprintf("RLIMIT_NOFILE is %d (hard %d)", short, short), fmt.Sprintf("below the %d descriptors", fdlimit.Need(dataplane.MaxPods)), "LimitNOFILE"} {
+	for _, want := range []string{fmt.Sprintf("RLIMIT_NOFILE is %d (hard %d)", short, short), fmt.Sprintf("below the %d descriptors", fdlimit.Need(bpfobj.MaxPods)), "LimitNOFILE"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("warning does not say %q:\n%s", want, out)
 		}

@@ -1,0 +1,60 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package bpfobj
+
+import "net/netip"
+
+// The #define constants of bpf/common.h, copied by hand (bpf2go generates
+// types and enums, not macros); TestConstantsMatchCommonH in package
+// dataplane holds them to the C side.
+const (
+	// ae_pods and ae_netns flags (AE_F_*).
+	FlagHasV4         = 1 << 0
+	FlagHasV6         = 1 << 1
+	FlagBypassInbound = 1 << 2
+	FlagDNSCapture    = 1 << 3
+
+	// ae_cfg.flags bits (AE_CFG_*).
+	CfgNetnsCookieSockops = 1 << 0
+	CfgNetnsCookieSockopt = 1 << 1
+	CfgSkAssignReuseport  = 1 << 2
+	CfgSkLookupIfindex    = 1 << 3
+
+	// Journal states of a pod's ae_pod_meta slot (AE_META_*).
+	MetaFree      = 0
+	MetaEnrolled  = 1
+	MetaEnrolling = 2
+	MetaRemoving  = 3
+
+	// MaxPods is how many pods the data path can enrol: AE_MAX_PODS, the
+	// size of its per-pod maps.
+	MaxPods = 8192
+
+	// TraceLost is AE_TRACE_LOST: the last ae_decisions slot, counting
+	// trace events dropped because the ring was full.
+	TraceLost = 31
+)
+
+// Defaults of the ambient contract: what the agent configures unless told
+// otherwise, and what a reader assumes of pins that do not say.
+const (
+	DefaultBPFFSDir     = "/sys/fs/bpf/ambient-ebpf"
+	DefaultZtunnelMark  = 0x539
+	DefaultMarkMask     = 0xfff
+	DefaultOutboundPort = 15001
+	DefaultInboundPort  = 15006
+	DefaultHBONEPort    = 15008
+	DefaultDNSPort      = 15053
+	DefaultInterface    = "eth0"
+)
+
+// Default host-probe SNAT addresses (contract section 1).
+var (
+	DefaultProbeV4 = netip.MustParseAddr("169.254.7.127")
+	DefaultProbeV6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
+)
+
+// TraceFlagMap is the pin name, under maps/, of the data section holding
+// ae_tracing (bpf/trace.h): the flag that switches trace events on.
+const TraceFlagMap = "ae_tracing"
