@@ -7,7 +7,7 @@ import (
 	"context"
 	"time"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 )
 
 // listenerResyncInterval is how often the agent files the inbound
@@ -17,7 +17,7 @@ const listenerResyncInterval = 30 * time.Second
 
 // listenerResyncer is the data path's side (*dataplane.Dataplane).
 type listenerResyncer interface {
-	ResyncListeners(ctx context.Context) (dataplane.ListenerStatus, error)
+	ResyncListeners(ctx context.Context) (inspect.ListenerStatus, error)
 }
 
 // resyncListeners runs dp's listener resync at start and then every

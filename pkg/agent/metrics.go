@@ -13,7 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/takeover"
@@ -152,8 +152,8 @@ func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 	return m
 }
 
-// observeListeners records a listener resync (dataplane.ListenerStatus).
-func (m *metrics) observeListeners(st dataplane.ListenerStatus) {
+// observeListeners records a listener resync (inspect.ListenerStatus).
+func (m *metrics) observeListeners(st inspect.ListenerStatus) {
 	m.noListener.Set(float64(len(st.Missing)))
 	m.listenerEntries.Set(float64(st.Entries))
 	m.refiled.Add(float64(st.Refiled))
@@ -184,29 +184,29 @@ func (m *metrics) observeCNI(method string, code codes.Code) {
 // bpfKind is one counter of a pod's ae_stats entry.
 type bpfKind struct {
 	name string
-	get  func(dataplane.Stats) uint64
+	get  func(inspect.Stats) uint64
 }
 
 // The ae_stats counters: redirections, and the errors the programs met.
 var (
 	redirectKinds = []bpfKind{
-		{"outbound", func(s dataplane.Stats) uint64 { return s.OutboundRedirects }},
-		{"inbound", func(s dataplane.Stats) uint64 { return s.InboundRedirects }},
-		{"dns", func(s dataplane.Stats) uint64 { return s.DNSRedirects }},
-		{"reroute", func(s dataplane.Stats) uint64 { return s.RerouteRedirects }},
-		{"probe_snat", func(s dataplane.Stats) uint64 { return s.ProbeSNAT }},
+		{"outbound", func(s inspect.Stats) uint64 { return s.OutboundRedirects }},
+		{"inbound", func(s inspect.Stats) uint64 { return s.InboundRedirects }},
+		{"dns", func(s inspect.Stats) uint64 { return s.DNSRedirects }},
+		{"reroute", func(s inspect.Stats) uint64 { return s.RerouteRedirects }},
+		{"probe_snat", func(s inspect.Stats) uint64 { return s.ProbeSNAT }},
 	}
 	errorKinds = []bpfKind{
-		{"inbound_no_listener", func(s dataplane.Stats) uint64 { return s.InboundNoListener }},
-		{"orig_dst_error", func(s dataplane.Stats) uint64 { return s.OrigDstErrors }},
-		{"probe_table_full", func(s dataplane.Stats) uint64 { return s.ProbeNATFull }},
+		{"inbound_no_listener", func(s inspect.Stats) uint64 { return s.InboundNoListener }},
+		{"orig_dst_error", func(s inspect.Stats) uint64 { return s.OrigDstErrors }},
+		{"probe_table_full", func(s inspect.Stats) uint64 { return s.ProbeNATFull }},
 	}
 )
 
 // statsSource is where the BPF counters are read: the data path.
 type statsSource interface {
-	List() []dataplane.EnrolledPod
-	Stats(uid string) (dataplane.Stats, error)
+	List() []inspect.EnrolledPod
+	Stats(uid string) (inspect.Stats, error)
 }
 
 // bpfCollector reads the per-pod BPF counters (ae_stats) at scrape time.
@@ -279,7 +279,7 @@ func (c *bpfCollector) Collect(ch chan<- prometheus.Metric) {
 	for k, v := range c.retired {
 		totals[k] = v
 	}
-	var pods []dataplane.EnrolledPod
+	var pods []inspect.EnrolledPod
 	if c.src != nil {
 		pods = c.src.List()
 	}
@@ -330,7 +330,7 @@ type decisionCollector struct {
 
 // decisionSource is the data path's side (*dataplane.Dataplane).
 type decisionSource interface {
-	Decisions() (dataplane.Decisions, error)
+	Decisions() (inspect.Decisions, error)
 }
 
 func newDecisionCollector() *decisionCollector {
@@ -358,15 +358,15 @@ func (c *decisionCollector) Collect(ch chan<- prometheus.Metric) {
 	c.mu.Lock()
 	src := c.src
 	c.mu.Unlock()
-	var d dataplane.Decisions
+	var d inspect.Decisions
 	if src != nil {
 		var err error
 		if d, err = src.Decisions(); err != nil {
 			return
 		}
 	}
-	for _, r := range dataplane.Reasons() {
-		if r == dataplane.ReasonForwarded || r == dataplane.ReasonNotEnrolled {
+	for _, r := range inspect.Reasons() {
+		if r == inspect.ReasonForwarded || r == inspect.ReasonNotEnrolled {
 			continue // traced, never counted
 		}
 		ch <- prometheus.MustNewConstMetric(c.decisions, prometheus.CounterValue, float64(d.ByReason[r]), r.Decision().String(), r.String(), r.Row())

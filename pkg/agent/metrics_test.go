@@ -17,7 +17,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc/codes"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 )
 
@@ -79,17 +79,17 @@ func readMetricsDoc(t *testing.T) map[string]docMetric {
 // fakeStats is a data path with pods and their counters.
 type fakeStats struct {
 	mu    sync.Mutex
-	pods  []dataplane.EnrolledPod
-	stats map[string]dataplane.Stats
+	pods  []inspect.EnrolledPod
+	stats map[string]inspect.Stats
 }
 
-func (f *fakeStats) List() []dataplane.EnrolledPod {
+func (f *fakeStats) List() []inspect.EnrolledPod {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return slices.Clone(f.pods)
 }
 
-func (f *fakeStats) Stats(uid string) (dataplane.Stats, error) {
+func (f *fakeStats) Stats(uid string) (inspect.Stats, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	s, ok := f.stats[uid]
@@ -102,14 +102,14 @@ func (f *fakeStats) Stats(uid string) (dataplane.Stats, error) {
 func (f *fakeStats) remove(uid string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.pods = slices.DeleteFunc(f.pods, func(p dataplane.EnrolledPod) bool { return p.UID == uid })
+	f.pods = slices.DeleteFunc(f.pods, func(p inspect.EnrolledPod) bool { return p.UID == uid })
 	delete(f.stats, uid)
 }
 
 func onePod() *fakeStats {
 	return &fakeStats{
-		pods:  []dataplane.EnrolledPod{{UID: "u1", Namespace: "shop", Name: "web"}},
-		stats: map[string]dataplane.Stats{"u1": {OutboundRedirects: 3, InboundRedirects: 2, DNSRedirects: 1, InboundNoListener: 1}},
+		pods:  []inspect.EnrolledPod{{UID: "u1", Namespace: "shop", Name: "web"}},
+		stats: map[string]inspect.Stats{"u1": {OutboundRedirects: 3, InboundRedirects: 2, DNSRedirects: 1, InboundNoListener: 1}},
 	}
 }
 

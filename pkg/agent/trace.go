@@ -17,7 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 )
 
 // traceHub shares the data path's one event reader among the inspection
@@ -34,15 +34,15 @@ type traceHub struct {
 	log     *slog.Logger
 
 	mu     sync.Mutex
-	tracer *dataplane.Tracer
+	tracer *inspect.Tracer
 	subs   map[*traceSub]struct{}
-	past   []dataplane.Event // oldest first, within history, at most maxHistory
+	past   []inspect.Event // oldest first, within history, at most maxHistory
 }
 
 // traceSub is one client's share.
 type traceSub struct {
 	pod     string // namespace/name; empty: every event
-	ch      chan dataplane.Event
+	ch      chan inspect.Event
 	dropped uint64 // events the client was too slow for, under traceHub.mu
 }
 
@@ -93,7 +93,7 @@ func (h *traceHub) openLocked() error {
 	if h.tracer != nil {
 		return nil
 	}
-	t, err := dataplane.OpenTracer(h.bpffs)
+	t, err := inspect.OpenTracer(h.bpffs)
 	if err != nil {
 		return err
 	}
@@ -118,7 +118,7 @@ func (h *traceHub) closeLocked() {
 // events from then on (for the client's pod): taken under the same lock
 // that adds the client, so the replay and the live events neither miss
 // nor repeat one.
-func (h *traceHub) subscribe(pod string, since time.Time) (*traceSub, []dataplane.Event, error) {
+func (h *traceHub) subscribe(pod string, since time.Time) (*traceSub, []inspect.Event, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if !since.IsZero() && h.history <= 0 {
@@ -130,7 +130,7 @@ func (h *traceHub) subscribe(pod string, since time.Time) (*traceSub, []dataplan
 		}
 		h.log.Info("tracing on", "clients", 1)
 	}
-	var replay []dataplane.Event
+	var replay []inspect.Event
 	if !since.IsZero() {
 		for _, e := range h.past {
 			if !e.Time.Before(since) && (pod == "" || e.Pod == pod) {
@@ -138,7 +138,7 @@ func (h *traceHub) subscribe(pod string, since time.Time) (*traceSub, []dataplan
 			}
 		}
 	}
-	s := &traceSub{pod: pod, ch: make(chan dataplane.Event, traceBuffer)}
+	s := &traceSub{pod: pod, ch: make(chan inspect.Event, traceBuffer)}
 	h.subs[s] = struct{}{}
 	return s, replay, nil
 }
@@ -155,7 +155,7 @@ func (h *traceHub) unsubscribe(s *traceSub) {
 // remember adds e to the history and drops what fell out of the window.
 // Reslicing drops the front without copying; append copies only the live
 // events when it grows the array. Under h.mu.
-func (h *traceHub) remember(e dataplane.Event) {
+func (h *traceHub) remember(e inspect.Event) {
 	if h.history <= 0 {
 		return
 	}
@@ -178,7 +178,7 @@ func (h *traceHub) takeDropped(s *traceSub) uint64 {
 }
 
 // pump hands t's events to the clients until t is closed.
-func (h *traceHub) pump(t *dataplane.Tracer) {
+func (h *traceHub) pump(t *inspect.Tracer) {
 	for {
 		e, err := t.Read()
 		if err != nil {
@@ -206,7 +206,7 @@ func (h *traceHub) pump(t *dataplane.Tracer) {
 // Trace streams decisions to one client.
 func (i *inspector) Trace(req *inspectv1.TraceRequest, stream inspectv1.Inspect_TraceServer) error {
 	if req.Pod != "" && !i.enrolled(req.Pod) {
-		return status.Errorf(codes.NotFound, "pod %s: %v", req.Pod, dataplane.ErrUnknownPod)
+		return status.Errorf(codes.NotFound, "pod %s: %v", req.Pod, inspect.ErrUnknownPod)
 	}
 	var since time.Time
 	if req.SinceUnixNano != 0 {
@@ -216,7 +216,7 @@ func (i *inspector) Trace(req *inspectv1.TraceRequest, stream inspectv1.Inspect_
 	if errors.Is(err, errNoHistory) {
 		return status.Error(codes.FailedPrecondition, err.Error())
 	}
-	if errors.Is(err, dataplane.ErrTraceBusy) {
+	if errors.Is(err, inspect.ErrTraceBusy) {
 		return status.Errorf(codes.FailedPrecondition, "%v: an `ambient-ebpf trace --pins` reads the events directly", err)
 	}
 	if err != nil {
@@ -255,7 +255,7 @@ func (i *inspector) enrolled(pod string) bool {
 	return false
 }
 
-func traceEventProto(e dataplane.Event) *inspectv1.TraceEvent {
+func traceEventProto(e inspect.Event) *inspectv1.TraceEvent {
 	return &inspectv1.TraceEvent{
 		TimeUnixNano: e.Time.UnixNano(), Pod: e.Pod, NetnsCookie: e.NetnsCookie, Hook: e.Hook.String(), Proto: e.Proto,
 		Src: addrPortString(e.Src), Dst: addrPortString(e.Dst), Decision: e.Decision.String(), Reason: e.Reason.String(),

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 )
 
 // The history keeps the window by time and by count, oldest first, and
@@ -20,7 +20,7 @@ func TestTraceHistoryKeepsTheWindow(t *testing.T) {
 	h := newTraceHub(t.TempDir(), time.Minute, log)
 	now := time.Now()
 	for _, age := range []time.Duration{3 * time.Minute, 2 * time.Minute, 30 * time.Second, time.Second} {
-		h.remember(dataplane.Event{Time: now.Add(-age), Pod: age.String()})
+		h.remember(inspect.Event{Time: now.Add(-age), Pod: age.String()})
 	}
 	var got []string
 	for _, e := range h.past {
@@ -30,7 +30,7 @@ func TestTraceHistoryKeepsTheWindow(t *testing.T) {
 		t.Errorf("history after events 3m, 2m, 30s and 1s old with a 1m window: %v, want [30s 1s]", got)
 	}
 	for range maxHistory + 10 {
-		h.remember(dataplane.Event{Time: now})
+		h.remember(inspect.Event{Time: now})
 	}
 	if len(h.past) != maxHistory {
 		t.Errorf("history holds %d events, want at most %d", len(h.past), maxHistory)
@@ -40,7 +40,7 @@ func TestTraceHistoryKeepsTheWindow(t *testing.T) {
 	if _, _, err := off.subscribe("", now.Add(-time.Minute)); !errors.Is(err, errNoHistory) {
 		t.Errorf("replay from a hub without history: %v, want errNoHistory", err)
 	}
-	off.remember(dataplane.Event{Time: now})
+	off.remember(inspect.Event{Time: now})
 	if len(off.past) != 0 {
 		t.Error("a hub without history kept an event")
 	}

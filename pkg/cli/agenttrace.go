@@ -18,7 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 )
 
 // errAgentDown says no agent answers on the inspection socket.
@@ -92,7 +92,7 @@ func traceRequest(pod string, since time.Time) *inspectv1.TraceRequest {
 	return r
 }
 
-func (s *agentStream) Read() (dataplane.Event, error) {
+func (s *agentStream) Read() (inspect.Event, error) {
 	pe, err := s.stream.Recv()
 	if err != nil {
 		s.mu.Lock()
@@ -101,12 +101,12 @@ func (s *agentStream) Read() (dataplane.Event, error) {
 		// The client's own end (--duration, interrupt) may reach the agent
 		// first, which then ends or resets the stream: over, not failed.
 		if closed || s.ctx.Err() != nil || status.Code(err) == codes.Canceled || errors.Is(err, io.EOF) {
-			return dataplane.Event{}, fmt.Errorf("trace through the agent: %w", os.ErrClosed)
+			return inspect.Event{}, fmt.Errorf("trace through the agent: %w", os.ErrClosed)
 		}
 		if st, ok := status.FromError(err); ok && st.Code() != codes.Unknown {
-			return dataplane.Event{}, fmt.Errorf("trace through the agent: %s", st.Message())
+			return inspect.Event{}, fmt.Errorf("trace through the agent: %s", st.Message())
 		}
-		return dataplane.Event{}, fmt.Errorf("trace through the agent: %w", err)
+		return inspect.Event{}, fmt.Errorf("trace through the agent: %w", err)
 	}
 	s.mu.Lock()
 	s.dropped += pe.Dropped
@@ -132,8 +132,8 @@ func (s *agentStream) Close() error {
 	return nil
 }
 
-func eventFromProto(pe *inspectv1.TraceEvent) (dataplane.Event, error) {
-	e := dataplane.Event{Time: time.Unix(0, pe.TimeUnixNano), Pod: pe.Pod, NetnsCookie: pe.NetnsCookie, Proto: pe.Proto, Row: pe.Row}
+func eventFromProto(pe *inspectv1.TraceEvent) (inspect.Event, error) {
+	e := inspect.Event{Time: time.Unix(0, pe.TimeUnixNano), Pod: pe.Pod, NetnsCookie: pe.NetnsCookie, Proto: pe.Proto, Row: pe.Row}
 	var errs []error
 	errs = append(errs, e.Hook.UnmarshalText([]byte(pe.Hook)), e.Decision.UnmarshalText([]byte(pe.Decision)), e.Reason.UnmarshalText([]byte(pe.Reason)))
 	for _, f := range []struct {

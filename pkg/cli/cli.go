@@ -18,8 +18,8 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 )
 
 // options are the flags every command shares.
@@ -55,7 +55,7 @@ func NewCommand(out io.Writer) *cobra.Command {
 
 // pinnedCommand is a command that reads the pins: it opens them, hands
 // them to run and closes them.
-func pinnedCommand(o *options, use, short string, run func(cmd *cobra.Command, p *dataplane.Pinned) error) *cobra.Command {
+func pinnedCommand(o *options, use, short string, run func(cmd *cobra.Command, p *inspect.Pinned) error) *cobra.Command {
 	return &cobra.Command{
 		Use:   use,
 		Short: short,
@@ -71,9 +71,9 @@ func pinnedCommand(o *options, use, short string, run func(cmd *cobra.Command, p
 	}
 }
 
-func (o *options) open() (*dataplane.Pinned, error) {
-	p, err := dataplane.OpenPinned(o.bpffs)
-	if errors.Is(err, dataplane.ErrNotInstalled) {
+func (o *options) open() (*inspect.Pinned, error) {
+	p, err := inspect.OpenPinned(o.bpffs)
+	if errors.Is(err, inspect.ErrNotInstalled) {
 		return nil, fmt.Errorf("%w (is the agent installed on this node? see --bpffs)", err)
 	}
 	return p, err
@@ -106,7 +106,7 @@ func joinAddrs(ips []netip.Addr) string {
 	return strings.Join(s, ",")
 }
 
-func optionString(o dataplane.Options) string {
+func optionString(o inspect.Options) string {
 	var s []string
 	if o.BypassInbound {
 		s = append(s, "ingress-mode")
@@ -125,7 +125,7 @@ func optionString(o dataplane.Options) string {
 
 func podsCommand(o *options) *cobra.Command {
 	return pinnedCommand(o, "pods", "List the enrolled pods (from the pinned maps)",
-		func(cmd *cobra.Command, p *dataplane.Pinned) error {
+		func(cmd *cobra.Command, p *inspect.Pinned) error {
 			pods, err := p.Pods()
 			if err != nil {
 				return err
@@ -146,7 +146,7 @@ func podsCommand(o *options) *cobra.Command {
 
 func statsCommand(o *options) *cobra.Command {
 	return pinnedCommand(o, "stats", "Per-pod redirect counters kept in BPF maps",
-		func(cmd *cobra.Command, p *dataplane.Pinned) error {
+		func(cmd *cobra.Command, p *inspect.Pinned) error {
 			dump, err := p.Dump()
 			if err != nil {
 				return err
@@ -164,7 +164,7 @@ func statsCommand(o *options) *cobra.Command {
 
 func mapsCommand(o *options) *cobra.Command {
 	return pinnedCommand(o, "maps", "Every pinned map, decoded (works without the agent)",
-		func(cmd *cobra.Command, p *dataplane.Pinned) error {
+		func(cmd *cobra.Command, p *inspect.Pinned) error {
 			d, err := p.Dump()
 			if err != nil {
 				return err
@@ -173,7 +173,7 @@ func mapsCommand(o *options) *cobra.Command {
 		})
 }
 
-func printMaps(w *tabwriter.Writer, d *dataplane.MapDump) {
+func printMaps(w *tabwriter.Writer, d *inspect.MapDump) {
 	fmt.Fprintf(w, "ae_pods (%d): enrolled pods by IP\n", len(d.Pods))
 	fmt.Fprintln(w, "  IP\tPOD\tNETNS-COOKIE\tSLOT\tOPTIONS")
 	for _, e := range d.Pods {

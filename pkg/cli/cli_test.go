@@ -17,6 +17,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/doctor"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -54,7 +55,7 @@ func TestCommandsReadPinsWithoutTheAgent(t *testing.T) {
 		}
 	})
 	err = dp.Enroll(context.Background(), dataplane.Pod{UID: p.UID, Namespace: "shop", Name: "web", Netns: p.NetnsPath(),
-		IPs: p.IPs(), Options: dataplane.Options{DNSCapture: true}})
+		IPs: p.IPs(), Options: inspect.Options{DNSCapture: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +73,7 @@ func TestCommandsReadPinsWithoutTheAgent(t *testing.T) {
 			t.Errorf("maps output lacks %q:\n%s", want, maps)
 		}
 	}
-	var got []dataplane.EnrolledPod
+	var got []inspect.EnrolledPod
 	if err := json.Unmarshal([]byte(run(t, "--bpffs", n.BPFFSDir, "-o", "json", "pods")), &got); err != nil || len(got) != 1 || got[0].Name != "web" {
 		t.Errorf("pods -o json = %+v, %v", got, err)
 	}

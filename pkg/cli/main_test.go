@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -46,9 +47,9 @@ func newMesh(t *testing.T) *mesh {
 	m.zt = n.StartZtunnel()
 	for _, p := range []struct {
 		pod  *simnode.Pod
-		opts dataplane.Options
-	}{{m.a, dataplane.Options{DNSCapture: true}}, {m.b, dataplane.Options{}}, {m.d, dataplane.Options{BypassInbound: true}}, {m.x, dataplane.Options{}},
-		{m.e, dataplane.Options{RerouteInterfaces: []string{"virt0"}}}} {
+		opts inspect.Options
+	}{{m.a, inspect.Options{DNSCapture: true}}, {m.b, inspect.Options{}}, {m.d, inspect.Options{BypassInbound: true}}, {m.x, inspect.Options{}},
+		{m.e, inspect.Options{RerouteInterfaces: []string{"virt0"}}}} {
 		if p.pod != m.x {
 			m.zt.Add(p.pod)
 		}

@@ -46,7 +46,7 @@ type Status struct {
 	Installed  bool
 	PinnedPods int
 	// Inconsistent are the pinned pods whose map entries do not all
-	// give them capture (dataplane.EnrolledPod.Problem): recorded as
+	// give them capture (inspect.EnrolledPod.Problem): recorded as
 	// enrolled, they are not fully redirected.
 	Inconsistent []InconsistentPod
 	PinError     string

@@ -16,7 +16,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 )
 
 // traceOptions are trace's own flags.
@@ -66,7 +66,7 @@ agent.traceHistory), it traces all the time and remembers that long.`,
 // eventSource yields events until it is closed (then an error wrapping
 // os.ErrClosed).
 type eventSource interface {
-	Read() (dataplane.Event, error)
+	Read() (inspect.Event, error)
 	Lost() uint64
 	Close() error
 }
@@ -145,11 +145,11 @@ func openEvents(ctx context.Context, o *options, to traceOptions, errOut io.Writ
 			return nil, err
 		}
 	}
-	t, err := dataplane.OpenTracer(o.bpffs)
+	t, err := inspect.OpenTracer(o.bpffs)
 	switch {
-	case errors.Is(err, dataplane.ErrNotInstalled):
+	case errors.Is(err, inspect.ErrNotInstalled):
 		return nil, fmt.Errorf("%w (is the agent installed on this node? see --bpffs)", err)
-	case errors.Is(err, dataplane.ErrTraceBusy):
+	case errors.Is(err, inspect.ErrTraceBusy):
 		return nil, fmt.Errorf("%w: is another `ambient-ebpf trace --pins` running, or the agent tracing for its clients?", err)
 	}
 	return t, err
@@ -170,8 +170,8 @@ func requirePod(o *options, name string) error {
 	if err != nil {
 		return err
 	}
-	if !slices.ContainsFunc(pods, func(e dataplane.EnrolledPod) bool { return e.Namespace+"/"+e.Name == name }) {
-		return fmt.Errorf("pod %s: %w (ambient-ebpf pods lists them)", name, dataplane.ErrUnknownPod)
+	if !slices.ContainsFunc(pods, func(e inspect.EnrolledPod) bool { return e.Namespace+"/"+e.Name == name }) {
+		return fmt.Errorf("pod %s: %w (ambient-ebpf pods lists them)", name, inspect.ErrUnknownPod)
 	}
 	return nil
 }
@@ -191,7 +191,7 @@ func newEventPrinter(output string, out io.Writer) *eventPrinter {
 
 const eventFormat = "%-15s  %-14s  %-11s  %-5s  %-24s  %-24s  %-10s  %-17s  %-4s  %s\n"
 
-func (p *eventPrinter) print(e dataplane.Event) error {
+func (p *eventPrinter) print(e inspect.Event) error {
 	if p.json {
 		return p.enc.Encode(e)
 	}

@@ -18,7 +18,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -26,7 +26,7 @@ import (
 // tracing runs `ambient-ebpf trace -o json` for the rest of the test and
 // hands its events over a channel.
 type tracing struct {
-	events chan dataplane.Event
+	events chan inspect.Event
 	done   chan error
 }
 
@@ -34,7 +34,7 @@ func startTrace(t *testing.T, bpffs string, args ...string) *tracing {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	pr, pw := io.Pipe()
-	tr := &tracing{events: make(chan dataplane.Event, 4096), done: make(chan error, 1)}
+	tr := &tracing{events: make(chan inspect.Event, 4096), done: make(chan error, 1)}
 	cmd := NewCommand(pw)
 	cmd.SetErr(io.Discard)
 	cmd.SetArgs(append([]string{"--bpffs", bpffs, "-o", "json", "trace", "--pins"}, args...))
@@ -47,7 +47,7 @@ func startTrace(t *testing.T, bpffs string, args ...string) *tracing {
 		defer close(tr.events)
 		sc := bufio.NewScanner(pr)
 		for sc.Scan() {
-			var e dataplane.Event
+			var e inspect.Event
 			if err := json.Unmarshal(sc.Bytes(), &e); err != nil {
 				t.Errorf("trace printed a line that is no event: %q: %v", sc.Text(), err)
 				continue
@@ -65,8 +65,8 @@ func startTrace(t *testing.T, bpffs string, args ...string) *tracing {
 }
 
 // collect returns the events that arrive until none came for quiet.
-func (tr *tracing) collect(quiet time.Duration) []dataplane.Event {
-	var out []dataplane.Event
+func (tr *tracing) collect(quiet time.Duration) []inspect.Event {
+	var out []inspect.Event
 	for {
 		select {
 		case e, ok := <-tr.events:
@@ -83,7 +83,7 @@ func (tr *tracing) collect(quiet time.Duration) []dataplane.Event {
 // decision is what trace and why must agree on: whose hook, which way,
 // and what it decided why. Hooks are compared by direction: the stand-in
 // may open dual-stack sockets (connect6 for IPv4 peers).
-func decisionOf(pod string, hook dataplane.Hook, r dataplane.Reason) string {
+func decisionOf(pod string, hook inspect.Hook, r inspect.Reason) string {
 	return fmt.Sprintf("%s %s %s/%s", pod, hook.Direction(), r.Decision(), r)
 }
 
@@ -162,7 +162,7 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 		{"R13_dns_capture_off", []string{"default/d", ap(out4, 53).String(), "udp"}, dns(appD, "r13."+simnode.KnownDNSSuffix), false},
 		{"R14_virtual_interface", []string{"--via", "virt0", "default/e", ap(out4, 8080).String()}, dial(vm, "tcp", simnode.AppRequest{Addr: ap(out4, 8080)}), false},
 	}
-	traced := map[string][]dataplane.Event{}
+	traced := map[string][]inspect.Event{}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			var want []string
@@ -191,48 +191,48 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 
 	// Field by field: a's connect to b, captured, and b's sk_lookup
 	// handing the flow to ztunnel.
-	find := func(events []dataplane.Event, pod string, r dataplane.Reason) dataplane.Event {
+	find := func(events []inspect.Event, pod string, r inspect.Reason) inspect.Event {
 		for _, e := range events {
 			if e.Pod == pod && e.Reason == r {
 				return e
 			}
 		}
 		t.Errorf("no %s event of %s in %+v", r, pod, events)
-		return dataplane.Event{}
+		return inspect.Event{}
 	}
 	ev := traced["R1_R5_pod_to_pod"]
-	out := find(ev, "default/a", dataplane.ReasonOutbound)
-	if out.Hook != dataplane.HookConnect4 || out.Proto != "tcp" || out.Dst != ap(m.b.V4, 8080) || out.To != ap(m.a.V4, 15001) ||
-		out.Decision != dataplane.DecisionCaptured || out.Row != "R1" || out.Src.IsValid() && out.Src.Addr() != m.a.V4 ||
+	out := find(ev, "default/a", inspect.ReasonOutbound)
+	if out.Hook != inspect.HookConnect4 || out.Proto != "tcp" || out.Dst != ap(m.b.V4, 8080) || out.To != ap(m.a.V4, 15001) ||
+		out.Decision != inspect.DecisionCaptured || out.Row != "R1" || out.Src.IsValid() && out.Src.Addr() != m.a.V4 ||
 		time.Since(out.Time) > time.Minute || time.Since(out.Time) < 0 {
 		t.Errorf("a's outbound event: %+v", out)
 	}
 	sk := features.HasSkLookupIfindex() && features.HasNetnsCookieSockops()
-	inHook := dataplane.HookSkLookup
+	inHook := inspect.HookSkLookup
 	if !sk {
-		inHook = dataplane.HookTCIngress // before 5.17
+		inHook = inspect.HookTCIngress // before 5.17
 	}
-	in := find(ev, "default/b", dataplane.ReasonInbound)
+	in := find(ev, "default/b", inspect.ReasonInbound)
 	if in.Hook != inHook || in.Src.Addr() != m.a.V4 || in.Src.Port() == 0 || in.Dst != ap(m.b.V4, 8080) ||
-		in.To != ap(m.b.V4, 15006) || in.Decision != dataplane.DecisionCaptured || in.Row != "R5" || in.NetnsCookie == 0 {
+		in.To != ap(m.b.V4, 15006) || in.Decision != inspect.DecisionCaptured || in.Row != "R5" || in.NetnsCookie == 0 {
 		t.Errorf("b's inbound event: %+v", in)
 	}
-	probe := find(traced["R7_H1_host_probe"], "default/a", dataplane.ReasonProbeSNAT)
-	if probe.Hook != dataplane.HookHostEgress || probe.Decision != dataplane.DecisionTranslated || probe.To.Addr() != simnode.ProbeV4 ||
+	probe := find(traced["R7_H1_host_probe"], "default/a", inspect.ReasonProbeSNAT)
+	if probe.Hook != inspect.HookHostEgress || probe.Decision != inspect.DecisionTranslated || probe.To.Addr() != simnode.ProbeV4 ||
 		probe.To.Port() != probe.Src.Port() || probe.Src.Addr() != simnode.GatewayV4 || probe.Dst != ap(m.a.V4, 8080) {
 		t.Errorf("the probe's translation event: %+v", probe)
 	}
-	re := find(traced["R14_virtual_interface"], "default/e", dataplane.ReasonReroute)
-	if re.Hook != dataplane.HookReroute || re.Src.Addr() != m.vm.Addr || re.Dst != ap(out4, 8080) || re.To != ap(out4, 15001) || re.Row != "R14" {
+	re := find(traced["R14_virtual_interface"], "default/e", inspect.ReasonReroute)
+	if re.Hook != inspect.HookReroute || re.Src.Addr() != m.vm.Addr || re.Dst != ap(out4, 8080) || re.To != ap(out4, 15001) || re.Row != "R14" {
 		t.Errorf("the virtual interface's capture event: %+v", re)
 	}
-	dnsEv := find(traced["R9_dns"], "default/a", dataplane.ReasonDNS)
-	if dnsEv.Hook != dataplane.HookSendmsg4 || dnsEv.Proto != "udp" || dnsEv.Dst != ap(out4, 53) || dnsEv.To != netip.MustParseAddrPort("127.0.0.1:15053") {
+	dnsEv := find(traced["R9_dns"], "default/a", inspect.ReasonDNS)
+	if dnsEv.Hook != inspect.HookSendmsg4 || dnsEv.Proto != "udp" || dnsEv.Dst != ap(out4, 53) || dnsEv.To != netip.MustParseAddrPort("127.0.0.1:15053") {
 		t.Errorf("the DNS event: %+v", dnsEv)
 	}
 
 	// The counters saw the same decisions, tracing or not.
-	p, err := dataplane.OpenPinned(n.BPFFSDir)
+	p, err := inspect.OpenPinned(n.BPFFSDir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,20 +241,20 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	counted := []dataplane.Reason{dataplane.ReasonOutbound, dataplane.ReasonInbound, dataplane.ReasonDNS, dataplane.ReasonNoListener, dataplane.ReasonReroute,
-		dataplane.ReasonProbeSNAT, dataplane.ReasonHBONE, dataplane.ReasonIngressMode}
+	counted := []inspect.Reason{inspect.ReasonOutbound, inspect.ReasonInbound, inspect.ReasonDNS, inspect.ReasonNoListener, inspect.ReasonReroute,
+		inspect.ReasonProbeSNAT, inspect.ReasonHBONE, inspect.ReasonIngressMode}
 	if sk {
 		// Only sk_lookup sees ztunnel's deliveries; tc on the pod's
 		// interface never meets what goes over lo.
-		counted = append(counted, dataplane.ReasonZtunnelDelivery, dataplane.ReasonFromPod)
+		counted = append(counted, inspect.ReasonZtunnelDelivery, inspect.ReasonFromPod)
 	}
 	for _, r := range counted {
 		if d.ByReason[r] == 0 {
 			t.Errorf("ae_decisions counted no %s decision: %+v", r, d.ByReason)
 		}
 	}
-	if d.ByReason[dataplane.ReasonForwarded] != 0 || d.Lost != 0 {
-		t.Errorf("forwarded counted %d (it is traced only), %d events lost", d.ByReason[dataplane.ReasonForwarded], d.Lost)
+	if d.ByReason[inspect.ReasonForwarded] != 0 || d.Lost != 0 {
+		t.Errorf("forwarded counted %d (it is traced only), %d events lost", d.ByReason[inspect.ReasonForwarded], d.Lost)
 	}
 }
 
@@ -274,12 +274,12 @@ func TestTraceErrorsAndTable(t *testing.T) {
 			t.Errorf("ambient-ebpf %s: %v, want %q", strings.Join(c.args, " "), err, c.want)
 		}
 	}
-	other, err := dataplane.OpenTracer(m.n.BPFFSDir)
+	other, err := inspect.OpenTracer(m.n.BPFFSDir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	err = fail(t, "--bpffs", m.n.BPFFSDir, "trace", "--pins")
-	if !errors.Is(err, dataplane.ErrTraceBusy) || !strings.Contains(err.Error(), "is another `ambient-ebpf trace --pins` running, or the agent tracing for its clients?") {
+	if !errors.Is(err, inspect.ErrTraceBusy) || !strings.Contains(err.Error(), "is another `ambient-ebpf trace --pins` running, or the agent tracing for its clients?") {
 		t.Errorf("a second tracer: %v", err)
 	}
 	other.Close()

@@ -13,7 +13,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 )
 
 func whyCommand(o *options) *cobra.Command {
@@ -52,7 +52,7 @@ answer holds for any port but 53 and 15008.`,
 			}
 			q.Mark, q.Via = mark, via
 			a, err := p.Why(q)
-			if errors.Is(err, dataplane.ErrUnknownPod) {
+			if errors.Is(err, inspect.ErrUnknownPod) {
 				return fmt.Errorf("%w (ambient-ebpf pods lists them)", err)
 			}
 			if err != nil {
@@ -67,8 +67,8 @@ answer holds for any port but 53 and 15008.`,
 	return cmd
 }
 
-func parseQuery(p *dataplane.Pinned, args []string, ipv6 bool) (dataplane.Query, error) {
-	var q dataplane.Query
+func parseQuery(p *inspect.Pinned, args []string, ipv6 bool) (inspect.Query, error) {
+	var q inspect.Query
 	switch from := args[0]; {
 	case from == "node":
 		q.FromNode = true
@@ -99,7 +99,7 @@ func parseQuery(p *dataplane.Pinned, args []string, ipv6 bool) (dataplane.Query,
 }
 
 // parseDest reads ADDRESS[:PORT] or NAMESPACE/NAME[:PORT].
-func parseDest(p *dataplane.Pinned, s string, ipv6 bool) (netip.AddrPort, error) {
+func parseDest(p *inspect.Pinned, s string, ipv6 bool) (netip.AddrPort, error) {
 	if ap, err := netip.ParseAddrPort(s); err == nil {
 		return ap, nil
 	}
@@ -132,7 +132,7 @@ func parseDest(p *dataplane.Pinned, s string, ipv6 bool) (netip.AddrPort, error)
 		}
 		return netip.AddrPort{}, fmt.Errorf("pod %s has no IPv%s address", name, map[bool]string{false: "4", true: "6"}[ipv6])
 	}
-	return netip.AddrPort{}, fmt.Errorf("pod %s: %w (ambient-ebpf pods lists them)", name, dataplane.ErrUnknownPod)
+	return netip.AddrPort{}, fmt.Errorf("pod %s: %w (ambient-ebpf pods lists them)", name, inspect.ErrUnknownPod)
 }
 
 // endpoint prints an address with its port: "*" for no address, and for
@@ -154,7 +154,7 @@ func endpoint(ap netip.AddrPort, anyPort bool) string {
 	return addr
 }
 
-func printAnswer(w *tabwriter.Writer, a *dataplane.Answer) {
+func printAnswer(w *tabwriter.Writer, a *inspect.Answer) {
 	fmt.Fprintf(w, "%s -> %s %s: %s\n", a.From, endpoint(a.To, true), a.Proto, a.Summary)
 	for i, l := range a.Legs {
 		who := ""

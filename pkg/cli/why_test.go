@@ -13,14 +13,14 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
 // legString is a leg in one line: pod, hook, decision/reason and where a
 // captured connection goes.
-func legString(l dataplane.Leg) string {
+func legString(l inspect.Leg) string {
 	s := fmt.Sprintf("%s %s %s/%s", l.Pod, l.Hook, l.Decision, l.Reason)
 	if l.To.IsValid() {
 		s += " " + endpoint(l.To, false)
@@ -28,9 +28,9 @@ func legString(l dataplane.Leg) string {
 	return s
 }
 
-func whyJSON(t *testing.T, bpffs string, args ...string) *dataplane.Answer {
+func whyJSON(t *testing.T, bpffs string, args ...string) *inspect.Answer {
 	t.Helper()
-	var a dataplane.Answer
+	var a inspect.Answer
 	out := run(t, append([]string{"--bpffs", bpffs, "-o", "json", "why"}, args...)...)
 	if err := json.Unmarshal([]byte(out), &a); err != nil {
 		t.Fatalf("why %s -o json: %v\n%s", strings.Join(args, " "), err, out)

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 )
 
 // Policy routing of the return path (R10, R14), as istio-cni sets it up:
@@ -57,31 +58,38 @@ func (d *Dataplane) plan(p *Pod, hostIf string, slot uint32) []attachment {
 	})
 }
 
-// podPrograms are the per-pod programs; nil in read-only views.
+// podPrograms are the per-pod programs.
 type podPrograms struct {
 	ingress, lo, reroute, steer, hostEgress, hostIngress *ebpf.Program
 }
 
-// planPod lists where the programs of the pod in slot go: tcIngress where sk_lookup
-// cannot capture inbound flows alone (before 5.17) and a tc program on
-// the pod's interface files them for it.
+// of is the program of the pod pin (bpfobj.PodHooks).
+func (p podPrograms) of(pin string) *ebpf.Program {
+	if _, ok := bpfobj.RerouteInterface(pin); ok {
+		return p.reroute
+	}
+	switch pin {
+	case "ingress":
+		return p.ingress
+	case "lo_ingress":
+		return p.lo
+	case "sk_lookup":
+		return p.steer
+	case "host_egress":
+		return p.hostEgress
+	case "host_ingress":
+		return p.hostIngress
+	}
+	return nil
+}
+
+// planPod lists where the programs of the pod in slot go
+// (bpfobj.PodHooks), each with its program.
 func planPod(p *Pod, hostIf, nodeNetns string, slot uint32, tcIngress bool, progs podPrograms) []attachment {
-	in := func(pin, iface string, prog *ebpf.Program) attachment {
-		return attachment{pin: pin, netns: p.Netns, iface: iface, attach: ebpf.AttachTCXIngress, prog: prog, classid: slot + 1}
-	}
 	var atts []attachment
-	if tcIngress {
-		atts = append(atts, in("ingress", p.Interface, progs.ingress))
+	for _, h := range bpfobj.PodHooks(p.Netns, p.Interface, p.Options.RerouteInterfaces, hostIf, nodeNetns, slot, tcIngress) {
+		atts = append(atts, attachment{pin: h.Pin, netns: h.Netns, iface: h.Iface, attach: h.Attach, prog: progs.of(h.Pin), classid: h.Classid})
 	}
-	atts = append(atts, in("lo_ingress", "lo", progs.lo))
-	for _, v := range p.Options.RerouteInterfaces {
-		atts = append(atts, in("reroute_"+v, v, progs.reroute))
-	}
-	atts = append(atts, attachment{pin: "sk_lookup", netns: p.Netns, attach: ebpf.AttachSkLookup, prog: progs.steer})
-	atts = append(atts,
-		attachment{pin: "host_egress", netns: nodeNetns, iface: hostIf, attach: ebpf.AttachTCXEgress, prog: progs.hostEgress, classid: slot + 1},
-		attachment{pin: "host_ingress", netns: nodeNetns, iface: hostIf, attach: ebpf.AttachTCXIngress, prog: progs.hostIngress, classid: slot + 1},
-	)
 	return atts
 }
 
@@ -119,7 +127,7 @@ func (d *Dataplane) probePodNetns(p *Pod) (podNetnsState, error) {
 	if err := d.refuseNodeNetns(p.Netns); err != nil {
 		return st, fmt.Errorf("pod %s/%s: %w", p.Namespace, p.Name, err)
 	}
-	err := inNetns(p.Netns, func() error {
+	err := nsexec.Do(p.Netns, func() error {
 		var err error
 		if st.cookie, err = d.netnsCookie(); err != nil {
 			return err
@@ -152,7 +160,7 @@ func (d *Dataplane) probePodNetns(p *Pod) (podNetnsState, error) {
 // setupReturnPath installs the return path (R10) in the pod netns: the
 // policy rule and route, and tcp_fwmark_accept. It is idempotent.
 func (d *Dataplane) setupReturnPath(p *Pod) error {
-	return inNetns(p.Netns, func() error {
+	return nsexec.Do(p.Netns, func() error {
 		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 		if err != nil {
 			return fmt.Errorf("netlink: %w", err)
@@ -216,7 +224,7 @@ func teardownPodNetns(procRoot, path string, savedFwmarkAccept uint32, keepRetur
 	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
-	return inNetns(path, func() error {
+	return nsexec.Do(path, func() error {
 		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 		if err != nil {
 			return fmt.Errorf("netlink: %w", err)

@@ -119,16 +119,7 @@ func (c *Config) setDefaults() error {
 
 // bpfConfig is what the programs see in ae_cfg.
 func (c *Config) bpfConfig() bpfobj.SockAeConfig {
-	cfg := bpfobj.SockAeConfig{
-		ZtunnelMark:  bpfobj.DefaultZtunnelMark,
-		MarkMask:     bpfobj.DefaultMarkMask,
-		ReturnMark:   returnMark,
-		OutboundPort: bpfobj.DefaultOutboundPort,
-		InboundPort:  bpfobj.DefaultInboundPort,
-		HbonePort:    bpfobj.DefaultHBONEPort,
-		DnsPort:      bpfobj.DefaultDNSPort,
-	}
-	cfg.ProbeV4.B = c.ProbeV4.As16()
-	cfg.ProbeV6.B = c.ProbeV6.As16()
+	cfg := bpfobj.DefaultConfig(c.ProbeV4, c.ProbeV6)
+	cfg.ReturnMark = returnMark
 	return cfg
 }

@@ -17,6 +17,8 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/upgrade"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
@@ -58,7 +60,7 @@ type Dataplane struct {
 }
 
 type podState struct {
-	EnrolledPod
+	inspect.EnrolledPod
 	netnsPath   string
 	savedFwmark uint32
 	ifindex     uint32               // of the pod interface, in its netns
@@ -174,7 +176,7 @@ func (d *Dataplane) nodeHookNames() []string {
 // attached, how netns cookies are read and which helpers the programs may
 // call (see docs/KERNELS.md).
 func (d *Dataplane) pickMechanisms() {
-	d.hooks, d.netnsCookie = pickTCHooks(), soNetnsCookie
+	d.hooks, d.netnsCookie = pickTCHooks(), nsexec.Cookie
 	if !features.HasSONetnsCookie() {
 		d.netnsCookie = d.queryNetnsCookie
 	}
@@ -256,7 +258,7 @@ func (d *Dataplane) load() error {
 	if err := ss.AeCfg.Set(bpfCfg); err != nil {
 		return fmt.Errorf("configure socket programs: %w", err)
 	}
-	tracing := traceFlagAtLoad(d.cfg)
+	tracing := inspect.TraceFlagAtLoad(d.cfg.BPFFSDir)
 	if err := pinTraceFlag(sockSpec, ss.AeTracing, tracing); err != nil {
 		return fmt.Errorf("read socket programs: %w", err)
 	}
@@ -355,18 +357,11 @@ func (d *Dataplane) closeObjects() {
 }
 
 func (d *Dataplane) nodeHooks() []nodeHook {
-	return []nodeHook{
-		{"connect4", ebpf.AttachCGroupInet4Connect, d.sock.AeConnect4},
-		{"connect6", ebpf.AttachCGroupInet6Connect, d.sock.AeConnect6},
-		{"sendmsg4", ebpf.AttachCGroupUDP4Sendmsg, d.sock.AeSendmsg4},
-		{"sendmsg6", ebpf.AttachCGroupUDP6Sendmsg, d.sock.AeSendmsg6},
-		{"recvmsg4", ebpf.AttachCGroupUDP4Recvmsg, d.sock.AeRecvmsg4},
-		{"recvmsg6", ebpf.AttachCGroupUDP6Recvmsg, d.sock.AeRecvmsg6},
-		{"getpeername4", ebpf.AttachCgroupInet4GetPeername, d.sock.AeGetpeername4},
-		{"getpeername6", ebpf.AttachCgroupInet6GetPeername, d.sock.AeGetpeername6},
-		{"sockops", ebpf.AttachCGroupSockOps, d.sock.AeSockops},
-		{"getsockopt", ebpf.AttachCGroupGetsockopt, d.sock.AeGetsockopt},
+	var hooks []nodeHook
+	for _, h := range bpfobj.NodeHooks() {
+		hooks = append(hooks, nodeHook{h.Name, h.Attach, h.Program(&d.sock.SockPrograms)})
 	}
+	return hooks
 }
 
 // attachNodeHooks attaches the socket programs to the cgroup root, or
@@ -463,4 +458,23 @@ func (d *Dataplane) Uninstall() error {
 		errs = append(errs, fmt.Errorf("remove %s: %w", d.cfg.BPFFSDir, err))
 	}
 	return errors.Join(errs...)
+}
+
+// pinTraceFlag turns the data section holding ae_tracing (bpf/trace.h)
+// into a map pinned as maps/ae_tracing, so both objects and every tracer
+// share one flag, and loads it with value on: the loader writes a data
+// section's contents on every load, pinned or not.
+func pinTraceFlag(spec *ebpf.CollectionSpec, v *ebpf.VariableSpec, on uint32) error {
+	ms := spec.Maps[v.SectionName]
+	if ms == nil {
+		return fmt.Errorf("no map holds section %s", v.SectionName)
+	}
+	ms.Name = bpfobj.TraceFlagMap
+	ms.Pinning = ebpf.PinByName
+	return v.Set(on)
+}
+
+// Decisions reads the programs' decision counters.
+func (d *Dataplane) Decisions() (inspect.Decisions, error) {
+	return inspect.ReadDecisions(&d.sock.SockMaps)
 }

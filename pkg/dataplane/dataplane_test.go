@@ -18,6 +18,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -302,8 +304,8 @@ func TestRestartAdoptsPinnedState(t *testing.T) {
 func TestPinnedViewReadsWithoutTheAgent(t *testing.T) {
 	n := simnode.New(t)
 	p := n.AddPod("a")
-	if _, err := OpenPinned(n.BPFFSDir); !errors.Is(err, ErrNotInstalled) {
-		t.Fatalf("OpenPinned before install: %v, want ErrNotInstalled", err)
+	if _, err := inspect.OpenPinned(n.BPFFSDir); !errors.Is(err, inspect.ErrNotInstalled) {
+		t.Fatalf("inspect.OpenPinned before install: %v, want inspect.ErrNotInstalled", err)
 	}
 	d := newDataplane(t, n)
 	if err := d.Enroll(context.Background(), podOf(p)); err != nil {
@@ -313,9 +315,9 @@ func TestPinnedViewReadsWithoutTheAgent(t *testing.T) {
 	if err := d.Close(); err != nil {
 		t.Fatal(err)
 	}
-	view, err := OpenPinned(n.BPFFSDir)
+	view, err := inspect.OpenPinned(n.BPFFSDir)
 	if err != nil {
-		t.Fatalf("OpenPinned: %v", err)
+		t.Fatalf("inspect.OpenPinned: %v", err)
 	}
 	defer view.Close()
 	got, err := view.Pods()
@@ -355,7 +357,7 @@ func TestFwmarkAcceptThroughAnotherProcMount(t *testing.T) {
 	t.Cleanup(func() { _ = d.Uninstall() })
 	read := func(netns string) string {
 		var v []byte
-		if err := inNetns(netns, func() error {
+		if err := nsexec.Do(netns, func() error {
 			var err error
 			v, err = os.ReadFile("/proc/sys/net/ipv4/tcp_fwmark_accept")
 			return err

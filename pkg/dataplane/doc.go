@@ -40,7 +40,8 @@
 // duplicate never takes a running pod's inbound capture. An owner that no
 // longer has it (a missed DEL) is removed first. A pod whose entry is lost
 // anyway (pins of an agent before the refusal) keeps the address through
-// ae_netns, is reported (EnrolledPod.Problem), and New restores the entry.
+// ae_netns, is reported (inspect.EnrolledPod.Problem), and New restores
+// the entry.
 //
 // Pinned layout under Config.BPFFSDir (default /sys/fs/bpf/ambient-ebpf):
 //
@@ -90,9 +91,10 @@
 // flows; before that a tc program on the pod's interface files each flow
 // for it.
 //
-// Decisions are counted always and traced only while a Tracer (one at a
-// time: an flock on the pin directory) has set ae_tracing; the programs
-// check the flag, a global, before building an event.
+// Decisions are counted always and traced only while a tracer has set
+// ae_tracing; the programs check the flag, a global, before building an
+// event. The read-only views of the pins (pods, maps, why, trace, hooks)
+// are package inspect's.
 //
 // Pins outlive the agent: while it restarts or upgrades, redirection keeps
 // working, and New adopts what it finds (links are updated in place to the

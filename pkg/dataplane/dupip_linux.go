@@ -8,13 +8,13 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
-	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 )
 
 // ErrDuplicateIP is what Enroll returns for a pod with an address another
@@ -87,7 +87,7 @@ func (d *Dataplane) netnsHas(path string, cookie uint64, ip netip.Addr) (held, o
 	if path == "" {
 		return false, false
 	}
-	err := inNetns(path, func() error {
+	err := nsexec.Do(path, func() error {
 		got, err := d.netnsCookie()
 		if err != nil || got != cookie {
 			return err
@@ -154,7 +154,7 @@ func (d *Dataplane) restoreSurvivors(gone *podState) {
 // putIP writes st's ae_pods entry for ip.
 func (d *Dataplane) putIP(st *podState, ip netip.Addr) {
 	p := &Pod{Options: st.Options}
-	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags(), Ifindex: st.ifindex}
+	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.Options.Flags(), Ifindex: st.ifindex}
 	if err := d.sock.AePods.Put(bpfobj.AddrKey(ip), &info); err != nil {
 		d.log.Warn("restore ae_pods entry", "pod", st.Namespace+"/"+st.Name, "ip", ip, "error", err)
 		return
@@ -171,8 +171,8 @@ func (d *Dataplane) putIP(st *podState, ip netip.Addr) {
 func (d *Dataplane) repairIPs() {
 	for _, st := range d.pods {
 		if st.ifindex == 0 && st.netnsPath != "" {
-			_ = inNetns(st.netnsPath, func() error {
-				i, err := ifindexByName(st.Interface)
+			_ = nsexec.Do(st.netnsPath, func() error {
+				i, err := nsexec.IfindexByName(st.Interface)
 				st.ifindex = uint32(i)
 				return err
 			})
@@ -199,31 +199,4 @@ func (d *Dataplane) repairIPs() {
 			d.putIP(st, ip)
 		}
 	}
-}
-
-// ownsEntry reports whether ip's ae_pods entry is st's.
-func ownsEntry(m *bpfobj.SockMaps, st *podState, ip netip.Addr) bool {
-	var info bpfobj.SockPodInfo
-	return m.AePods.Lookup(bpfobj.AddrKey(ip), &info) == nil && info.NetnsCookie == st.NetnsCookie && info.Slot == st.Slot
-}
-
-// problem says what of a pod's capture its map entries do not give it,
-// "" when they all do: no ae_netns entry (outbound), an address without
-// its ae_pods entry or with another pod's (inbound).
-func problem(m *bpfobj.SockMaps, st *podState, nameOf func(slot uint32) string) string {
-	var out []string
-	var ns bpfobj.SockNetnsInfo
-	if err := m.AeNetns.Lookup(st.NetnsCookie, &ns); err != nil || ns.Slot != st.Slot {
-		out = append(out, "no ae_netns entry: outbound traffic is not captured")
-	}
-	for _, ip := range st.IPs {
-		var info bpfobj.SockPodInfo
-		switch err := m.AePods.Lookup(bpfobj.AddrKey(ip), &info); {
-		case err != nil:
-			out = append(out, fmt.Sprintf("no ae_pods entry for %s: inbound traffic to it is not captured", ip))
-		case info.NetnsCookie != st.NetnsCookie || info.Slot != st.Slot:
-			out = append(out, fmt.Sprintf("the ae_pods entry for %s is pod %s's: inbound traffic to it is not captured", ip, nameOf(info.Slot)))
-		}
-	}
-	return strings.Join(out, "; ")
 }

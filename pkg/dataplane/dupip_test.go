@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -104,7 +105,7 @@ func TestDuplicateIPIsRefusedAndTheRunningPodStaysCaptured(t *testing.T) {
 	if got := d.List(); len(got) != 1 || got[0].UID != e.c.UID || len(got[0].IPs) != 2 || got[0].Problem != "" {
 		t.Errorf("List = %+v, want pod c alone, with both addresses and no problem", got)
 	}
-	view, err := OpenPinned(e.n.BPFFSDir)
+	view, err := inspect.OpenPinned(e.n.BPFFSDir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -142,7 +143,7 @@ func TestRestartRestoresTheEntriesADuplicateTook(t *testing.T) {
 	if err := d1.sock.AePods.Delete(bpfobj.AddrKey(e.c.V6)); err != nil {
 		t.Fatal(err)
 	}
-	view, err := OpenPinned(e.n.BPFFSDir)
+	view, err := inspect.OpenPinned(e.n.BPFFSDir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -166,7 +167,7 @@ func TestRestartRestoresTheEntriesADuplicateTook(t *testing.T) {
 		if ip.Is6() {
 			from = simnode.OutsideV6
 		}
-		a, err := view.Why(Query{FromAddr: from, To: netip.AddrPortFrom(ip, dupPort)})
+		a, err := view.Why(inspect.Query{FromAddr: from, To: netip.AddrPortFrom(ip, dupPort)})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -17,20 +17,10 @@ import (
 	"github.com/cilium/ebpf/link"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
 )
-
-func journalName(state uint32) string {
-	switch state {
-	case bpfobj.MetaEnrolled:
-		return "enrolled"
-	case bpfobj.MetaEnrolling:
-		return "enrolling"
-	case bpfobj.MetaRemoving:
-		return "removing"
-	}
-	return "free"
-}
 
 // Enroll puts a pod's traffic through ztunnel. It is idempotent: enrolling
 // an enrolled pod again brings its entries up to date (new IPs, options or
@@ -97,7 +87,7 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 		st.Slot = slot
 		undo = append(undo, func() { d.slots.release(slot) })
 	}
-	st.EnrolledPod = EnrolledPod{
+	st.EnrolledPod = inspect.EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Interface: pod.Interface, HostInterface: hostIf,
 		NetnsCookie: ns.cookie, IPs: pod.IPs, Options: pod.Options, Slot: st.Slot,
 	}
@@ -227,7 +217,7 @@ func (d *Dataplane) writeMeta(st *podState, state uint32) error {
 // agent adopts only a pod whose entries are all in place.
 func (d *Dataplane) writePodMaps(st *podState) error {
 	p := &Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Interface: st.Interface, IPs: st.IPs, Options: st.Options}
-	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.flags(), Ifindex: st.ifindex}
+	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.Options.Flags(), Ifindex: st.ifindex}
 	for _, ip := range p.IPs {
 		// A reused IP gets its new owner (H4), claimIPs having refused
 		// a duplicate of a pod that still has it; the old owner's
@@ -420,10 +410,10 @@ func (d *Dataplane) detachPod(st *podState, undo bool) error {
 }
 
 // List returns the enrolled pods, sorted by namespace and name.
-func (d *Dataplane) List() []EnrolledPod {
+func (d *Dataplane) List() []inspect.EnrolledPod {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	out := make([]EnrolledPod, 0, len(d.pods))
+	out := make([]inspect.EnrolledPod, 0, len(d.pods))
 	nameOf := func(slot uint32) string {
 		for _, p := range d.pods {
 			if p.Slot == slot {
@@ -435,37 +425,42 @@ func (d *Dataplane) List() []EnrolledPod {
 	for _, p := range d.pods {
 		e := p.EnrolledPod
 		e.IPs = slices.Clone(e.IPs)
-		e.Problem = problem(&d.sock.SockMaps, p, nameOf)
+		e.Problem = inspect.Problem(&d.sock.SockMaps, &p.EnrolledPod, nameOf)
 		out = append(out, e)
 	}
-	slices.SortFunc(out, func(a, b EnrolledPod) int {
-		if c := cmpString(a.Namespace, b.Namespace); c != 0 {
+	slices.SortFunc(out, func(a, b inspect.EnrolledPod) int {
+		if c := strings.Compare(a.Namespace, b.Namespace); c != 0 {
 			return c
 		}
-		return cmpString(a.Name, b.Name)
+		return strings.Compare(a.Name, b.Name)
 	})
 	return out
 }
 
-func cmpString(a, b string) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
-}
-
 // Stats returns a pod's counters.
-func (d *Dataplane) Stats(uid string) (Stats, error) {
+func (d *Dataplane) Stats(uid string) (inspect.Stats, error) {
 	d.mu.Lock()
 	st, ok := d.pods[uid]
 	d.mu.Unlock()
 	if !ok {
-		return Stats{}, fmt.Errorf("pod %s is not enrolled", uid)
+		return inspect.Stats{}, fmt.Errorf("pod %s is not enrolled", uid)
 	}
-	return readStats(&d.sock.SockMaps, st.Slot)
+	return inspect.ReadStats(&d.sock.SockMaps, st.Slot)
+}
+
+// readPods reads the journal's pods (inspect.ReadPods) as the runtime
+// keeps them.
+func readPods(m *bpfobj.SockMaps) ([]*podState, error) {
+	recs, err := inspect.ReadPods(m)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]*podState, 0, len(recs))
+	for _, r := range recs {
+		out = append(out, &podState{EnrolledPod: r.EnrolledPod, netnsPath: r.NetnsPath, savedFwmark: r.SavedFwmark,
+			ifindex: r.Ifindex, journal: r.Journal, links: map[string]tcProgram{}})
+	}
+	return out, nil
 }
 
 // adoptPods rebuilds the pod table from the pinned maps after a restart
@@ -487,7 +482,7 @@ func (d *Dataplane) adoptPods() error {
 		st.netnsPath = d.verifiedNetns(st.netnsPath, st.NetnsCookie, netnsOf)
 		if st.journal != bpfobj.MetaEnrolled {
 			d.log.Info("undoing what a stopped agent left part way", "pod", st.Namespace+"/"+st.Name, "uid", st.UID,
-				"state", journalName(st.journal), "netns", st.netnsPath)
+				"state", inspect.JournalName(st.journal), "netns", st.netnsPath)
 			st.links = d.pinnedAttachments(st)
 			if err := d.detachPod(st, true); err != nil {
 				d.log.Warn("undo a partial enrolment", "pod", st.Namespace+"/"+st.Name, "error", err)
@@ -516,7 +511,7 @@ func (d *Dataplane) adoptPods() error {
 func (d *Dataplane) verifiedNetns(path string, cookie uint64, netnsOf func(uint64) string) string {
 	if path != "" {
 		var got uint64
-		if inNetns(path, func() (err error) { got, err = d.netnsCookie(); return err }) == nil && got == cookie {
+		if nsexec.Do(path, func() (err error) { got, err = d.netnsCookie(); return err }) == nil && got == cookie {
 			return path
 		}
 	}
@@ -533,12 +528,7 @@ func (d *Dataplane) podPlan(st *podState) []attachment {
 // pinnedPod is the Pod of st with the reroute interfaces its pin
 // directory names added to its options.
 func pinnedPod(dir string, st *podState) Pod {
-	entries, _ := os.ReadDir(dir)
-	for _, e := range entries {
-		if v, ok := strings.CutPrefix(e.Name(), "reroute_"); ok && !slices.Contains(st.Options.RerouteInterfaces, v) {
-			st.Options.RerouteInterfaces = append(st.Options.RerouteInterfaces, v)
-		}
-	}
+	inspect.AddPinnedReroutes(dir, &st.Options)
 	return Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Netns: st.netnsPath, Interface: st.Interface, Options: st.Options}
 }
 

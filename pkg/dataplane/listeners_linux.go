@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"slices"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -17,6 +16,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 )
 
 // loadListenerIterator loads ae_file_listeners (bpf/listeners.c), in the
@@ -69,7 +70,7 @@ func (d *Dataplane) fileExistingListeners(path string, cookie uint64) error {
 	// only walks the listening hash (under 0.2 ms with the netns switch).
 	// Nearly every enrolment finds none: ztunnel is handed a pod after it.
 	var listening bool
-	if err := inNetns(path, func() (err error) { listening, err = listeningOn(bpfobj.DefaultInboundPort); return err }); err != nil {
+	if err := nsexec.Do(path, func() (err error) { listening, err = listeningOn(bpfobj.DefaultInboundPort); return err }); err != nil {
 		return fmt.Errorf("look for ztunnel's listeners in the pod netns: %w", err)
 	}
 	if !listening {
@@ -82,7 +83,7 @@ func (d *Dataplane) fileExistingListeners(path string, cookie uint64) error {
 	defer it.Close()
 	// An iter/tcp walks the netns it is opened in.
 	var r io.ReadCloser
-	if err := inNetns(path, func() error {
+	if err := nsexec.Do(path, func() error {
 		var err error
 		r, err = it.Open()
 		return err
@@ -130,81 +131,32 @@ func (d *Dataplane) pruneListeners() int {
 	return n
 }
 
-// ListenerStatus is the state of ae_listeners, ztunnel's inbound
-// listeners by netns (R5; the sk_lookup mode only).
-type ListenerStatus struct {
-	// Entries is how many listeners are filed, of Capacity.
-	Entries  int `json:"entries"`
-	Capacity int `json:"capacity"`
-	// NotEnrolled is how many of them are of a netns that is not
-	// enrolled (the agent prunes them).
-	NotEnrolled int `json:"notEnrolled"`
-	// Missing names the enrolled pods (namespace/name) none of whose
-	// listeners is filed: their inbound connections are refused until
-	// ztunnel listens there (it has not been handed the pod yet, or is
-	// down) and the listener is filed.
-	Missing []string `json:"missing,omitempty"`
-	// Pruned and Refiled count what a resync did: entries of netns not
-	// enrolled deleted, pods whose listener it filed.
-	Pruned  int `json:"pruned,omitempty"`
-	Refiled int `json:"refiled,omitempty"`
-}
-
-// listenerStatus reads ae_listeners against the enrolled pods (by netns
-// cookie: their namespace/name).
-func listenerStatus(m *bpfobj.SockMaps, pods map[uint64]string) (ListenerStatus, error) {
-	st := ListenerStatus{Capacity: int(m.AeListeners.MaxEntries())}
-	filed := map[uint64]bool{}
-	var (
-		k bpfobj.SockListenerKey
-		v uint64
-	)
-	it := m.AeListeners.Iterate()
-	for it.Next(&k, &v) {
-		st.Entries++
-		filed[k.NetnsCookie] = true
-		if _, ok := pods[k.NetnsCookie]; !ok {
-			st.NotEnrolled++
-		}
-	}
-	if err := it.Err(); err != nil {
-		return st, fmt.Errorf("read ae_listeners: %w", err)
-	}
-	for cookie, name := range pods {
-		if !filed[cookie] {
-			st.Missing = append(st.Missing, name)
-		}
-	}
-	slices.Sort(st.Missing)
-	return st, nil
-}
-
 // ResyncListeners prunes ae_listeners of netns that are not enrolled and
 // files the listeners of enrolled pods none of whose is filed (the
 // iterator, bpf/listeners.c): a listener the full map left out is filed
 // once room returns, not only when ztunnel opens it again. The agent runs
 // it periodically. Only the sk_lookup mode (Linux 5.17) files listeners;
 // elsewhere it reports an empty status.
-func (d *Dataplane) ResyncListeners(ctx context.Context) (ListenerStatus, error) {
+func (d *Dataplane) ResyncListeners(ctx context.Context) (inspect.ListenerStatus, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.listenerIter == nil {
-		return ListenerStatus{}, nil
+		return inspect.ListenerStatus{}, nil
 	}
 	pruned := d.pruneListeners()
 	refiled := 0
 	pods := map[uint64]string{}
 	for _, st := range d.pods {
 		if err := ctx.Err(); err != nil {
-			return ListenerStatus{}, err
+			return inspect.ListenerStatus{}, err
 		}
 		name := st.Namespace + "/" + st.Name
 		pods[st.NetnsCookie] = name
 		filed, err := listenerFiled(&d.sock.SockMaps, st.NetnsCookie)
 		if err != nil {
-			return ListenerStatus{}, err
+			return inspect.ListenerStatus{}, err
 		}
-		if filed || CheckNetns(st.netnsPath, st.NetnsCookie) != nil {
+		if filed || inspect.CheckNetns(st.netnsPath, st.NetnsCookie) != nil {
 			continue // a pod whose netns is gone is removed soon
 		}
 		if err := d.fileExistingListeners(st.netnsPath, st.NetnsCookie); err != nil {
@@ -216,27 +168,9 @@ func (d *Dataplane) ResyncListeners(ctx context.Context) (ListenerStatus, error)
 			refiled++
 		}
 	}
-	status, err := listenerStatus(&d.sock.SockMaps, pods)
+	status, err := inspect.ReadListenerStatus(&d.sock.SockMaps, pods)
 	status.Pruned, status.Refiled = pruned, refiled
 	return status, err
-}
-
-// Listeners reads ae_listeners against the pods enrolled in the pins; the
-// status is empty (Capacity 0) where the data path does not use it (before
-// Linux 5.17, inbound goes through tc).
-func (p *Pinned) Listeners() (ListenerStatus, error) {
-	if !readNodeConfig(&p.maps).skLookupInbound {
-		return ListenerStatus{}, nil
-	}
-	pods, err := p.Pods()
-	if err != nil {
-		return ListenerStatus{}, err
-	}
-	byNetns := map[uint64]string{}
-	for _, e := range pods {
-		byNetns[e.NetnsCookie] = e.Namespace + "/" + e.Name
-	}
-	return listenerStatus(&p.maps, byNetns)
 }
 
 // inetDiagReq is struct inet_diag_req_v2 asking for the thread netns's

@@ -7,72 +7,16 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 
 	"golang.org/x/sys/unix"
 )
-
-// inNetns runs fn on an OS thread switched into the network namespace at
-// path. Network namespaces are per thread: the thread is locked for the
-// duration, and if it cannot be switched back it is never unlocked, so Go
-// retires it instead of reusing a thread in the wrong namespace.
-func inNetns(path string, fn func() error) error {
-	target, err := os.Open(path)
-	if err != nil {
-		return fmt.Errorf("open netns: %w", err)
-	}
-	defer target.Close()
-
-	// The result is sent once switchNetns has returned, with its handle
-	// of the thread's own netns closed: the caller sees no descriptor
-	// that is about to go.
-	errc := make(chan error, 1)
-	go func() { errc <- switchNetns(path, target, fn) }()
-	return <-errc
-}
-
-// switchNetns runs fn on the calling goroutine's thread switched into
-// target, and switches back; see inNetns.
-func switchNetns(path string, target *os.File, fn func() error) error {
-	runtime.LockOSThread()
-	orig, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("open current netns: %w", err)
-	}
-	defer orig.Close()
-	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("setns %s: %w", path, err)
-	}
-	ferr := fn()
-	if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
-		return fmt.Errorf("setns back from %s: %w", path, err)
-	}
-	runtime.UnlockOSThread()
-	return ferr
-}
-
-// soNetnsCookie returns the cookie of the calling thread's netns, the
-// same value bpf_get_netns_cookie() gives the programs (Linux 5.14).
-func soNetnsCookie() (uint64, error) {
-	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return 0, fmt.Errorf("socket: %w", err)
-	}
-	defer unix.Close(fd)
-	cookie, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
-	if err != nil {
-		return 0, fmt.Errorf("getsockopt SO_NETNS_COOKIE: %w", err)
-	}
-	return cookie, nil
-}
 
 // queryNetnsCookie is currentNetnsCookie for kernels without
 // SO_NETNS_COOKIE (before 5.14): a socket marked in ae_nsq is bound, and
@@ -132,7 +76,7 @@ func (d *Dataplane) netnsFinder(pods int) func(cookie uint64) string {
 		found := map[uint64]string{}
 		for _, ns := range podnetns.New(d.cfg.ProcRoot).All() {
 			var cookie uint64
-			if inNetns(ns.Path, func() (err error) { cookie, err = d.netnsCookie(); return err }) == nil {
+			if nsexec.Do(ns.Path, func() (err error) { cookie, err = d.netnsCookie(); return err }) == nil {
 				if _, dup := found[cookie]; !dup {
 					found[cookie] = ns.Path
 				}
@@ -141,25 +85,6 @@ func (d *Dataplane) netnsFinder(pods int) func(cookie uint64) string {
 		return found
 	})
 	return func(cookie uint64) string { return byCookie()[cookie] }
-}
-
-// ifindexByName resolves an interface of the calling thread's netns with
-// one SIOCGIFINDEX ioctl. net.InterfaceByName dumps every link instead,
-// which in a node netns with a thousand pod veths dominated enrollment.
-func ifindexByName(name string) (int, error) {
-	ifr, err := unix.NewIfreq(name)
-	if err != nil {
-		return 0, fmt.Errorf("interface name %q: %w", name, err)
-	}
-	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return 0, fmt.Errorf("socket: %w", err)
-	}
-	defer unix.Close(fd)
-	if err := unix.IoctlIfreq(fd, unix.SIOCGIFINDEX, ifr); err != nil {
-		return 0, fmt.Errorf("SIOCGIFINDEX %s: %w", name, err)
-	}
-	return int(ifr.Uint32()), nil
 }
 
 // netnsID identifies a network namespace: the device and inode of its

@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 )
 
 // Pod is what Enroll needs to know about a pod.
@@ -30,54 +31,13 @@ type Pod struct {
 	// IPs are the pod's addresses; at most one per family is used for
 	// outbound redirection, all of them for inbound.
 	IPs     []netip.Addr
-	Options Options
+	Options inspect.Options
 	// Running: the pod's containers run already (adopted, repaired or
 	// taken over in place, not a CNI ADD), so ztunnel may be listening in
 	// its netns before this enrolment: Enroll then files those listeners
 	// (bpf/listeners.c) before the pod's entries too, not only after them
 	// as for every pod. Each run walks the node's TCP tables.
 	Running bool
-}
-
-// Options are the per-pod switches (rows R12-R14).
-type Options struct {
-	// BypassInbound leaves inbound traffic alone (R12, ingress mode).
-	BypassInbound bool `json:"bypassInbound,omitempty"`
-	// DNSCapture sends DNS to ztunnel's proxy (R9, R13).
-	DNSCapture bool `json:"dnsCapture,omitempty"`
-	// RerouteInterfaces are virtual interfaces whose TCP is treated as
-	// the pod's outbound traffic (R14).
-	RerouteInterfaces []string `json:"rerouteInterfaces,omitempty"`
-}
-
-// EnrolledPod is a pod as the pinned maps describe it.
-type EnrolledPod struct {
-	UID           string       `json:"uid"`
-	Namespace     string       `json:"namespace"`
-	Name          string       `json:"name"`
-	Interface     string       `json:"interface"`
-	HostInterface string       `json:"hostInterface"`
-	NetnsCookie   uint64       `json:"netnsCookie"`
-	IPs           []netip.Addr `json:"ips"`
-	Options       Options      `json:"options"`
-	Slot          uint32       `json:"slot"`
-	// Problem is what of the pod's capture its map entries do not give
-	// it (an address whose ae_pods entry is missing or another pod's:
-	// its inbound traffic reaches the app past ztunnel); "" when they
-	// all do. Such a pod is inconsistent, not enrolled.
-	Problem string `json:"problem,omitempty"`
-}
-
-// Stats are a pod's counters, summed over CPUs.
-type Stats struct {
-	OutboundRedirects uint64 `json:"outboundRedirects"`
-	InboundRedirects  uint64 `json:"inboundRedirects"`
-	InboundNoListener uint64 `json:"inboundNoListener"`
-	OrigDstErrors     uint64 `json:"origDstErrors"`
-	DNSRedirects      uint64 `json:"dnsRedirects"`
-	RerouteRedirects  uint64 `json:"rerouteRedirects"`
-	ProbeSNAT         uint64 `json:"probeSnat"`
-	ProbeNATFull      uint64 `json:"probeNatFull"`
 }
 
 // validate refuses a pod the data path cannot represent, or whose
@@ -170,7 +130,7 @@ func (p *Pod) normalize() {
 
 // netnsInfo builds the ae_netns value: the first address of each family.
 func (p *Pod) netnsInfo(slot uint32) bpfobj.SockNetnsInfo {
-	info := bpfobj.SockNetnsInfo{Slot: slot, Flags: p.flags()}
+	info := bpfobj.SockNetnsInfo{Slot: slot, Flags: p.Options.Flags()}
 	for _, ip := range p.IPs {
 		switch {
 		case ip.Is4() && info.Flags&bpfobj.FlagHasV4 == 0:
@@ -182,21 +142,6 @@ func (p *Pod) netnsInfo(slot uint32) bpfobj.SockNetnsInfo {
 		}
 	}
 	return info
-}
-
-func (p *Pod) flags() uint32 {
-	var f uint32
-	if p.Options.BypassInbound {
-		f |= bpfobj.FlagBypassInbound
-	}
-	if p.Options.DNSCapture {
-		f |= bpfobj.FlagDNSCapture
-	}
-	return f
-}
-
-func optionsFromFlags(f uint32) Options {
-	return Options{BypassInbound: f&bpfobj.FlagBypassInbound != 0, DNSCapture: f&bpfobj.FlagDNSCapture != 0}
 }
 
 func (p *Pod) hasV6() bool {

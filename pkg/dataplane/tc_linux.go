@@ -13,6 +13,9 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 )
 
 // tcHooks attaches one kind of per-pod program: TC programs as classic
@@ -47,13 +50,7 @@ type tcProgram interface {
 
 // attachedTo resolves a's interface inside its netns and runs fn there.
 func attachedTo(a attachment, fn func(ifindex int) error) error {
-	return inNetns(a.netns, func() error {
-		index, err := ifindexByName(a.iface)
-		if err != nil {
-			return fmt.Errorf("find interface %s: %w", a.iface, err)
-		}
-		return fn(index)
-	})
+	return nsexec.OnInterface(a.netns, a.iface, fn)
 }
 
 // replacePin pins obj at pin, replacing whatever an earlier agent left.
@@ -206,15 +203,6 @@ func (netnsHooks) adopt(a attachment, pin string) (tcProgram, error) {
 	return pinnedLink(pin), nil
 }
 
-// Our classic tc filters are recognised by priority, handle and name
-// together; no other filter is ever replaced or deleted. The priority is
-// high (runs late), so filters other software put first keep running
-// first, as TCX's append does.
-const (
-	tcFilterPriority = 0xae00
-	tcFilterHandle   = 0xae
-)
-
 // classicHooks uses classic tc: a cls_bpf filter in direct-action mode on
 // the clsact qdisc, which is created when missing and never deleted
 // (others may use it). The programs return TCX_NEXT (-1),
@@ -230,20 +218,13 @@ type tcFilter struct {
 	pin string
 }
 
-func tcParent(attach ebpf.AttachType) uint32 {
-	if attach == ebpf.AttachTCXEgress {
-		return netlink.HANDLE_MIN_EGRESS
-	}
-	return netlink.HANDLE_MIN_INGRESS
-}
-
 func (a attachment) filter(ifindex int, prog *ebpf.Program) *netlink.BpfFilter {
 	return &netlink.BpfFilter{
 		FilterAttrs: netlink.FilterAttrs{
 			LinkIndex: ifindex,
-			Parent:    tcParent(a.attach),
-			Handle:    tcFilterHandle,
-			Priority:  tcFilterPriority,
+			Parent:    bpfobj.TCParent(a.attach),
+			Handle:    bpfobj.TCFilterHandle,
+			Priority:  bpfobj.TCFilterPriority,
 			Protocol:  unix.ETH_P_ALL,
 		},
 		Fd:           prog.FD(),
@@ -253,9 +234,9 @@ func (a attachment) filter(ifindex int, prog *ebpf.Program) *netlink.BpfFilter {
 	}
 }
 
-// filterName names the filter after its pin ("ae_ingress"), which tc
-// shows; the kernel keeps at most 255 bytes.
-func (a attachment) filterName() string { return "ae_" + a.pin }
+// filterName names the filter after its pin (bpfobj.TCFilterName); the
+// kernel keeps at most 255 bytes.
+func (a attachment) filterName() string { return bpfobj.TCFilterName(a.pin) }
 
 // setFilter creates or atomically replaces our filter on a's interface.
 func (a attachment) setFilter(prog *ebpf.Program) error {
@@ -282,13 +263,13 @@ func (a attachment) setFilter(prog *ebpf.Program) error {
 			}
 			return nil
 		}
-		filters, err := listFilters(ifindex, tcParent(a.attach))
+		filters, err := listFilters(ifindex, bpfobj.TCParent(a.attach))
 		if err != nil {
 			return err
 		}
 		for _, bf := range filters {
-			if bf.Priority == tcFilterPriority && bf.Handle == tcFilterHandle && !a.ours(bf) {
-				return fmt.Errorf("attach %s: tc filter priority %#x handle %#x is taken by %q", a, tcFilterPriority, tcFilterHandle, bf.Name)
+			if bf.Priority == bpfobj.TCFilterPriority && bf.Handle == bpfobj.TCFilterHandle && !a.ours(bf) {
+				return fmt.Errorf("attach %s: tc filter priority %#x handle %#x is taken by %q", a, bpfobj.TCFilterPriority, bpfobj.TCFilterHandle, bf.Name)
 			}
 		}
 		if err := h.FilterReplace(a.filter(ifindex, prog)); err != nil {
@@ -344,7 +325,7 @@ func pinProgram(pin string, prog *ebpf.Program) error {
 func (classicHooks) count(netnsPath, iface string, attach ebpf.AttachType) (int, error) {
 	var n int
 	err := attachedTo(attachment{netns: netnsPath, iface: iface}, func(ifindex int) error {
-		filters, err := listFilters(ifindex, tcParent(attach))
+		filters, err := listFilters(ifindex, bpfobj.TCParent(attach))
 		n = len(filters)
 		return err
 	})
@@ -373,7 +354,7 @@ func listFilters(ifindex int, parent uint32) ([]*netlink.BpfFilter, error) {
 
 // ours reports whether bf is the filter a attached.
 func (a attachment) ours(bf *netlink.BpfFilter) bool {
-	return bf.Priority == tcFilterPriority && bf.Handle == tcFilterHandle && bf.Name == a.filterName()
+	return bpfobj.OurFilter(a.pin, bf)
 }
 
 // detach deletes our filter (matched by priority, handle and name; the
@@ -383,7 +364,7 @@ func (f *tcFilter) detach() error {
 	var errs []error
 	if f.a.netns != "" {
 		err := attachedTo(f.a, func(ifindex int) error {
-			filters, err := listFilters(ifindex, tcParent(f.a.attach))
+			filters, err := listFilters(ifindex, bpfobj.TCParent(f.a.attach))
 			if err != nil {
 				return err
 			}

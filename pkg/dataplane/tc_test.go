@@ -12,6 +12,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -57,7 +59,7 @@ func TestClassicTCTouchesOnlyItsOwnFilter(t *testing.T) {
 	if got := filterNames(t, a); len(got) != 1 || got[0] != "ae_other" {
 		t.Errorf("filters after detach = %v, want only the other one", got)
 	}
-	err = inNetns(p.NetnsPath(), func() error {
+	err = nsexec.Do(p.NetnsPath(), func() error {
 		l, err := netlink.LinkByName("eth0")
 		if err != nil {
 			return err
@@ -76,11 +78,11 @@ func TestClassicTCTouchesOnlyItsOwnFilter(t *testing.T) {
 	}
 	// Someone else's filter at our priority and handle is never replaced.
 	squatter := attachment{pin: "squatter", netns: p.NetnsPath(), iface: "eth0", attach: ebpf.AttachTCXIngress}
-	if err := squatter.setFilterAt(d.tc.AePodLoIngress, tcFilterPriority); err != nil {
+	if err := squatter.setFilterAt(d.tc.AePodLoIngress, bpfobj.TCFilterPriority); err != nil {
 		t.Fatalf("add a filter at our priority: %v", err)
 	}
 	if _, err := hooks.attach(a, pin); err == nil {
-		t.Errorf("attach replaced a foreign filter at priority %#x handle %#x", tcFilterPriority, tcFilterHandle)
+		t.Errorf("attach replaced a foreign filter at priority %#x handle %#x", bpfobj.TCFilterPriority, bpfobj.TCFilterHandle)
 	}
 	if got := filterNames(t, a); len(got) != 2 || got[1] != "ae_squatter" {
 		t.Errorf("filters = %v, want the other one and the squatter", got)
@@ -108,7 +110,7 @@ func (a attachment) list(t *testing.T) []*netlink.BpfFilter {
 	var out []*netlink.BpfFilter
 	err := attachedTo(a, func(ifindex int) error {
 		var err error
-		out, err = listFilters(ifindex, tcParent(a.attach))
+		out, err = listFilters(ifindex, bpfobj.TCParent(a.attach))
 		return err
 	})
 	if err != nil {

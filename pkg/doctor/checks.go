@@ -15,8 +15,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 )
@@ -104,7 +104,7 @@ func checkBPFFS(_ context.Context, n *node) []Finding {
 
 func checkDataPath(_ context.Context, n *node) []Finding {
 	if n.pinned == nil {
-		if errors.Is(n.pinErr, dataplane.ErrNotInstalled) {
+		if errors.Is(n.pinErr, inspect.ErrNotInstalled) {
 			return []Finding{{Check: "datapath", Status: Info, Summary: "no data path pinned at " + n.cfg.BPFFSDir,
 				Meaning: "before install this is expected; after install the agent has not started yet, or was uninstalled"}}
 		}
@@ -121,7 +121,7 @@ func checkDataPath(_ context.Context, n *node) []Finding {
 		}
 	}
 	out := []Finding{{Check: "datapath", Status: OK, Summary: fmt.Sprintf("data path pinned at %s: %d pods enrolled", n.cfg.BPFFSDir, enrolled)}}
-	switch on, held, err := dataplane.TraceState(n.cfg.BPFFSDir); {
+	switch on, held, err := inspect.TraceState(n.cfg.BPFFSDir); {
 	case err != nil:
 		out = append(out, Finding{Check: "trace", Status: Info, Summary: fmt.Sprintf("the trace flag cannot be read: %v", err),
 			Meaning: "pins of an agent from before tracing; the next agent start adds it"})
@@ -178,8 +178,8 @@ func checkListeners(n *node) []Finding {
 			Meaning: "removed pods' listeners, or ones an earlier agent filed for any netns (a local user with a user namespace can fill the table that way); the agent prunes them every 30 s",
 			Action:  "make sure the agent is running (ambient-ebpf status)"})
 	}
-	if d, err := n.pinned.Decisions(); err == nil && d.ByReason[dataplane.ReasonListenerFull] > 0 {
-		out = append(out, Finding{Check: check, Status: Warn, Summary: fmt.Sprintf("ztunnel's listeners found ae_listeners full %d times since the maps were made", d.ByReason[dataplane.ReasonListenerFull]),
+	if d, err := n.pinned.Decisions(); err == nil && d.ByReason[inspect.ReasonListenerFull] > 0 {
+		out = append(out, Finding{Check: check, Status: Warn, Summary: fmt.Sprintf("ztunnel's listeners found ae_listeners full %d times since the maps were made", d.ByReason[inspect.ReasonListenerFull]),
 			Meaning: "those listeners were not filed when they started; the agent's resync files them once there is room"})
 	}
 	if len(out) == 0 {
@@ -216,15 +216,15 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 	if n.cgroup2 == "" {
 		return nil
 	}
-	progs, truncated, err := dataplane.CgroupPrograms(n.cgroup2, n.cfg.BPFFSDir, n.cfg.MaxCgroups)
+	progs, truncated, err := inspect.CgroupPrograms(n.cgroup2, n.cfg.BPFFSDir, n.cfg.MaxCgroups)
 	if err != nil {
 		return []Finding{{Check: "cgroup-hooks", Status: Warn, Summary: fmt.Sprintf("cannot list the programs on the cgroup hooks: %v", err)}}
 	}
 	var out []Finding
 	if n.pinned != nil {
 		var missing []string
-		for _, hook := range dataplane.SocketHooks() {
-			if !slices.ContainsFunc(progs, func(p dataplane.CgroupProgram) bool { return p.Ours && p.Hook == hook && p.Cgroup == n.cgroup2 }) {
+		for _, hook := range inspect.SocketHooks() {
+			if !slices.ContainsFunc(progs, func(p inspect.CgroupProgram) bool { return p.Ours && p.Hook == hook && p.Cgroup == n.cgroup2 }) {
 				missing = append(missing, hook)
 			}
 		}
@@ -233,7 +233,7 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 				Meaning: "outbound capture (R1), DNS (R9) and SO_ORIGINAL_DST need every one of them; the pins belong to another cgroup root or were detached",
 				Action:  "start the agent with the cgroup root it was installed with, or uninstall and install again"})
 		} else {
-			out = append(out, Finding{Check: "cgroup-hooks", Status: OK, Summary: fmt.Sprintf("our %d socket hooks are attached to %s", len(dataplane.SocketHooks()), n.cgroup2)})
+			out = append(out, Finding{Check: "cgroup-hooks", Status: OK, Summary: fmt.Sprintf("our %d socket hooks are attached to %s", len(inspect.SocketHooks()), n.cgroup2)})
 		}
 	}
 	// One finding per foreign program and cgroup, naming its hooks.

@@ -16,8 +16,8 @@ import (
 	"strings"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
 
@@ -97,9 +97,9 @@ func (c *Config) setDefaults() {
 // node is what the checks share: the config and the pins, if any.
 type node struct {
 	cfg     Config
-	pinned  *dataplane.Pinned // nil when nothing is pinned
+	pinned  *inspect.Pinned // nil when nothing is pinned
 	pinErr  error
-	dump    *dataplane.MapDump
+	dump    *inspect.MapDump
 	cgroup2 string // the cgroup root the hooks attach to; empty when none
 }
 
@@ -107,7 +107,7 @@ type node struct {
 func Run(ctx context.Context, cfg Config) *Report {
 	cfg.setDefaults()
 	n := &node{cfg: cfg}
-	n.pinned, n.pinErr = dataplane.OpenPinned(cfg.BPFFSDir)
+	n.pinned, n.pinErr = inspect.OpenPinned(cfg.BPFFSDir)
 	if n.pinned != nil {
 		defer n.pinned.Close()
 		n.dump, n.pinErr = n.pinned.Dump()

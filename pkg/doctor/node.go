@@ -15,7 +15,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 )
 
 func checkZtunnel(_ context.Context, n *node) []Finding {
@@ -109,7 +109,7 @@ func checkIstioCNI(ctx context.Context, n *node) []Finding {
 	}
 	if n.dump != nil {
 		for _, m := range n.dump.Meta {
-			if m.State != "enrolled" || dataplane.CheckNetns(m.Netns, m.NetnsCookie) != nil {
+			if m.State != "enrolled" || inspect.CheckNetns(m.Netns, m.NetnsCookie) != nil {
 				continue // its netns is gone; tc-hooks says so
 			}
 			chains, err := istioChains(ctx, m.Netns, tools)

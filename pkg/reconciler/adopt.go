@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 )
@@ -24,7 +25,7 @@ import (
 // their pins and go to ztunnel as a Keep. Every adopted pod is reconciled
 // once the sources synced: one that is gone or no longer ambient leaves then.
 func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
-	adopted := map[string]dataplane.EnrolledPod{}
+	adopted := map[string]inspect.EnrolledPod{}
 	for _, p := range r.cfg.Dataplane.List() {
 		adopted[p.UID] = p
 	}

@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
@@ -21,8 +22,8 @@ import (
 // used to fail with "no IPs" on every retry, for good.
 func TestAdoptedPodWithoutIPsTakesThemFromItsSource(t *testing.T) {
 	e := newTestEnv(t, 1)
-	e.dp.pinned = []dataplane.EnrolledPod{{UID: string(e.web.UID), Namespace: e.web.Namespace, Name: e.web.Name,
-		Interface: "eth0", Options: dataplane.Options{DNSCapture: true}}}
+	e.dp.pinned = []inspect.EnrolledPod{{UID: string(e.web.UID), Namespace: e.web.Namespace, Name: e.web.Name,
+		Interface: "eth0", Options: inspect.Options{DNSCapture: true}}}
 	e.r.Adopt(context.Background(), nil)
 	p := e.web.DeepCopy()
 	p.Annotations = map[string]string{enrollment.BypassInboundAnnotation: "true"}
@@ -41,8 +42,8 @@ func TestAdoptedPodWithoutIPsTakesThemFromItsSource(t *testing.T) {
 func TestAdoptedPodWithAProblemIsEnrolledAgain(t *testing.T) {
 	e := newTestEnv(t, 1)
 	ips := []netip.Addr{netip.MustParseAddr("198.18.0.10"), netip.MustParseAddr("fd00:198:18::a")}
-	e.dp.pinned = []dataplane.EnrolledPod{
-		{UID: "uid-lost", Namespace: "shop", Name: "lost", Interface: "eth0", IPs: ips, Options: dataplane.Options{DNSCapture: true},
+	e.dp.pinned = []inspect.EnrolledPod{
+		{UID: "uid-lost", Namespace: "shop", Name: "lost", Interface: "eth0", IPs: ips, Options: inspect.Options{DNSCapture: true},
 			Problem: "no ae_pods entry for 198.18.0.10: inbound traffic to it is not captured"},
 		{UID: "uid-fine", Namespace: "shop", Name: "fine", Interface: "eth0", IPs: ips[:1]},
 	}

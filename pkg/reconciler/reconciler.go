@@ -46,6 +46,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
@@ -90,7 +91,7 @@ type Change struct {
 type Dataplane interface {
 	Enroll(ctx context.Context, pod dataplane.Pod) error
 	Remove(ctx context.Context, uid string) error
-	List() []dataplane.EnrolledPod
+	List() []inspect.EnrolledPod
 }
 
 // Ztunnel is the ZDS handoff (*zds.Server).
@@ -879,10 +880,10 @@ func podIPs(pod *corev1.Pod) []netip.Addr {
 	return ips
 }
 
-func dpOptions(o enrollment.Options) dataplane.Options {
-	return dataplane.Options{BypassInbound: o.BypassInbound, DNSCapture: o.DNSCapture, RerouteInterfaces: o.RerouteInterfaces}
+func dpOptions(o enrollment.Options) inspect.Options {
+	return inspect.Options{BypassInbound: o.BypassInbound, DNSCapture: o.DNSCapture, RerouteInterfaces: o.RerouteInterfaces}
 }
 
-func enrollmentOptions(o dataplane.Options) enrollment.Options {
+func enrollmentOptions(o inspect.Options) enrollment.Options {
 	return enrollment.Options{BypassInbound: o.BypassInbound, DNSCapture: o.DNSCapture, RerouteInterfaces: slices.Clone(o.RerouteInterfaces)}
 }

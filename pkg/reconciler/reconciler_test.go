@@ -21,6 +21,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
@@ -33,7 +34,7 @@ type fakeDataplane struct {
 	enrolls  []dataplane.Pod
 	removes  int
 	fail     error
-	pinned   []dataplane.EnrolledPod // what List reports (a restart's pins)
+	pinned   []inspect.EnrolledPod // what List reports (a restart's pins)
 }
 
 func (f *fakeDataplane) Enroll(_ context.Context, p dataplane.Pod) error {
@@ -55,7 +56,7 @@ func (f *fakeDataplane) Remove(_ context.Context, uid string) error {
 	return nil
 }
 
-func (f *fakeDataplane) List() []dataplane.EnrolledPod { return f.pinned }
+func (f *fakeDataplane) List() []inspect.EnrolledPod { return f.pinned }
 
 func (f *fakeDataplane) has(uid string) bool {
 	f.mu.Lock()
@@ -377,12 +378,12 @@ func TestOptionChangesAreAppliedInPlace(t *testing.T) {
 	}
 	steps := []struct {
 		annotations map[string]string
-		want        dataplane.Options
+		want        inspect.Options
 	}{
-		{map[string]string{enrollment.BypassInboundAnnotation: "true"}, dataplane.Options{BypassInbound: true, DNSCapture: true}},
-		{map[string]string{enrollment.DNSCaptureAnnotation: "false"}, dataplane.Options{}},
-		{map[string]string{enrollment.RerouteInterfacesAnnotation: "tun0, wg0"}, dataplane.Options{DNSCapture: true, RerouteInterfaces: []string{"tun0", "wg0"}}},
-		{nil, dataplane.Options{DNSCapture: true}},
+		{map[string]string{enrollment.BypassInboundAnnotation: "true"}, inspect.Options{BypassInbound: true, DNSCapture: true}},
+		{map[string]string{enrollment.DNSCaptureAnnotation: "false"}, inspect.Options{}},
+		{map[string]string{enrollment.RerouteInterfacesAnnotation: "tun0, wg0"}, inspect.Options{DNSCapture: true, RerouteInterfaces: []string{"tun0", "wg0"}}},
+		{nil, inspect.Options{DNSCapture: true}},
 	}
 	for i, s := range steps {
 		p := e.web.DeepCopy()

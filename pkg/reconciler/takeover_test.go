@@ -13,7 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 )
 
@@ -179,7 +179,7 @@ func TestTakeoverInspectFailureIsRetried(t *testing.T) {
 func TestTakeoverOfAPinnedPodIsInspectedAsPinned(t *testing.T) {
 	tk := &fakeTakeover{plan: TakeoverPlan{Action: TakeoverNone}}
 	e := newTestEnv(t, 1, withTakeover(tk))
-	e.dp.pinned = []dataplane.EnrolledPod{{UID: "uid-web", Namespace: "shop", Name: "web", Interface: "eth0"}}
+	e.dp.pinned = []inspect.EnrolledPod{{UID: "uid-web", Namespace: "shop", Name: "web", Interface: "eth0"}}
 	pod := e.snapshotPod()
 	e.r.Adopt(context.Background(), []*corev1.Pod{pod})
 	if !e.dp.has("uid-web") {

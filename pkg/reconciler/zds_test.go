@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
@@ -29,7 +30,7 @@ type nopDataplane struct{}
 
 func (nopDataplane) Enroll(context.Context, dataplane.Pod) error { return nil }
 func (nopDataplane) Remove(context.Context, string) error        { return nil }
-func (nopDataplane) List() []dataplane.EnrolledPod               { return nil }
+func (nopDataplane) List() []inspect.EnrolledPod                 { return nil }
 
 // selfNetns finds the pod uid-web in this process's netns, a real one
 // ZDS can pass to ztunnel.

@@ -23,7 +23,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -45,8 +45,8 @@ func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 	out := n.StartOutsideApp()
 	out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), 8080))
 	app := n.StartApp(a)
-	inspect := n.Inspect
-	base := []string{"--bpffs", n.BPFFSDir, "--inspect-socket", inspect}
+	socket := n.Inspect
+	base := []string{"--bpffs", n.BPFFSDir, "--inspect-socket", socket}
 
 	// Client 1: the CLI, through the agent, one pod's events as JSON.
 	ctx, cancel := context.WithCancel(context.Background())
@@ -58,18 +58,18 @@ func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 	cmd.SetErr(&cliErr)
 	cmd.SetArgs(append(base, "-o", "json", "trace", "--pod", "default/app"))
 	go func() { cliDone <- cmd.ExecuteContext(ctx); pw.Close() }()
-	cliEvents := make(chan dataplane.Event, 256)
+	cliEvents := make(chan inspect.Event, 256)
 	go func() {
 		sc := bufio.NewScanner(pr)
 		for sc.Scan() {
-			var e dataplane.Event
+			var e inspect.Event
 			if json.Unmarshal(sc.Bytes(), &e) == nil {
 				cliEvents <- e
 			}
 		}
 	}()
 	// Client 2: the API itself.
-	conn, err := grpc.NewClient("unix://"+inspect, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,7 +109,7 @@ func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 				if e.Pod != "default/app" {
 					t.Errorf("--pod default/app printed another pod's event: %+v", e)
 				}
-				sawCLI = sawCLI || e.Reason == dataplane.ReasonOutbound && e.Dst == dst && e.To == netip.AddrPortFrom(a.V4, 15001) && e.Row == "R1"
+				sawCLI = sawCLI || e.Reason == inspect.ReasonOutbound && e.Dst == dst && e.To == netip.AddrPortFrom(a.V4, 15001) && e.Row == "R1"
 			case e := <-apiEvents:
 				sawAPI = sawAPI || e.Pod == "default/app" && e.Hook == "connect4" && e.Decision == "captured" && e.Reason == "outbound" &&
 					e.Dst == dst.String() && e.RedirectedTo == netip.AddrPortFrom(a.V4, 15001).String() && e.TimeUnixNano > 0
@@ -157,12 +157,12 @@ func TestAgentSharesTracesAndCountsDecisions(t *testing.T) {
 		t.Errorf("trace through the agent: %v", err)
 	}
 	testenv.Eventually(t, time.Minute, "the agent to let go of the trace", func() bool {
-		tr, err := dataplane.OpenTracer(n.BPFFSDir)
+		tr, err := inspect.OpenTracer(n.BPFFSDir)
 		if err == nil {
 			tr.Close()
 			return true
 		}
-		return !errors.Is(err, dataplane.ErrTraceBusy)
+		return !errors.Is(err, inspect.ErrTraceBusy)
 	})
 }
 
@@ -186,11 +186,11 @@ func TestTraceSinceReplaysTheAgentsHistory(t *testing.T) {
 
 	// The agent holds the reader from the start, with no client.
 	testenv.Eventually(t, time.Minute, "the agent to trace for its history", func() bool {
-		tr, err := dataplane.OpenTracer(n.BPFFSDir)
+		tr, err := inspect.OpenTracer(n.BPFFSDir)
 		if err == nil {
 			tr.Close()
 		}
-		return errors.Is(err, dataplane.ErrTraceBusy)
+		return errors.Is(err, inspect.ErrTraceBusy)
 	})
 	dialed := time.Now()
 	if _, err := app.Dial("tcp", simnode.AppRequest{Addr: dst}); err != nil {
@@ -198,22 +198,22 @@ func TestTraceSinceReplaysTheAgentsHistory(t *testing.T) {
 	}
 	time.Sleep(200 * time.Millisecond) // the agent reads the ring in the background
 
-	run := func(args ...string) (events []dataplane.Event, err error) {
+	run := func(args ...string) (events []inspect.Event, err error) {
 		var b bytes.Buffer
 		cmd := cli.NewCommand(&b)
 		cmd.SetErr(io.Discard)
 		cmd.SetArgs(append(append([]string{}, base...), args...))
 		err = cmd.Execute()
 		for _, line := range strings.Split(strings.TrimSpace(b.String()), "\n") {
-			var e dataplane.Event
+			var e inspect.Event
 			if line != "" && json.Unmarshal([]byte(line), &e) == nil {
 				events = append(events, e)
 			}
 		}
 		return events, err
 	}
-	captured := func(e dataplane.Event) bool {
-		return e.Pod == "default/app" && e.Reason == dataplane.ReasonOutbound && e.Dst == dst && e.To == netip.AddrPortFrom(a.V4, 15001)
+	captured := func(e inspect.Event) bool {
+		return e.Pod == "default/app" && e.Reason == inspect.ReasonOutbound && e.Dst == dst && e.To == netip.AddrPortFrom(a.V4, 15001)
 	}
 	events, err := run("-o", "json", "trace", "--since", "1m", "--pod", "default/app", "--duration", "2s")
 	if err != nil {

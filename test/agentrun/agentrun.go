@@ -27,7 +27,7 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -387,9 +387,9 @@ func Entries(pods ...*simnode.Pod) []PodEntry {
 
 // PinnedPods lists the pods enrolled in the pins below dir (none when
 // nothing is pinned).
-func PinnedPods(t *testing.T, dir string) []dataplane.EnrolledPod {
+func PinnedPods(t *testing.T, dir string) []inspect.EnrolledPod {
 	t.Helper()
-	view, err := dataplane.OpenPinned(dir)
+	view, err := inspect.OpenPinned(dir)
 	if err != nil {
 		return nil
 	}

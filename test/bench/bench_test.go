@@ -19,6 +19,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/bench/benchdoc"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -422,9 +423,9 @@ func (e *env) zdsCounts() zdsCounts {
 
 // pinnedView opens the node's pinned maps and lists their pods; the caller
 // closes the view.
-func (e *env) pinnedView() (*dataplane.Pinned, []dataplane.EnrolledPod) {
+func (e *env) pinnedView() (*inspect.Pinned, []inspect.EnrolledPod) {
 	e.t.Helper()
-	view, err := dataplane.OpenPinned(e.node.BPFFSDir)
+	view, err := inspect.OpenPinned(e.node.BPFFSDir)
 	if err != nil {
 		e.t.Fatalf("open pinned maps: %v", err)
 	}
@@ -437,10 +438,10 @@ func (e *env) pinnedView() (*dataplane.Pinned, []dataplane.EnrolledPod) {
 }
 
 // pinned returns the pods the node's pinned maps list, by UID.
-func (e *env) pinned() map[string]dataplane.EnrolledPod {
+func (e *env) pinned() map[string]inspect.EnrolledPod {
 	view, pods := e.pinnedView()
 	view.Close()
-	out := map[string]dataplane.EnrolledPod{}
+	out := map[string]inspect.EnrolledPod{}
 	for _, p := range pods {
 		out[p.UID] = p
 	}
@@ -448,11 +449,11 @@ func (e *env) pinned() map[string]dataplane.EnrolledPod {
 }
 
 // dpStats reads a pod's counters from the node's pinned maps.
-func (e *env) dpStats(p *simnode.Pod) dataplane.Stats {
+func (e *env) dpStats(p *simnode.Pod) inspect.Stats {
 	e.t.Helper()
 	view, pods := e.pinnedView()
 	defer view.Close()
-	i := slices.IndexFunc(pods, func(ep dataplane.EnrolledPod) bool { return ep.UID == p.UID })
+	i := slices.IndexFunc(pods, func(ep inspect.EnrolledPod) bool { return ep.UID == p.UID })
 	if i < 0 {
 		e.t.Fatalf("%s is not in the pinned maps", p.Name)
 	}
@@ -495,7 +496,7 @@ func (e *env) measure(p *path, req loadRequest) run {
 	e.t.Helper()
 	req.ServerCloses = e.s.exposeCollisions
 	before := e.ztCounts()
-	var dpBefore dataplane.Stats
+	var dpBefore inspect.Stats
 	if p.name == pathEBPF {
 		dpBefore = e.dpStats(p.client)
 	}

@@ -27,7 +27,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference/rules"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
@@ -340,7 +340,7 @@ func (c *netnsCheck) holds(cmd string, i int) (bool, error) {
 }
 
 func (c *netnsCheck) verify(cmd string, pods []cniPod) error {
-	view, err := dataplane.OpenPinned(c.bpffs)
+	view, err := inspect.OpenPinned(c.bpffs)
 	if err != nil {
 		return err
 	}
@@ -349,7 +349,7 @@ func (c *netnsCheck) verify(cmd string, pods []cniPod) error {
 	if err != nil {
 		return err
 	}
-	byUID := map[string]dataplane.EnrolledPod{}
+	byUID := map[string]inspect.EnrolledPod{}
 	for _, p := range enrolled {
 		byUID[p.UID] = p
 	}

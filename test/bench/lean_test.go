@@ -19,7 +19,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -333,7 +333,7 @@ func (e *env) measureLean(v leanVariant, req loadRequest) leanRun {
 	if v.proxied {
 		out0, in0, proxyCG = e.leanCounts(p.client), e.leanCounts(p.server), []string{e.leanCG}
 	}
-	var dp0 dataplane.Stats
+	var dp0 inspect.Stats
 	if p.ebpf() {
 		dp0 = e.dpStats(p.client)
 	}
@@ -423,7 +423,7 @@ func (e *env) stopTrace() tracerResult {
 func (e *env) waitTrace(on bool) {
 	e.t.Helper()
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
-		got, _, err := dataplane.TraceState(e.node.BPFFSDir)
+		got, _, err := inspect.TraceState(e.node.BPFFSDir)
 		if err == nil && got == on {
 			return
 		}

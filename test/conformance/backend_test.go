@@ -12,6 +12,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -77,7 +78,7 @@ func (b *ebpfBackend) enroll(t *testing.T, p *simnode.Pod, o podOpts) {
 	t.Helper()
 	err := b.dp.Enroll(context.Background(), dataplane.Pod{
 		UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
-		Options: dataplane.Options{DNSCapture: o.dns, BypassInbound: o.ingressMode, RerouteInterfaces: o.reroute},
+		Options: inspect.Options{DNSCapture: o.dns, BypassInbound: o.ingressMode, RerouteInterfaces: o.reroute},
 	})
 	if err != nil {
 		t.Fatalf("enroll %s: %v", p.Name, err)

@@ -22,7 +22,7 @@ import (
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -538,9 +538,9 @@ func TestConformance(t *testing.T) {
 					defer t.Run("sockmap_accelerated_the_hops", func(t *testing.T) { checkAccelerated(t, eb.dp, e.node) })
 				}
 				defer t.Run("H1_probe_translations_of_finished_connections_go_away", func(t *testing.T) {
-					var left []dataplane.ProbeNATEntry
+					var left []inspect.ProbeNATEntry
 					if !testenv.Poll(5*time.Second, func() bool {
-						view, err := dataplane.OpenPinned(e.node.BPFFSDir)
+						view, err := inspect.OpenPinned(e.node.BPFFSDir)
 						if err != nil {
 							t.Fatal(err)
 						}

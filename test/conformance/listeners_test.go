@@ -17,6 +17,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -95,7 +96,7 @@ func TestListenerFloodFromAUserNamespaceLeavesLaterPodsCaptured(t *testing.T) {
 	case err != nil:
 		t.Fatal(err)
 	case !listenersFiled():
-		if !reflect.DeepEqual(st, dataplane.ListenerStatus{}) {
+		if !reflect.DeepEqual(st, inspect.ListenerStatus{}) {
 			t.Errorf("inbound goes through tc on this kernel, yet ae_listeners reports %+v", st)
 		}
 	case st.NotEnrolled != 0 || st.Pruned != 0 || st.Entries == 0 || st.Entries > simnode.ListenersPerNetns || len(st.Missing) != 0:
@@ -120,7 +121,7 @@ func TestResyncFilesAListenerTheTableLeftOutAndPrunesOthers(t *testing.T) {
 	p := enrollAndHand(t, n, d, zt, "left-out")
 	if !listenersFiled() {
 		t.Log("inbound goes through tc on this kernel: ae_listeners is not used") // no skip: inbound must still work
-		if st, err := d.ResyncListeners(context.Background()); err != nil || !reflect.DeepEqual(st, dataplane.ListenerStatus{}) {
+		if st, err := d.ResyncListeners(context.Background()); err != nil || !reflect.DeepEqual(st, inspect.ListenerStatus{}) {
 			t.Errorf("resync without ae_listeners: %+v, %v", st, err)
 		}
 		inboundThroughZtunnel(t, p, zt, n.StartApp(p), n.StartOutsideApp())

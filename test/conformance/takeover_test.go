@@ -12,6 +12,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -43,7 +44,7 @@ func enrolRunning(t *testing.T, n *simnode.Node, p *simnode.Pod) {
 	}
 	t.Cleanup(func() { _ = d.Uninstall() })
 	if err := d.Enroll(context.Background(), dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
-		Options: dataplane.Options{DNSCapture: true}, Running: true}); err != nil {
+		Options: inspect.Options{DNSCapture: true}, Running: true}); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -21,7 +21,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
@@ -98,7 +98,7 @@ func (r *agentRun) annotation(kp *corev1.Pod) enrollment.Redirection {
 
 func (r *agentRun) pinned() map[string]bool {
 	out := map[string]bool{}
-	view, err := dataplane.OpenPinned(r.BPFFSDir)
+	view, err := inspect.OpenPinned(r.BPFFSDir)
 	if err != nil {
 		return out
 	}

@@ -14,7 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -98,10 +98,10 @@ func TestLiveOptionChangesAgainstAPIServer(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	opts := func() dataplane.Options {
-		view, err := dataplane.OpenPinned(r.BPFFSDir)
+	opts := func() inspect.Options {
+		view, err := inspect.OpenPinned(r.BPFFSDir)
 		if err != nil {
-			return dataplane.Options{}
+			return inspect.Options{}
 		}
 		defer view.Close()
 		pods, _ := view.Pods()
@@ -110,7 +110,7 @@ func TestLiveOptionChangesAgainstAPIServer(t *testing.T) {
 				return p.Options
 			}
 		}
-		return dataplane.Options{}
+		return inspect.Options{}
 	}
 	uid := r.pinnedUID("web")
 
@@ -152,7 +152,7 @@ func listener(zt *simnode.Ztunnel, peer netip.AddrPort) string {
 }
 
 func (r *agentRun) pinnedUID(name string) string {
-	view, err := dataplane.OpenPinned(r.BPFFSDir)
+	view, err := inspect.OpenPinned(r.BPFFSDir)
 	if err != nil {
 		return ""
 	}

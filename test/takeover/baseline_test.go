@@ -35,7 +35,7 @@ func TestHarnessUnderIstioCNI(t *testing.T) {
 		podSpec{name: "nft", backend: reference.NftCompat, unrelated: true},
 		podSpec{name: "edited", backend: reference.Legacy, edit: editOneRule(reference.Legacy)})
 	for _, p := range s.pods {
-		r := inspect(t, p.Pod)
+		r := istiocniPod(t, p.Pod)
 		if want := p.spec.edit == nil; r.Equivalent != want {
 			t.Errorf("%s: pkg/istiocni says Equivalent = %v (reasons %q), want %v", p.Name, r.Equivalent, r.Reasons, want)
 		}

@@ -68,7 +68,7 @@ func TestTakeoverKilledMidwayFinishesOnRestart(t *testing.T) {
 			sm.waitSamples(t, 100) // no agent, half a takeover
 			for _, p := range s.pods {
 				pinned := s.pinned(t, p.Pod)
-				if r := inspect(t, p.Pod); !pinned && len(r.Iptables) == 0 {
+				if r := istiocniPod(t, p.Pod); !pinned && len(r.Iptables) == 0 {
 					t.Errorf("%s is neither enrolled in eBPF nor left with istio-cni's rules", p.Name)
 				}
 			}

@@ -28,7 +28,7 @@ import (
 	"github.com/ti-mo/conntrack"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
@@ -293,8 +293,8 @@ func (s *scenario) checkNodeFreeOfIstioCNI(t *testing.T) {
 	}
 }
 
-// inspect is pkg/istiocni's reading of a pod.
-func inspect(t *testing.T, p *simnode.Pod) *istiocni.Pod {
+// istiocniPod is pkg/istiocni's reading of a pod.
+func istiocniPod(t *testing.T, p *simnode.Pod) *istiocni.Pod {
 	t.Helper()
 	r, err := istiocni.New().InspectPod(context.Background(), p.NetnsPath())
 	if err != nil {
@@ -307,13 +307,13 @@ func inspect(t *testing.T, p *simnode.Pod) *istiocni.Pod {
 // rules are gone from it.
 func (s *scenario) takenOver(t *testing.T, p *simnode.Pod) bool {
 	t.Helper()
-	return s.pinned(t, p) && len(inspect(t, p).Iptables) == 0
+	return s.pinned(t, p) && len(istiocniPod(t, p).Iptables) == 0
 }
 
 // pinned says whether the pod is enrolled in the pinned data path.
 func (s *scenario) pinned(t *testing.T, p *simnode.Pod) bool {
 	t.Helper()
-	return slices.ContainsFunc(agentrun.PinnedPods(t, s.BPFFSDir), func(e dataplane.EnrolledPod) bool { return e.UID == p.UID })
+	return slices.ContainsFunc(agentrun.PinnedPods(t, s.BPFFSDir), func(e inspect.EnrolledPod) bool { return e.UID == p.UID })
 }
 
 // streams are long-lived connections through ztunnel, echoing

@@ -54,7 +54,7 @@ func (s *scenario) waitTakenOver(t *testing.T, pods ...*tpod) {
 	})
 	if !done {
 		for _, p := range pods {
-			r := inspect(t, p.Pod)
+			r := istiocniPod(t, p.Pod)
 			t.Logf("%s: pinned %v, istio-cni's rules in %v (Equivalent %v %q)", p.Name, s.pinned(t, p.Pod), r.Backends(), r.Equivalent, r.Reasons)
 		}
 		t.Fatalf("timed out waiting for the takeover of %s; agent:\n%s", strings.Join(names, ", "), s.Agent.Output.String())
@@ -249,7 +249,7 @@ func TestTakeoverAndHandBack(t *testing.T) {
 	}
 	sm.waitSamples(t, 100)
 	for _, p := range s.pods {
-		r := inspect(t, p.Pod)
+		r := istiocniPod(t, p.Pod)
 		if !r.Equivalent || !slices.Equal(r.Backends(), []istiocni.Backend{istiocni.NftCompat}) {
 			t.Errorf("%s after the hand-back: istio-cni's rules in %v, Equivalent %v (%q)", p.Name, r.Backends(), r.Equivalent, r.Reasons)
 		}

@@ -58,3 +58,19 @@ var (
 // TraceFlagMap is the pin name, under maps/, of the data section holding
 // ae_tracing (bpf/trace.h): the flag that switches trace events on.
 const TraceFlagMap = "ae_tracing"
+
+// DefaultConfig is ae_cfg with the contract's defaults and the probe
+// addresses given; the agent adds its return mark and its flags.
+func DefaultConfig(probe4, probe6 netip.Addr) SockAeConfig {
+	cfg := SockAeConfig{
+		ZtunnelMark:  DefaultZtunnelMark,
+		MarkMask:     DefaultMarkMask,
+		OutboundPort: DefaultOutboundPort,
+		InboundPort:  DefaultInboundPort,
+		HbonePort:    DefaultHBONEPort,
+		DnsPort:      DefaultDNSPort,
+	}
+	cfg.ProbeV4.B = probe4.As16()
+	cfg.ProbeV6.B = probe6.As16()
+	return cfg
+}

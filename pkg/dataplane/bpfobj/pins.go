@@ -13,7 +13,7 @@ import (
 )
 
 // ErrNotInstalled is returned when no data path is pinned at a directory
-// (package dataplane's ErrNotInstalled is this one).
+// (package inspect's ErrNotInstalled is this one).
 var ErrNotInstalled = errors.New("no ambient-ebpf data path pinned here")
 
 // The pins under the agent's bpffs directory (Config.BPFFSDir of package

@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
@@ -176,12 +177,12 @@ func (f fakeDataplane) Remove(_ context.Context, uid string) error {
 	return nil
 }
 
-func (f fakeDataplane) List() []dataplane.EnrolledPod {
+func (f fakeDataplane) List() []inspect.EnrolledPod {
 	f.m.mu.Lock()
 	defer f.m.mu.Unlock()
-	var out []dataplane.EnrolledPod
+	var out []inspect.EnrolledPod
 	for uid := range f.m.adopted {
-		out = append(out, dataplane.EnrolledPod{UID: string(uid), Options: dataplane.Options{DNSCapture: true}})
+		out = append(out, inspect.EnrolledPod{UID: string(uid), Options: inspect.Options{DNSCapture: true}})
 	}
 	return out
 }

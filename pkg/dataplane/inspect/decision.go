@@ -1,7 +1,7 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-package dataplane
+package inspect
 
 import (
 	"fmt"

@@ -1,7 +1,7 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-package dataplane
+package inspect
 
 import (
 	"errors"
@@ -13,6 +13,7 @@ import (
 	"strings"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 )
 
 // Query is a connection for Why to explain, without sending it.
@@ -90,7 +91,7 @@ func readNodeConfig(m *bpfobj.SockMaps) nodeConfig {
 	var c bpfobj.SockAeConfig
 	if err := m.AeNodeCfg.Lookup(uint32(0), &c); err != nil || c.OutboundPort == 0 {
 		// Pins of an agent that did not write it: the contract's defaults.
-		c = (&Config{ProbeV4: bpfobj.DefaultProbeV4, ProbeV6: bpfobj.DefaultProbeV6}).bpfConfig()
+		c = bpfobj.DefaultConfig(bpfobj.DefaultProbeV4, bpfobj.DefaultProbeV6)
 		c.Flags = bpfobj.CfgSkLookupIfindex | bpfobj.CfgNetnsCookieSockops | bpfobj.CfgNetnsCookieSockopt
 	}
 	return nodeConfig{
@@ -104,8 +105,8 @@ func readNodeConfig(m *bpfobj.SockMaps) nodeConfig {
 // why holds what the pins say, for one answer.
 type why struct {
 	cfg       nodeConfig
-	byName    map[string]*podState
-	byIP      map[netip.Addr]*podState
+	byName    map[string]*PodRecord
+	byIP      map[netip.Addr]*PodRecord
 	listening map[uint64]bool // netns cookies with ztunnel's :15006 filed
 }
 
@@ -115,19 +116,19 @@ type why struct {
 // sk_lookup, ztunnel's own connections), each decision and the checks
 // before it, in the order the programs make them.
 func (p *Pinned) Why(q Query) (*Answer, error) {
-	pods, err := readPods(&p.maps)
+	pods, err := ReadPods(&p.maps)
 	if err != nil {
 		return nil, err
 	}
-	w := &why{cfg: readNodeConfig(&p.maps), byName: map[string]*podState{}, byIP: map[netip.Addr]*podState{}, listening: map[uint64]bool{}}
+	w := &why{cfg: readNodeConfig(&p.maps), byName: map[string]*PodRecord{}, byIP: map[netip.Addr]*PodRecord{}, listening: map[uint64]bool{}}
 	for _, st := range pods {
-		if st.journal != bpfobj.MetaEnrolled {
+		if st.Journal != bpfobj.MetaEnrolled {
 			continue
 		}
-		pinnedPod(podDir(Config{BPFFSDir: p.dir}, st.UID), st) // its virtual interfaces, from its pins
+		AddPinnedReroutes(bpfobj.PodDir(p.dir, st.UID), &st.Options) // its virtual interfaces, from its pins
 		w.byName[st.Namespace+"/"+st.Name] = st
 		for _, ip := range st.IPs {
-			if ownsEntry(&p.maps, st, ip) { // as the programs see it: not an address it lost (problem)
+			if ownsEntry(&p.maps, &st.EnrolledPod, ip) { // as the programs see it: not an address it lost (problem)
 				w.byIP[ip] = st
 			}
 		}
@@ -154,7 +155,7 @@ func (w *why) answer(q Query) (*Answer, error) {
 	if q.UDP {
 		a.Proto = "udp"
 	}
-	var client *podState
+	var client *PodRecord
 	switch {
 	case q.FromPod != "":
 		if client = w.byName[q.FromPod]; client == nil {
@@ -211,7 +212,7 @@ func summary(legs []Leg) string {
 }
 
 // fromPod follows a connection an enrolled pod's app opens.
-func (w *why) fromPod(p *podState, dst netip.AddrPort, q Query) []Leg {
+func (w *why) fromPod(p *PodRecord, dst netip.AddrPort, q Query) []Leg {
 	out := w.outbound(p, dst, q.UDP, q.Mark, "")
 	legs := []Leg{out}
 	self := podAddr(p, dst.Addr().Is4())
@@ -244,7 +245,7 @@ func (w *why) fromPod(p *podState, dst netip.AddrPort, q Query) []Leg {
 
 // fromVirtual follows TCP from behind one of the pod's virtual interfaces
 // (R14): captured on arrival, then ztunnel connects on from the pod.
-func (w *why) fromVirtual(p *podState, dst netip.AddrPort, q Query) []Leg {
+func (w *why) fromVirtual(p *PodRecord, dst netip.AddrPort, q Query) []Leg {
 	l := &leg{Leg{Pod: podName(p), Hook: HookReroute, Where: "tc ingress on " + q.Via + " in " + podName(p), Dst: dst}}
 	if q.UDP {
 		return []Leg{l.decide(ReasonNotTCP, netip.AddrPort{}, "UDP from a virtual interface")}
@@ -284,7 +285,7 @@ func (w *why) arrive(src netip.Addr, dst netip.AddrPort, udp, local bool) []Leg 
 }
 
 // podAddr is the pod's address of a family (ae_netns keeps one each).
-func podAddr(p *podState, v4 bool) netip.Addr {
+func podAddr(p *PodRecord, v4 bool) netip.Addr {
 	for _, ip := range p.IPs {
 		if ip.Is4() == v4 {
 			return ip
@@ -293,7 +294,7 @@ func podAddr(p *podState, v4 bool) netip.Addr {
 	return netip.Addr{}
 }
 
-func podName(p *podState) string { return p.Namespace + "/" + p.Name }
+func podName(p *PodRecord) string { return p.Namespace + "/" + p.Name }
 
 // leg builds a Leg step by step.
 type leg struct{ Leg }
@@ -317,7 +318,7 @@ func portText(port uint16) string {
 
 // outbound is classify() in bpf/sock.c: the connect and sendmsg hooks of
 // the pod's netns. who names the socket's owner when not the app.
-func (w *why) outbound(p *podState, dst netip.AddrPort, udp bool, mark uint32, who string) Leg {
+func (w *why) outbound(p *PodRecord, dst netip.AddrPort, udp bool, mark uint32, who string) Leg {
 	v4 := dst.Addr().Is4()
 	l := &leg{Leg{Pod: podName(p), Hook: HookConnect6, Who: who, Dst: dst}}
 	if v4 {
@@ -388,7 +389,7 @@ func (w *why) outbound(p *podState, dst netip.AddrPort, udp bool, mark uint32, w
 // before Linux 5.17 capture_inbound() on the pod's interface, which meets
 // no traffic from inside the pod). delivery: the flow is one of
 // ztunnel's deliveries to the app (filed in ae_local_flows).
-func (w *why) inbound(p *podState, src netip.Addr, dst netip.AddrPort, delivery bool) Leg {
+func (w *why) inbound(p *PodRecord, src netip.Addr, dst netip.AddrPort, delivery bool) Leg {
 	l := &leg{Leg{Pod: podName(p), Hook: HookSkLookup, Src: netip.AddrPortFrom(src, 0), Dst: dst}}
 	l.Where = "sk_lookup in " + l.Pod
 	if !w.cfg.skLookupInbound {
@@ -425,7 +426,7 @@ func (w *why) inbound(p *podState, src netip.Addr, dst netip.AddrPort, delivery 
 	}
 	if !w.cfg.skLookupInbound {
 		// tc looks the listener up in the pod's netns; so does this.
-		switch ok, err := tcpListening(p.netnsPath, w.cfg.inbound); {
+		switch ok, err := tcpListening(p.NetnsPath, w.cfg.inbound); {
 		case err != nil:
 			l.pass("R5", "whether ztunnel listens on :%d in the pod's netns is not known: %v", w.cfg.inbound, err)
 		case !ok:
@@ -451,7 +452,7 @@ func (w *why) nodeSocket(dst netip.AddrPort) Leg {
 
 // hostEgress is snat_probe() in bpf/tc.c, on the node side of the pod's
 // veth. local: the client is a socket of the node (kubelet's probes).
-func (w *why) hostEgress(p *podState, src netip.Addr, dst netip.AddrPort, local bool) Leg {
+func (w *why) hostEgress(p *PodRecord, src netip.Addr, dst netip.AddrPort, local bool) Leg {
 	l := &leg{Leg{Pod: podName(p), Hook: HookHostEgress, Dst: dst, Where: "tc egress on " + p.HostInterface + ", the node side of " + podName(p)}}
 	if src.IsValid() {
 		l.Src = netip.AddrPortFrom(src, 0)
@@ -474,7 +475,7 @@ func tcpListening(path string, port uint16) (bool, error) {
 		return false, errors.New("the pod's netns is not known")
 	}
 	found := false
-	err := inNetns(path, func() error {
+	err := nsexec.Do(path, func() error {
 		for _, f := range []string{"/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"} {
 			b, err := os.ReadFile(f)
 			if err != nil {

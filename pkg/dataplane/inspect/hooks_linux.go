@@ -1,7 +1,7 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-package dataplane
+package inspect
 
 import (
 	"errors"
@@ -18,6 +18,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 )
 
 // Read-only views of the hooks the data path shares with other software,
@@ -27,8 +28,8 @@ import (
 // SocketHooks names the node-wide cgroup hooks (links/<name>), in order.
 func SocketHooks() []string {
 	var names []string
-	for _, h := range (&Dataplane{}).nodeHooks() {
-		names = append(names, h.name)
+	for _, h := range bpfobj.NodeHooks() {
+		names = append(names, h.Name)
 	}
 	return names
 }
@@ -50,10 +51,10 @@ type CgroupProgram struct {
 // bpffsDir names the pins whose programs are ours (none before install).
 func CgroupPrograms(root, bpffsDir string, maxCgroups int) (progs []CgroupProgram, truncated bool, err error) {
 	ours := map[ebpf.ProgramID]bool{}
-	hooks := (&Dataplane{}).nodeHooks() // the hook table; no programs loaded
-	pins := []string{accel.SockopsPin}  // the sockmap acceleration's sockops, beside ours
+	hooks := bpfobj.NodeHooks()
+	pins := []string{accel.SockopsPin} // the sockmap acceleration's sockops, beside ours
 	for _, h := range hooks {
-		pins = append(pins, h.name)
+		pins = append(pins, h.Name)
 	}
 	for _, name := range pins {
 		l, err := link.LoadPinnedLink(filepath.Join(bpffsDir, "links", name), nil)
@@ -97,7 +98,7 @@ func CgroupPrograms(root, bpffsDir string, maxCgroups int) (progs []CgroupProgra
 	return progs, truncated, nil
 }
 
-func cgroupHookPrograms(dir string, hooks []nodeHook) ([]CgroupProgram, error) {
+func cgroupHookPrograms(dir string, hooks []bpfobj.NodeHook) ([]CgroupProgram, error) {
 	f, err := os.Open(dir)
 	if err != nil {
 		return nil, err
@@ -105,12 +106,12 @@ func cgroupHookPrograms(dir string, hooks []nodeHook) ([]CgroupProgram, error) {
 	defer f.Close()
 	var out []CgroupProgram
 	for _, h := range hooks {
-		res, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: h.attach})
+		res, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: h.Attach})
 		if err != nil {
-			return out, fmt.Errorf("query %s programs: %w", h.name, err)
+			return out, fmt.Errorf("query %s programs: %w", h.Name, err)
 		}
 		for _, ap := range res.Programs {
-			out = append(out, CgroupProgram{Hook: h.name, Cgroup: dir, ID: uint32(ap.ID), Name: programName(ap.ID)})
+			out = append(out, CgroupProgram{Hook: h.Name, Cgroup: dir, ID: uint32(ap.ID), Name: programName(ap.ID)})
 		}
 	}
 	return out, nil
@@ -163,7 +164,7 @@ type HookEntry struct {
 // pods' host-side veths (Config.NodeNetns). A pod whose netns path no
 // longer names its netns reports that in its hooks' Error.
 func (p *Pinned) TCHooks(nodeNetns string) ([]TCHook, error) {
-	pods, err := readPods(&p.maps)
+	pods, err := ReadPods(&p.maps)
 	if err != nil {
 		return nil, err
 	}
@@ -172,20 +173,20 @@ func (p *Pinned) TCHooks(nodeNetns string) ([]TCHook, error) {
 	}
 	var out []TCHook
 	for _, st := range pods {
-		if st.journal != bpfobj.MetaEnrolled {
+		if st.Journal != bpfobj.MetaEnrolled {
 			continue
 		}
-		dir := podDir(Config{BPFFSDir: p.dir}, st.UID)
-		pod := pinnedPod(dir, st)
+		dir := bpfobj.PodDir(p.dir, st.UID)
+		AddPinnedReroutes(dir, &st.Options)
 		_, err := os.Stat(filepath.Join(dir, "ingress"))
-		netnsErr := CheckNetns(st.netnsPath, st.NetnsCookie)
-		for _, a := range planPod(&pod, st.HostInterface, nodeNetns, st.Slot, err == nil, podPrograms{}) {
-			h := TCHook{Pod: st.Namespace + "/" + st.Name, Pin: a.pin, Netns: a.netns, Interface: a.iface, Direction: direction(a.attach)}
+		netnsErr := CheckNetns(st.NetnsPath, st.NetnsCookie)
+		for _, a := range bpfobj.PodHooks(st.NetnsPath, st.Interface, st.Options.RerouteInterfaces, st.HostInterface, nodeNetns, st.Slot, err == nil) {
+			h := TCHook{Pod: st.Namespace + "/" + st.Name, Pin: a.Pin, Netns: a.Netns, Interface: a.Iface, Direction: direction(a.Attach)}
 			switch {
-			case a.netns != nodeNetns && netnsErr != nil:
+			case a.Netns != nodeNetns && netnsErr != nil:
 				h.Error = netnsErr.Error()
-			case a.attach == ebpf.AttachSkLookup:
-				err = readSkLookupHook(&h, filepath.Join(dir, a.pin))
+			case a.Attach == ebpf.AttachSkLookup:
+				err = readSkLookupHook(&h, filepath.Join(dir, a.Pin))
 			default:
 				err = readTCHook(&h, a)
 			}
@@ -215,7 +216,7 @@ func CheckNetns(path string, cookie uint64) error {
 		return errors.New("the pod's netns is not known")
 	}
 	var got uint64
-	if err := inNetns(path, func() (err error) { got, err = soNetnsCookie(); return err }); err != nil {
+	if err := nsexec.Do(path, func() (err error) { got, err = nsexec.Cookie(); return err }); err != nil {
 		return err
 	}
 	if got != cookie {
@@ -258,9 +259,9 @@ func readSkLookupHook(h *TCHook, pin string) error {
 // readTCHook lists what runs on a's interface and direction before our
 // filter: every TCX program (TCX runs before classic tc), then classic
 // filters of a lower priority, or of ours under another handle.
-func readTCHook(h *TCHook, a attachment) error {
-	return attachedTo(a, func(ifindex int) error {
-		res, err := link.QueryPrograms(link.QueryOptions{Target: ifindex, Attach: a.attach})
+func readTCHook(h *TCHook, a bpfobj.PodHook) error {
+	return nsexec.OnInterface(a.Netns, a.Iface, func(ifindex int) error {
+		res, err := link.QueryPrograms(link.QueryOptions{Target: ifindex, Attach: a.Attach})
 		if err == nil {
 			for _, ap := range res.Programs {
 				h.Ahead = append(h.Ahead, HookEntry{Kind: "tcx", ID: uint32(ap.ID), Name: programName(ap.ID)})
@@ -272,18 +273,18 @@ func readTCHook(h *TCHook, a attachment) error {
 		if err != nil {
 			return fmt.Errorf("find interface %d: %w", ifindex, err)
 		}
-		filters, err := netlink.FilterList(l, tcParent(a.attach))
+		filters, err := netlink.FilterList(l, bpfobj.TCParent(a.Attach))
 		if err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("list tc filters on %s: %w", a.iface, err)
+			return fmt.Errorf("list tc filters on %s: %w", a.Iface, err)
 		}
 		slices.SortStableFunc(filters, func(x, y netlink.Filter) int { return int(x.Attrs().Priority) - int(y.Attrs().Priority) })
 		for _, f := range filters {
 			fa := f.Attrs()
-			if bf, ok := f.(*netlink.BpfFilter); ok && a.ours(bf) {
+			if bf, ok := f.(*netlink.BpfFilter); ok && bpfobj.OurFilter(a.Pin, bf) {
 				h.Attached = true
 				continue
 			}
-			if fa.Priority > tcFilterPriority || fa.Priority == tcFilterPriority && fa.Handle == tcFilterHandle {
+			if fa.Priority > bpfobj.TCFilterPriority || fa.Priority == bpfobj.TCFilterPriority && fa.Handle == bpfobj.TCFilterHandle {
 				continue
 			}
 			e := HookEntry{Kind: f.Type(), Priority: fa.Priority}

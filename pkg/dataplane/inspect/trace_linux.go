@@ -1,7 +1,7 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-package dataplane
+package inspect
 
 import (
 	"bytes"
@@ -32,31 +32,17 @@ import (
 // events (the agent streams them to any number of clients: ask it).
 var ErrTraceBusy = errors.New("another tracer is reading this data path's events")
 
-// pinTraceFlag turns the data section holding ae_tracing into a map
-// pinned as maps/ae_tracing, so both objects and every tracer share one
-// flag, and loads it with value on: the loader writes a data section's
-// contents on every load, pinned or not.
-func pinTraceFlag(spec *ebpf.CollectionSpec, v *ebpf.VariableSpec, on uint32) error {
-	ms := spec.Maps[v.SectionName]
-	if ms == nil {
-		return fmt.Errorf("no map holds section %s", v.SectionName)
-	}
-	ms.Name = bpfobj.TraceFlagMap
-	ms.Pinning = ebpf.PinByName
-	return v.Set(on)
-}
-
-// traceFlagAtLoad is the flag a (re)starting agent loads: what a tracer
-// holding the lock set, or off when no tracer holds it (one that died
-// leaves the flag on, and every decision would pay for an event nobody
-// reads).
-func traceFlagAtLoad(cfg Config) uint32 {
-	lock, err := lockTrace(cfg.BPFFSDir)
+// TraceFlagAtLoad is the flag an agent (re)starting on the pins under
+// bpffsDir loads: what a tracer holding the lock set, or off when no
+// tracer holds it (one that died leaves the flag on, and every decision
+// would pay for an event nobody reads).
+func TraceFlagAtLoad(bpffsDir string) uint32 {
+	lock, err := lockTrace(bpffsDir)
 	if err == nil {
 		lock.Close()
 		return 0
 	}
-	flag, err := ebpf.LoadPinnedMap(filepath.Join(mapsDir(cfg), bpfobj.TraceFlagMap), nil)
+	flag, err := ebpf.LoadPinnedMap(filepath.Join(bpfobj.MapsDir(bpffsDir), bpfobj.TraceFlagMap), nil)
 	if err != nil {
 		return 0
 	}
@@ -188,7 +174,7 @@ func OpenTracer(bpffsDir string) (_ *Tracer, err error) {
 	_ = unix.ClockGettime(unix.CLOCK_REALTIME, &wall)
 	t.start = uint64(mono.Nano())
 	t.wallOff = wall.Nano() - mono.Nano()
-	if d, err := readDecisions(&p.maps); err == nil {
+	if d, err := ReadDecisions(&p.maps); err == nil {
 		t.lost0 = d.Lost
 	}
 	if err := t.flag.Put(uint32(0), uint32(1)); err != nil {
@@ -297,7 +283,7 @@ func (t *Tracer) Lost() uint64 {
 }
 
 func (t *Tracer) lostLocked() uint64 {
-	d, err := readDecisions(&t.p.maps)
+	d, err := ReadDecisions(&t.p.maps)
 	if err != nil || d.Lost < t.lost0 {
 		return 0
 	}
@@ -346,7 +332,8 @@ type Decisions struct {
 	Lost uint64 `json:"lostEvents"`
 }
 
-func readDecisions(m *bpfobj.SockMaps) (Decisions, error) {
+// ReadDecisions reads the programs' decision counters from the maps.
+func ReadDecisions(m *bpfobj.SockMaps) (Decisions, error) {
 	d := Decisions{ByReason: map[Reason]uint64{}}
 	perCPU := make([]uint64, ebpf.MustPossibleCPU())
 	for _, r := range append(Reasons(), Reason(bpfobj.TraceLost)) {
@@ -367,7 +354,4 @@ func readDecisions(m *bpfobj.SockMaps) (Decisions, error) {
 }
 
 // Decisions reads the programs' decision counters.
-func (p *Pinned) Decisions() (Decisions, error) { return readDecisions(&p.maps) }
-
-// Decisions reads the programs' decision counters.
-func (d *Dataplane) Decisions() (Decisions, error) { return readDecisions(&d.sock.SockMaps) }
+func (p *Pinned) Decisions() (Decisions, error) { return ReadDecisions(&p.maps) }

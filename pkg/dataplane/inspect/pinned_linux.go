@@ -1,7 +1,7 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-package dataplane
+package inspect
 
 import (
 	"errors"
@@ -9,123 +9,11 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"slices"
 
 	"github.com/cilium/ebpf"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
-
-// readPods decodes the pods of the maps' journal: metadata by slot, then
-// each pod's addresses from ae_pods (only entries it still owns). Pods an
-// agent was enrolling or removing when it stopped are included, with
-// their journal state.
-func readPods(m *bpfobj.SockMaps) ([]*podState, error) {
-	bySlot := map[uint32]*podState{}
-	var (
-		slot uint32
-		meta bpfobj.SockPodMeta
-	)
-	it := m.AePodMeta.Iterate()
-	for it.Next(&slot, &meta) {
-		if meta.State == bpfobj.MetaFree {
-			continue
-		}
-		bySlot[slot] = &podState{EnrolledPod: EnrolledPod{
-			UID: bpfobj.GoString(meta.Uid[:]), Namespace: bpfobj.GoString(meta.Namespace[:]), Name: bpfobj.GoString(meta.Name[:]),
-			Interface: bpfobj.GoString(meta.Ifname[:]), HostInterface: bpfobj.GoString(meta.HostIfname[:]),
-			NetnsCookie: meta.NetnsCookie, Slot: slot,
-		}, journal: meta.State, netnsPath: bpfobj.GoString(meta.Netns[:]), savedFwmark: meta.SavedFwmarkAccept, links: map[string]tcProgram{}}
-	}
-	if err := it.Err(); err != nil {
-		return nil, fmt.Errorf("read ae_pod_meta: %w", err)
-	}
-	var (
-		key      bpfobj.SockAeAddr
-		info     bpfobj.SockPodInfo
-		optioned = map[uint32]bool{} // slots an ae_pods entry gave options
-	)
-	pit := m.AePods.Iterate()
-	for pit.Next(&key, &info) {
-		if st := bySlot[info.Slot]; st != nil && st.NetnsCookie == info.NetnsCookie {
-			st.IPs = append(st.IPs, netip.AddrFrom16(key.B).Unmap())
-			st.Options = optionsFromFlags(info.Flags)
-			st.ifindex = info.Ifindex
-			optioned[info.Slot] = true
-		}
-	}
-	if err := pit.Err(); err != nil {
-		return nil, fmt.Errorf("read ae_pods: %w", err)
-	}
-	// ae_netns names each pod's first address of each family: one whose
-	// ae_pods entry is missing or another pod's is still the pod's (and
-	// its problem, below), not forgotten.
-	var (
-		cookie uint64
-		ns     bpfobj.SockNetnsInfo
-	)
-	nit := m.AeNetns.Iterate()
-	for nit.Next(&cookie, &ns) {
-		st := bySlot[ns.Slot]
-		if st == nil || st.NetnsCookie != cookie {
-			continue
-		}
-		for _, a := range []struct {
-			flag uint32
-			addr bpfobj.SockAeAddr
-		}{{bpfobj.FlagHasV4, ns.Ip4}, {bpfobj.FlagHasV6, ns.Ip6}} {
-			if ip := bpfobj.Addr(a.addr); ns.Flags&a.flag != 0 && !slices.Contains(st.IPs, ip) {
-				st.IPs = append(st.IPs, ip)
-			}
-		}
-		if !optioned[ns.Slot] {
-			st.Options = optionsFromFlags(ns.Flags) // no ae_pods entry gave them
-		}
-	}
-	if err := nit.Err(); err != nil {
-		return nil, fmt.Errorf("read ae_netns: %w", err)
-	}
-	nameOf := func(slot uint32) string {
-		if st := bySlot[slot]; st != nil {
-			return st.Namespace + "/" + st.Name
-		}
-		return fmt.Sprintf("(slot %d, no journal entry)", slot)
-	}
-	out := make([]*podState, 0, len(bySlot))
-	for _, st := range bySlot {
-		slices.SortFunc(st.IPs, func(a, b netip.Addr) int { return a.Compare(b) })
-		if st.journal == bpfobj.MetaEnrolled {
-			st.Problem = problem(m, st, nameOf)
-		}
-		out = append(out, st)
-	}
-	slices.SortFunc(out, func(a, b *podState) int {
-		if c := cmpString(a.Namespace, b.Namespace); c != 0 {
-			return c
-		}
-		return cmpString(a.Name, b.Name)
-	})
-	return out, nil
-}
-
-func readStats(m *bpfobj.SockMaps, slot uint32) (Stats, error) {
-	perCPU := make([]bpfobj.SockPodStats, ebpf.MustPossibleCPU())
-	if err := m.AeStats.Lookup(slot, &perCPU); err != nil {
-		return Stats{}, fmt.Errorf("read ae_stats: %w", err)
-	}
-	var s Stats
-	for _, c := range perCPU {
-		s.OutboundRedirects += c.OutboundRedirects
-		s.InboundRedirects += c.InboundRedirects
-		s.InboundNoListener += c.InboundNoListener
-		s.OrigDstErrors += c.OrigDstErrors
-		s.DNSRedirects += c.DnsRedirects
-		s.RerouteRedirects += c.RerouteRedirects
-		s.ProbeSNAT += c.ProbeSnat
-		s.ProbeNATFull += c.ProbeNatFull
-	}
-	return s, nil
-}
 
 // ErrNotInstalled is returned when no data path is pinned at a directory.
 var ErrNotInstalled = bpfobj.ErrNotInstalled
@@ -160,13 +48,13 @@ func (p *Pinned) Close() error { return p.maps.Close() }
 
 // Pods returns the enrolled pods.
 func (p *Pinned) Pods() ([]EnrolledPod, error) {
-	states, err := readPods(&p.maps)
+	states, err := ReadPods(&p.maps)
 	if err != nil {
 		return nil, err
 	}
 	out := make([]EnrolledPod, 0, len(states))
 	for _, st := range states {
-		if st.journal == bpfobj.MetaEnrolled {
+		if st.Journal == bpfobj.MetaEnrolled {
 			out = append(out, st.EnrolledPod)
 		}
 	}
@@ -174,7 +62,7 @@ func (p *Pinned) Pods() ([]EnrolledPod, error) {
 }
 
 // Stats returns a pod's counters by slot (EnrolledPod.Slot).
-func (p *Pinned) Stats(slot uint32) (Stats, error) { return readStats(&p.maps, slot) }
+func (p *Pinned) Stats(slot uint32) (Stats, error) { return ReadStats(&p.maps, slot) }
 
 // MapDump is every pinned map decoded, for people (the CLI's maps command).
 type MapDump struct {
@@ -243,7 +131,7 @@ type ProbeNATEntry struct {
 // Dump decodes every map except ae_sk_dst, which is socket storage and
 // cannot be listed from user space.
 func (p *Pinned) Dump() (*MapDump, error) {
-	pods, err := readPods(&p.maps)
+	pods, err := ReadPods(&p.maps)
 	if err != nil {
 		return nil, err
 	}
@@ -253,8 +141,8 @@ func (p *Pinned) Dump() (*MapDump, error) {
 		name := st.Namespace + "/" + st.Name
 		names[st.Slot] = name
 		d.Meta = append(d.Meta, MetaEntry{Slot: st.Slot, UID: st.UID, Pod: name, Interface: st.Interface,
-			HostInterface: st.HostInterface, NetnsCookie: st.NetnsCookie, Netns: st.netnsPath, State: journalName(st.journal)})
-		s, err := readStats(&p.maps, st.Slot)
+			HostInterface: st.HostInterface, NetnsCookie: st.NetnsCookie, Netns: st.NetnsPath, State: JournalName(st.Journal)})
+		s, err := ReadStats(&p.maps, st.Slot)
 		if err != nil {
 			return nil, err
 		}
@@ -266,7 +154,7 @@ func (p *Pinned) Dump() (*MapDump, error) {
 	)
 	it := p.maps.AePods.Iterate()
 	for it.Next(&addr, &info) {
-		d.Pods = append(d.Pods, PodEntry{IP: bpfobj.Addr(addr), Pod: names[info.Slot], NetnsCookie: info.NetnsCookie, Slot: info.Slot, Options: optionsFromFlags(info.Flags)})
+		d.Pods = append(d.Pods, PodEntry{IP: bpfobj.Addr(addr), Pod: names[info.Slot], NetnsCookie: info.NetnsCookie, Slot: info.Slot, Options: OptionsFromFlags(info.Flags)})
 	}
 	var (
 		cookie uint64
@@ -274,7 +162,7 @@ func (p *Pinned) Dump() (*MapDump, error) {
 	)
 	nit := p.maps.AeNetns.Iterate()
 	for nit.Next(&cookie, &ns) {
-		e := NetnsEntry{NetnsCookie: cookie, Pod: names[ns.Slot], Slot: ns.Slot, Options: optionsFromFlags(ns.Flags)}
+		e := NetnsEntry{NetnsCookie: cookie, Pod: names[ns.Slot], Slot: ns.Slot, Options: OptionsFromFlags(ns.Flags)}
 		if ns.Flags&bpfobj.FlagHasV4 != 0 {
 			e.IPv4 = bpfobj.Addr(ns.Ip4)
 		}
