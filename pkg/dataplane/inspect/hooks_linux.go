@@ -161,7 +161,7 @@ type HookEntry struct {
 
 // TCHooks reads every enrolled pod's tc and sk_lookup hooks: whether our
 // program is there and what runs before it. nodeNetns is the netns of the
-// pods' host-side veths (Config.NodeNetns). A pod whose netns path no
+// pods' host-side veths (dataplane.Config.NodeNetns). A pod whose netns path no
 // longer names its netns reports that in its hooks' Error.
 func (p *Pinned) TCHooks(nodeNetns string) ([]TCHook, error) {
 	pods, err := ReadPods(&p.maps)

@@ -21,11 +21,11 @@ var ErrNotInstalled = bpfobj.ErrNotInstalled
 // Pinned is a read-only view of a node's pinned maps. It works without the
 // agent: the CLI's pods, maps and stats commands read it.
 type Pinned struct {
-	dir  string // Config.BPFFSDir
+	dir  string // dataplane.Config.BPFFSDir
 	maps bpfobj.SockMaps
 }
 
-// OpenPinned opens the maps pinned under bpffsDir (Config.BPFFSDir).
+// OpenPinned opens the maps pinned under bpffsDir (dataplane.Config.BPFFSDir).
 func OpenPinned(bpffsDir string) (*Pinned, error) {
 	dir := filepath.Join(bpffsDir, "maps")
 	if _, err := os.Stat(filepath.Join(dir, bpfobj.SockMapAeNetns)); errors.Is(err, os.ErrNotExist) {
