@@ -20,6 +20,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // options are the flags every command shares.
@@ -106,7 +107,7 @@ func joinAddrs(ips []netip.Addr) string {
 	return strings.Join(s, ",")
 }
 
-func optionString(o inspect.Options) string {
+func optionString(o podopts.Options) string {
 	var s []string
 	if o.BypassInbound {
 		s = append(s, "ingress-mode")

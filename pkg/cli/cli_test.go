@@ -19,6 +19,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/doctor"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -55,7 +56,7 @@ func TestCommandsReadPinsWithoutTheAgent(t *testing.T) {
 		}
 	})
 	err = dp.Enroll(context.Background(), dataplane.Pod{UID: p.UID, Namespace: "shop", Name: "web", Netns: p.NetnsPath(),
-		IPs: p.IPs(), Options: inspect.Options{DNSCapture: true}})
+		IPs: p.IPs(), Options: podopts.Options{DNSCapture: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

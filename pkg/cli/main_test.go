@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -47,9 +47,9 @@ func newMesh(t *testing.T) *mesh {
 	m.zt = n.StartZtunnel()
 	for _, p := range []struct {
 		pod  *simnode.Pod
-		opts inspect.Options
-	}{{m.a, inspect.Options{DNSCapture: true}}, {m.b, inspect.Options{}}, {m.d, inspect.Options{BypassInbound: true}}, {m.x, inspect.Options{}},
-		{m.e, inspect.Options{RerouteInterfaces: []string{"virt0"}}}} {
+		opts podopts.Options
+	}{{m.a, podopts.Options{DNSCapture: true}}, {m.b, podopts.Options{}}, {m.d, podopts.Options{BypassInbound: true}}, {m.x, podopts.Options{}},
+		{m.e, podopts.Options{RerouteInterfaces: []string{"virt0"}}}} {
 		if p.pod != m.x {
 			m.zt.Add(p.pod)
 		}

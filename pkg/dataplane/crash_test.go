@@ -23,7 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -43,7 +43,7 @@ type crashJob struct {
 	BPFFSDir, CgroupRoot, NodeNetns string
 	Pod                             Pod
 	Remove                          bool             // enroll completely, then crash while removing
-	Update                          *inspect.Options // enroll completely, then crash while changing to these options
+	Update                          *podopts.Options // enroll completely, then crash while changing to these options
 	Step                            string           // die here ...
 	Nth                             int              // ... the nth time it is reached
 }
@@ -226,9 +226,9 @@ func TestCrashDuringAnOptionsUpdateConverges(t *testing.T) {
 	n.Sysctl(p.NS, "net/ipv4/tcp_fwmark_accept", "0")
 	cfg := Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
 	from := podOf(p)
-	from.Options = inspect.Options{DNSCapture: true}
+	from.Options = podopts.Options{DNSCapture: true}
 	to := from
-	to.Options = inspect.Options{BypassInbound: true, RerouteInterfaces: []string{"virt0"}}
+	to.Options = podopts.Options{BypassInbound: true, RerouteInterfaces: []string{"virt0"}}
 	// Before any child pins anything: on kernels that charge BPF memory
 	// to the user's RLIMIT_MEMLOCK, this process lifts its own first.
 	if err := newDataplane(t, n).Uninstall(); err != nil {

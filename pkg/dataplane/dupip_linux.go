@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 )
 
@@ -154,7 +155,7 @@ func (d *Dataplane) restoreSurvivors(gone *podState) {
 // putIP writes st's ae_pods entry for ip.
 func (d *Dataplane) putIP(st *podState, ip netip.Addr) {
 	p := &Pod{Options: st.Options}
-	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.Options.Flags(), Ifindex: st.ifindex}
+	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: inspect.OptionFlags(p.Options), Ifindex: st.ifindex}
 	if err := d.sock.AePods.Put(bpfobj.AddrKey(ip), &info); err != nil {
 		d.log.Warn("restore ae_pods entry", "pod", st.Namespace+"/"+st.Name, "ip", ip, "error", err)
 		return

@@ -217,7 +217,7 @@ func (d *Dataplane) writeMeta(st *podState, state uint32) error {
 // agent adopts only a pod whose entries are all in place.
 func (d *Dataplane) writePodMaps(st *podState) error {
 	p := &Pod{UID: st.UID, Namespace: st.Namespace, Name: st.Name, Interface: st.Interface, IPs: st.IPs, Options: st.Options}
-	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: p.Options.Flags(), Ifindex: st.ifindex}
+	info := bpfobj.SockPodInfo{NetnsCookie: st.NetnsCookie, Slot: st.Slot, Flags: inspect.OptionFlags(p.Options), Ifindex: st.ifindex}
 	for _, ip := range p.IPs {
 		// A reused IP gets its new owner (H4), claimIPs having refused
 		// a duplicate of a pod that still has it; the old owner's

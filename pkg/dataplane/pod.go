@@ -12,6 +12,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // Pod is what Enroll needs to know about a pod.
@@ -31,7 +32,7 @@ type Pod struct {
 	// IPs are the pod's addresses; at most one per family is used for
 	// outbound redirection, all of them for inbound.
 	IPs     []netip.Addr
-	Options inspect.Options
+	Options podopts.Options
 	// Running: the pod's containers run already (adopted, repaired or
 	// taken over in place, not a CNI ADD), so ztunnel may be listening in
 	// its netns before this enrolment: Enroll then files those listeners
@@ -130,7 +131,7 @@ func (p *Pod) normalize() {
 
 // netnsInfo builds the ae_netns value: the first address of each family.
 func (p *Pod) netnsInfo(slot uint32) bpfobj.SockNetnsInfo {
-	info := bpfobj.SockNetnsInfo{Slot: slot, Flags: p.Options.Flags()}
+	info := bpfobj.SockNetnsInfo{Slot: slot, Flags: inspect.OptionFlags(p.Options)}
 	for _, ip := range p.IPs {
 		switch {
 		case ip.Is4() && info.Flags&bpfobj.FlagHasV4 == 0:

@@ -12,6 +12,8 @@ import (
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // Labels and annotations of the ambient contract.
@@ -90,17 +92,7 @@ const (
 type Decision struct {
 	Ambient bool
 	Reason  Reason
-	Options Options
-}
-
-// Options are the per-pod dataplane switches read from annotations.
-type Options struct {
-	// BypassInbound turns inbound capture off (R12, "ingress mode").
-	BypassInbound bool `json:"bypassInbound,omitempty"`
-	// DNSCapture is the effective DNS capture setting (R9, R13).
-	DNSCapture bool `json:"dnsCapture"`
-	// RerouteInterfaces are virtual interfaces whose inbound TCP is treated as outbound (R14).
-	RerouteInterfaces []string `json:"rerouteInterfaces,omitempty"`
+	Options podopts.Options
 }
 
 // Decide tells whether pod belongs in the mesh. ns may be nil when the
@@ -154,8 +146,8 @@ func excluded(cfg Config, pod *corev1.Pod) (Decision, bool) {
 }
 
 // PodOptions reads the per-pod annotations.
-func PodOptions(cfg Config, pod *corev1.Pod) Options {
-	o := Options{DNSCapture: cfg.DNSCapture}
+func PodOptions(cfg Config, pod *corev1.Pod) podopts.Options {
+	o := podopts.Options{DNSCapture: cfg.DNSCapture}
 	o.BypassInbound = pod.Annotations[BypassInboundAnnotation] == "true"
 	switch pod.Annotations[DNSCaptureAnnotation] {
 	case "true":

@@ -19,6 +19,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // The hand-back: giving a pod back to istio-cni while eBPF still
@@ -70,7 +72,7 @@ const (
 // nothing is left half-applied: istio-cni's rules in b are removed again,
 // so are the return-path entries and the drain ApplyPod added. After it,
 // InspectPod reports Equivalent with Options o.
-func (mgr *RuleManager) ApplyPod(ctx context.Context, path string, b Backend, o Options) error {
+func (mgr *RuleManager) ApplyPod(ctx context.Context, path string, b Backend, o podopts.Options) error {
 	ts, err := mgr.backendTools(b)
 	if err != nil {
 		return fmt.Errorf("netns %s: %w", path, err)
@@ -134,7 +136,7 @@ func undoing(path, what string, fn func(undo *[]func() error) error) error {
 
 // applyPod writes the return path and the rules in the thread's netns,
 // adding to undo what takes each step back.
-func (mgr *RuleManager) applyPod(ctx context.Context, path string, b Backend, ts []tools, o Options, undo *[]func() error) error {
+func (mgr *RuleManager) applyPod(ctx context.Context, path string, b Backend, ts []tools, o podopts.Options, undo *[]func() error) error {
 	u, err := ensureReturnPath(path)
 	*undo = append(*undo, u...)
 	if err != nil {
@@ -223,7 +225,7 @@ func renderedTables(input string) []string {
 
 // applyNft writes istio-cni's nftables tables for o in one transaction,
 // replacing whatever tables of those names are there.
-func (mgr *RuleManager) applyNft(ctx context.Context, where string, o Options) error {
+func (mgr *RuleManager) applyNft(ctx context.Context, where string, o podopts.Options) error {
 	var script strings.Builder
 	for _, name := range []string{NftNatTable, NftMangleTable, NftRawTable} {
 		// Add then delete: the delete succeeds whether or not it is there.

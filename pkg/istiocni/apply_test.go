@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -81,7 +82,7 @@ func applyPodLive(t *testing.T, b istiocni.Backend) {
 		}
 	}
 
-	o := istiocni.Options{DNS: true}
+	o := podopts.Options{DNSCapture: true}
 	if err := mgr.ApplyPod(ctx, ns, b, o); err != nil {
 		t.Fatal(err)
 	}
@@ -208,7 +209,7 @@ func TestApplyPodOptions(t *testing.T) {
 	t.Run("change-options", func(t *testing.T) {
 		p := n.AddBarePod("ap-change", "default", "uid-ap-change")
 		ns := p.NetnsPath()
-		for _, o := range []istiocni.Options{{}, {DNS: true, Reroute: []string{"vm0"}}, {IngressMode: true}} {
+		for _, o := range []podopts.Options{{}, {DNSCapture: true, RerouteInterfaces: []string{"vm0"}}, {BypassInbound: true}} {
 			if err := mgr.ApplyPod(ctx, ns, istiocni.NftCompat, o); err != nil {
 				t.Fatal(err)
 			}
@@ -222,9 +223,9 @@ func TestApplyPodOptions(t *testing.T) {
 		p := n.AddBarePod("ap-other", "default", "uid-ap-other")
 		ns := p.NetnsPath()
 		unrelated(t, ns)
-		applyInpod(t, ns, istiocni.Legacy, istiocni.Options{})
+		applyInpod(t, ns, istiocni.Legacy, podopts.Options{})
 		before := snapshot(t, ns)
-		err := mgr.ApplyPod(ctx, ns, istiocni.NftCompat, istiocni.Options{})
+		err := mgr.ApplyPod(ctx, ns, istiocni.NftCompat, podopts.Options{})
 		if err == nil || !strings.Contains(err.Error(), string(istiocni.Legacy)) || !strings.Contains(err.Error(), ns) {
 			t.Errorf("ApplyPod over another backend's rules: %v", err)
 		}
@@ -241,7 +242,7 @@ func TestApplyPodRollsBack(t *testing.T) {
 	ctx := context.Background()
 	mgr := istiocni.New()
 	n := simnode.New(t)
-	bad := istiocni.Options{Reroute: []string{"this-name-is-too-long"}}
+	bad := podopts.Options{RerouteInterfaces: []string{"this-name-is-too-long"}}
 	for _, b := range podBackends {
 		t.Run(string(b), func(t *testing.T) {
 			for _, enrolled := range []bool{false, true} {

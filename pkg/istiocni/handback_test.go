@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -66,7 +67,7 @@ func handBackMidStream(t *testing.T, b istiocni.Backend, mode string) {
 	if mode == "strict" {
 		n.Sysctl(p.NS, "net/netfilter/nf_conntrack_tcp_loose", "0")
 	}
-	applyInpod(t, p.NetnsPath(), b, istiocni.Options{DNS: true})
+	applyInpod(t, p.NetnsPath(), b, podopts.Options{DNSCapture: true})
 	for fam, peer := range peers {
 		_, err := out.Do(simnode.AppRequest{Op: "stream-echo", Name: fam, DNSName: "after"})
 		r, redirected := zt.RecordFor(peer)
@@ -145,7 +146,7 @@ func TestHandBackRedirectsAConnectionWithAStaleTuple(t *testing.T) {
 			}
 			// The hand-back writes the rules; istio-cni's own would
 			// leave the entries, and the connections unredirected.
-			if err := istiocni.New().ApplyPod(context.Background(), p.NetnsPath(), b, istiocni.Options{}); err != nil {
+			if err := istiocni.New().ApplyPod(context.Background(), p.NetnsPath(), b, podopts.Options{}); err != nil {
 				t.Fatal(err)
 			}
 			for fam := range clients {

@@ -15,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference/rules"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -25,23 +26,22 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-var optionSets = map[string]istiocni.Options{
+var optionSets = map[string]podopts.Options{
 	"default":         {},
-	"dns":             {DNS: true},
-	"ingress":         {IngressMode: true},
-	"reroute-dns":     {DNS: true, Reroute: []string{"vm0", "vm1"}},
-	"ingress-reroute": {IngressMode: true, Reroute: []string{"vm0"}},
+	"dns":             {DNSCapture: true},
+	"ingress":         {BypassInbound: true},
+	"reroute-dns":     {DNSCapture: true, RerouteInterfaces: []string{"vm0", "vm1"}},
+	"ingress-reroute": {BypassInbound: true, RerouteInterfaces: []string{"vm0"}},
 }
 
 // The package's renderer writes, rule for rule, what the test reference
 // (held to istio-cni's own generator) applies.
 func TestRenderMatchesReference(t *testing.T) {
 	for name, o := range optionSets {
-		ro := rules.Opts{DNS: o.DNS, IngressMode: o.IngressMode, Reroute: o.Reroute}
-		if got, want := istiocni.RenderInpod(o, istiocni.IPv4), rules.Inpod(ro, rules.Loopback4, rules.Probe4); got != want {
+		if got, want := istiocni.RenderInpod(o, istiocni.IPv4), rules.Inpod(o, rules.Loopback4, rules.Probe4); got != want {
 			t.Errorf("%s ipv4:\n got: %s\nwant: %s", name, got, want)
 		}
-		if got, want := istiocni.RenderInpod(o, istiocni.IPv6), rules.Inpod(ro, rules.Loopback6, rules.Probe6); got != want {
+		if got, want := istiocni.RenderInpod(o, istiocni.IPv6), rules.Inpod(o, rules.Loopback6, rules.Probe6); got != want {
 			t.Errorf("%s ipv6:\n got: %s\nwant: %s", name, got, want)
 		}
 	}
@@ -72,10 +72,9 @@ var suffix = map[istiocni.Backend]string{istiocni.Legacy: "-legacy", istiocni.Nf
 
 // applyInpod applies the reference's in-pod rules with one backend, and
 // the return path, as istio-cni does.
-func applyInpod(t *testing.T, ns string, b istiocni.Backend, o istiocni.Options) {
-	ro := rules.Opts{DNS: o.DNS, IngressMode: o.IngressMode, Reroute: o.Reroute}
-	sh(t, ns, rules.Inpod(ro, rules.Loopback4, rules.Probe4), "iptables"+suffix[b]+"-restore", "--noflush")
-	sh(t, ns, rules.Inpod(ro, rules.Loopback6, rules.Probe6), "ip6tables"+suffix[b]+"-restore", "--noflush")
+func applyInpod(t *testing.T, ns string, b istiocni.Backend, o podopts.Options) {
+	sh(t, ns, rules.Inpod(o, rules.Loopback4, rules.Probe4), "iptables"+suffix[b]+"-restore", "--noflush")
+	sh(t, ns, rules.Inpod(o, rules.Loopback6, rules.Probe6), "ip6tables"+suffix[b]+"-restore", "--noflush")
 	applyReturnPath(t, ns)
 }
 
@@ -179,7 +178,7 @@ func TestInspectAndRemovePod(t *testing.T) {
 					t.Fatalf("iptables state %+v, want ipv4 and ipv6", got.Iptables)
 				}
 				wantChains := []string{"mangle/ISTIO_PRERT", "mangle/ISTIO_OUTPUT", "nat/ISTIO_PRERT", "nat/ISTIO_OUTPUT"}
-				if o.DNS {
+				if o.DNSCapture {
 					wantChains = append(wantChains, "raw/ISTIO_PRERT", "raw/ISTIO_OUTPUT")
 				}
 				for _, r := range got.Iptables {
@@ -231,7 +230,7 @@ func TestRemoveKeepsReturnPath(t *testing.T) {
 	mgr := istiocni.New()
 	n := simnode.New(t)
 	p := n.AddBarePod("keep", "default", "uid-keep")
-	applyInpod(t, p.NetnsPath(), istiocni.NftCompat, istiocni.Options{DNS: true})
+	applyInpod(t, p.NetnsPath(), istiocni.NftCompat, podopts.Options{DNSCapture: true})
 	if err := mgr.RemovePod(ctx, p.NetnsPath(), istiocni.RemoveOptions{KeepReturnPath: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -263,7 +262,7 @@ func TestNotEquivalent(t *testing.T) {
 			sh(t, ns, "", "ip6tables-nft", "-t", "mangle", "-D", "ISTIO_PRERT", "1")
 		}, "not the rules istio-cni writes"},
 		"both-backends": {func(t *testing.T, ns string) {
-			sh(t, ns, rules.Inpod(rules.Opts{}, rules.Loopback4, rules.Probe4), "iptables-legacy-restore", "--noflush")
+			sh(t, ns, rules.Inpod(podopts.Options{}, rules.Loopback4, rules.Probe4), "iptables-legacy-restore", "--noflush")
 		}, "more than one backend"},
 		"no-route": {func(t *testing.T, ns string) {
 			sh(t, ns, "", "ip", "-6", "route", "del", "local", "::/0", "dev", "lo", "table", "100")
@@ -275,7 +274,7 @@ func TestNotEquivalent(t *testing.T) {
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
 			p := n.AddBarePod("ne-"+name, "default", "uid-ne-"+name)
-			applyInpod(t, p.NetnsPath(), istiocni.NftCompat, istiocni.Options{})
+			applyInpod(t, p.NetnsPath(), istiocni.NftCompat, podopts.Options{})
 			c.edit(t, p.NetnsPath())
 			got, err := mgr.InspectPod(ctx, p.NetnsPath())
 			if err != nil {
@@ -308,7 +307,7 @@ func TestNativeNftables(t *testing.T) {
 				t.Fatalf("equivalent %t backends %v options %s (want %s), reasons %q", got.Equivalent, got.Backends(), got.Options, o, got.Reasons)
 			}
 			want := []string{istiocni.NftNatTable, istiocni.NftMangleTable}
-			if o.DNS {
+			if o.DNSCapture {
 				want = append(want, istiocni.NftRawTable)
 			}
 			if !slices.Equal(got.Nft.Tables, want) || !got.Nft.IPv6 || !got.Nft.Exact {
@@ -328,7 +327,7 @@ func TestNativeNftables(t *testing.T) {
 	}
 	t.Run("hand-edited", func(t *testing.T) {
 		p := n.AddBarePod("nft-edited", "default", "uid-nft-edited")
-		sh(t, p.NetnsPath(), istiocni.RenderNft(istiocni.Options{}, true)+"add rule inet istio-ambient-nat istio-output ip daddr 198.18.9.9 return\n", "nft", "-f", "-")
+		sh(t, p.NetnsPath(), istiocni.RenderNft(podopts.Options{}, true)+"add rule inet istio-ambient-nat istio-output ip daddr 198.18.9.9 return\n", "nft", "-f", "-")
 		applyReturnPath(t, p.NetnsPath())
 		got, err := mgr.InspectPod(ctx, p.NetnsPath())
 		if err != nil {
@@ -353,7 +352,7 @@ func TestNode(t *testing.T) {
 	var ref reference.Iptables
 	ref.Setup(t, n)
 	p := n.AddPod("probed")
-	ref.Enroll(t, p, reference.Opts{})
+	ref.Enroll(t, p, podopts.Options{})
 
 	got, err := mgr.InspectNode(ctx, node)
 	if err != nil {

@@ -9,6 +9,8 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // nftTables lists the inet tables of the thread's netns among names.
@@ -106,8 +108,8 @@ func nftLines(out string) []string {
 }
 
 // nftOptions reads the options off istio-cni's nat table as nft lists it.
-func nftOptions(out string) Options {
-	var o Options
+func nftOptions(out string) podopts.Options {
+	var o podopts.Options
 	inbound := false
 	chain := ""
 	for _, l := range nftLines(out) {
@@ -121,13 +123,13 @@ func nftOptions(out string) Options {
 		}
 		if chain == "istio-prerouting" && strings.Contains(l, "redirect to :15001") {
 			if i := slices.Index(f, "iifname"); i >= 0 && i+1 < len(f) {
-				o.Reroute = append(o.Reroute, strings.Trim(f[i+1], `"`))
+				o.RerouteInterfaces = append(o.RerouteInterfaces, strings.Trim(f[i+1], `"`))
 			}
 		}
 		if chain == "istio-output" && strings.Contains(l, "redirect to :15053") {
-			o.DNS = true
+			o.DNSCapture = true
 		}
 	}
-	o.IngressMode = !inbound
+	o.BypassInbound = !inbound
 	return o
 }

@@ -12,6 +12,8 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // The return path istio-cni sets up in a pod: packets marked 0x111/0xfff
@@ -27,18 +29,18 @@ const (
 type IptablesRules struct {
 	Backend Backend
 	Family  string
-	Chains  []string // "table/chain" of its chains
-	Jumps   []string // "table: -A CHAIN SPEC" of the rules that jump into them
-	Options Options  // as the rules express them
-	Exact   bool     // the rules are exactly what istio-cni writes for Options
-	Diff    string   // when not: the first difference
+	Chains  []string        // "table/chain" of its chains
+	Jumps   []string        // "table: -A CHAIN SPEC" of the rules that jump into them
+	Options podopts.Options // as the rules express them
+	Exact   bool            // the rules are exactly what istio-cni writes for Options
+	Diff    string          // when not: the first difference
 }
 
 // NftTables is istio-cni's native nftables state (inet tables).
 type NftTables struct {
 	Tables  []string // of istio-ambient-nat, -mangle, -raw: the ones present
 	IPv6    bool     // the tables hold ip6 rules too
-	Options Options
+	Options podopts.Options
 	Exact   bool
 	Diff    string
 }
@@ -54,7 +56,7 @@ type Pod struct {
 	// Other routes in table 100 (not istio-cni's; not removed).
 	OtherRoutes []string
 	// Options as the rules express them (those of the first backend found).
-	Options Options
+	Options podopts.Options
 	// Equivalent: istio-cni's state is exactly what it writes for Options,
 	// in one backend, with its return path: an eBPF enrolment with Options
 	// redirects the same traffic, and Remove takes out all of it.
@@ -172,7 +174,7 @@ func (p *Pod) judge() {
 	}
 	v4, v6 := false, false
 	first := true
-	setOpts := func(o Options, what string) {
+	setOpts := func(o podopts.Options, what string) {
 		if first {
 			p.Options, first = o, false
 		} else if !p.Options.Equal(o) {
@@ -261,8 +263,8 @@ func istioPart(s *Save, names []string) (part, bool) {
 // iptablesOptions reads the options off istio-cni's nat rules: reroute
 // interfaces from their :15001 redirects in ISTIO_PRERT, ingress mode from
 // the absence of the :15006 redirect, DNS capture from :15053 redirects.
-func iptablesOptions(s *Save) Options {
-	var o Options
+func iptablesOptions(s *Save) podopts.Options {
+	var o podopts.Options
 	nat := s.Table("nat")
 	if nat == nil {
 		return o
@@ -276,15 +278,15 @@ func iptablesOptions(s *Save) Options {
 				inbound = true
 			}
 			if i := slices.Index(f, "-i"); i >= 0 && i+1 < len(f) && slices.Contains(f, "REDIRECT") && slices.Contains(f, "15001") {
-				o.Reroute = append(o.Reroute, f[i+1])
+				o.RerouteInterfaces = append(o.RerouteInterfaces, f[i+1])
 			}
 		case ChainOutput:
 			if slices.Contains(f, "15053") {
-				o.DNS = true
+				o.DNSCapture = true
 			}
 		}
 	}
-	o.IngressMode = !inbound
+	o.BypassInbound = !inbound
 	return o
 }
 

@@ -6,31 +6,9 @@ package istiocni
 import (
 	"fmt"
 	"strings"
+
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
-
-// Options are a pod's modes as istio-cni's rules express them.
-type Options struct {
-	DNS         bool     // DNS capture (R9/R13): nat :15053 redirects and the raw conntrack zone
-	IngressMode bool     // ambient.istio.io/bypass-inbound-capture (R12): no inbound :15006 redirect
-	Reroute     []string // istio.io/reroute-virtual-interfaces (R14), in rule order
-}
-
-func (o Options) String() string {
-	return fmt.Sprintf("dns=%t ingressMode=%t reroute=%v", o.DNS, o.IngressMode, o.Reroute)
-}
-
-// Equal compares two option sets, reroute interfaces in order.
-func (o Options) Equal(p Options) bool {
-	if o.DNS != p.DNS || o.IngressMode != p.IngressMode || len(o.Reroute) != len(p.Reroute) {
-		return false
-	}
-	for i := range o.Reroute {
-		if o.Reroute[i] != p.Reroute[i] {
-			return false
-		}
-	}
-	return true
-}
 
 // Family is an IP family: its iptables tool prefix and the addresses
 // istio-cni's rules name.
@@ -64,23 +42,23 @@ const (
 // for a family, as iptables-restore --noflush input: mangle and nat
 // always, raw with DNS capture; each table's two chains jumped to from
 // PREROUTING and OUTPUT.
-func RenderInpod(o Options, f Family) string {
+func RenderInpod(o podopts.Options, f Family) string {
 	mangle := []string{
 		"-A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff",
 		"-A ISTIO_OUTPUT -m connmark --mark 0x111/0xfff -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff",
 	}
 	var nat, raw []string
-	for _, v := range o.Reroute {
+	for _, v := range o.RerouteInterfaces {
 		nat = append(nat, "-A ISTIO_PRERT -i "+v+" -p tcp -j REDIRECT --to-ports 15001", "-A ISTIO_PRERT -i "+v+" -p tcp -j RETURN")
 	}
-	if !o.IngressMode {
+	if !o.BypassInbound {
 		nat = append(nat, "-A ISTIO_PRERT -s "+f.probe+" -p tcp -m tcp -j ACCEPT")
 	}
 	nat = append(nat, "-A ISTIO_OUTPUT -d "+f.probe+" -p tcp -m tcp -j ACCEPT")
-	if !o.IngressMode {
+	if !o.BypassInbound {
 		nat = append(nat, "-A ISTIO_PRERT ! -d "+f.loopback+" -p tcp ! --dport 15008 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15006")
 	}
-	if o.DNS {
+	if o.DNSCapture {
 		nat = append(nat,
 			"-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark 0x539/0xfff -m udp --dport 53 -j REDIRECT --to-port 15053",
 			"-A ISTIO_OUTPUT ! -d "+f.loopback+" -p tcp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053")
@@ -134,7 +112,7 @@ const (
 // RenderNft renders, as `nft -f` input, the in-pod tables istio-cni's
 // nftables mode creates for the options; v6 adds the ip6 rules it adds
 // when IPv6 is enabled. Rules are in istio-cni's order.
-func RenderNft(o Options, v6 bool) string {
+func RenderNft(o podopts.Options, v6 bool) string {
 	type rule struct{ table, chain, expr string }
 	var rs []rule
 	add := func(table, chain, expr string) { rs = append(rs, rule{table, chain, expr}) }
@@ -148,28 +126,28 @@ func RenderNft(o Options, v6 bool) string {
 	add(mangle, "prerouting", "jump istio-prerouting")
 	add(mangle, "output", "jump istio-output")
 	add(nat, "output", "jump istio-output")
-	if o.DNS {
+	if o.DNSCapture {
 		add(raw, "prerouting", "jump istio-prerouting")
 		add(raw, "output", "jump istio-output")
 	}
 	add(nat, "prerouting", "jump istio-prerouting")
-	for _, v := range o.Reroute {
+	for _, v := range o.RerouteInterfaces {
 		add(nat, "istio-prerouting", "iifname "+v+" meta l4proto tcp counter redirect to :15001")
 		add(nat, "istio-prerouting", "iifname "+v+" meta l4proto tcp counter return")
 	}
 	add(mangle, "istio-prerouting", "meta mark & 0xfff == 0x539 counter ct mark set ct mark & 0xfffff000 | 0x111")
-	if !o.IngressMode {
+	if !o.BypassInbound {
 		add(nat, "istio-prerouting", "meta l4proto tcp ip saddr "+p4+" counter accept")
 		add6(nat, "istio-prerouting", "meta l4proto tcp ip6 saddr "+p6+" counter accept")
 	}
 	add(nat, "istio-output", "meta l4proto tcp ip daddr "+p4+" counter accept")
 	add6(nat, "istio-output", "meta l4proto tcp ip6 daddr "+p6+" counter accept")
-	if !o.IngressMode {
+	if !o.BypassInbound {
 		add(nat, "istio-prerouting", "ip daddr != 127.0.0.1/32 tcp dport != 15008 mark and 0xfff != 0x539 counter redirect to :15006")
 		add6(nat, "istio-prerouting", "ip6 daddr != ::1/128 tcp dport != 15008 mark and 0xfff != 0x539 counter redirect to :15006")
 	}
 	add(mangle, "istio-output", "ct mark and 0xfff == 0x111 counter meta mark set ct mark")
-	if o.DNS {
+	if o.DNSCapture {
 		add(nat, "istio-output", "oifname != lo mark and 0xfff != 0x539 udp dport 53 counter redirect to :15053")
 		add(nat, "istio-output", "ip daddr != 127.0.0.1/32 tcp dport 53 mark and 0xfff != 0x539 counter redirect to :15053")
 		add6(nat, "istio-output", "ip6 daddr != ::1/128 tcp dport 53 mark and 0xfff != 0x539 counter redirect to :15053")
@@ -189,7 +167,7 @@ func RenderNft(o Options, v6 bool) string {
 	}
 	var b strings.Builder
 	for _, table := range []string{nat, mangle, raw} {
-		if table == raw && !o.DNS {
+		if table == raw && !o.DNSCapture {
 			continue
 		}
 		fmt.Fprintf(&b, "add table inet %s\nflush table inet %s\n", table, table)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -44,7 +45,7 @@ func drainTakeover(t *testing.T, b istiocni.Backend, drain bool) {
 	mgr := istiocni.New()
 	n := simnode.New(t)
 	p := n.AddPod("drain")
-	applyInpod(t, p.NetnsPath(), b, istiocni.Options{DNS: true})
+	applyInpod(t, p.NetnsPath(), b, podopts.Options{DNSCapture: true})
 	zt := n.StartZtunnel()
 	zt.Add(p)
 	out := n.StartOutsideApp()

@@ -53,7 +53,7 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 				r.log.Warn("snapshot pod has no netns and no pinned state; left to repair", "pod", key, "error", err)
 				continue
 			}
-			mb.opts, mb.iface = enrollmentOptions(a.Options), a.Interface
+			mb.opts, mb.iface = a.Options.Clone(), a.Interface
 			r.put(mb) // keep the pins; ztunnel gets a Keep
 			r.queue.Add(key)
 			continue
@@ -76,13 +76,13 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 			}
 		}
 		if err := r.enroll(ctx, dataplane.Pod{UID: uid, Namespace: pod.Namespace, Name: pod.Name, Netns: mb.netns,
-			Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts), Running: true}); err != nil {
+			Interface: mb.iface, IPs: mb.ips, Options: mb.opts, Running: true}); err != nil {
 			r.log.Error("re-enrolling snapshot pod failed", "pod", key, "error", err)
 			a, pinned := adopted[uid]
 			if !pinned {
 				continue
 			}
-			mb.opts = enrollmentOptions(a.Options)
+			mb.opts = a.Options.Clone()
 		}
 		r.put(mb)
 		r.queue.Add(key)
@@ -92,7 +92,7 @@ func (r *Reconciler) Adopt(ctx context.Context, snapshot []*corev1.Pod) {
 			continue
 		}
 		mb := &member{uid: uid, namespace: p.Namespace, name: p.Name, iface: p.Interface, ips: p.IPs,
-			opts: enrollmentOptions(p.Options), redirection: enrollment.RedirectionEnabled, claimed: true}
+			opts: p.Options.Clone(), redirection: enrollment.RedirectionEnabled, claimed: true}
 		if r.cfg.Takeover != nil {
 			mb.takeover = takeoverInspect // a takeover cut short finishes
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // A pod adopted without addresses (an agent before the duplicate-IP
@@ -23,7 +24,7 @@ import (
 func TestAdoptedPodWithoutIPsTakesThemFromItsSource(t *testing.T) {
 	e := newTestEnv(t, 1)
 	e.dp.pinned = []inspect.EnrolledPod{{UID: string(e.web.UID), Namespace: e.web.Namespace, Name: e.web.Name,
-		Interface: "eth0", Options: inspect.Options{DNSCapture: true}}}
+		Interface: "eth0", Options: podopts.Options{DNSCapture: true}}}
 	e.r.Adopt(context.Background(), nil)
 	p := e.web.DeepCopy()
 	p.Annotations = map[string]string{enrollment.BypassInboundAnnotation: "true"}
@@ -43,7 +44,7 @@ func TestAdoptedPodWithAProblemIsEnrolledAgain(t *testing.T) {
 	e := newTestEnv(t, 1)
 	ips := []netip.Addr{netip.MustParseAddr("198.18.0.10"), netip.MustParseAddr("fd00:198:18::a")}
 	e.dp.pinned = []inspect.EnrolledPod{
-		{UID: "uid-lost", Namespace: "shop", Name: "lost", Interface: "eth0", IPs: ips, Options: inspect.Options{DNSCapture: true},
+		{UID: "uid-lost", Namespace: "shop", Name: "lost", Interface: "eth0", IPs: ips, Options: podopts.Options{DNSCapture: true},
 			Problem: "no ae_pods entry for 198.18.0.10: inbound traffic to it is not captured"},
 		{UID: "uid-fine", Namespace: "shop", Name: "fine", Interface: "eth0", IPs: ips[:1]},
 	}

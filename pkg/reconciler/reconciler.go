@@ -49,6 +49,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
@@ -183,7 +184,7 @@ type member struct {
 	containerID    string // the sandbox of the CNI ADD; "" for pods enrolled live or adopted
 	iface          string
 	ips            []netip.Addr
-	opts           enrollment.Options
+	opts           podopts.Options
 	redirection    enrollment.Redirection
 	// nacked: ztunnel refused the pod; the next reconcile sends it again.
 	nacked bool
@@ -613,8 +614,8 @@ func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment
 // applyOptions brings an enrolled pod's data path options (R12-R14) to
 // opts in place: the data path's Enroll is idempotent and changes only
 // what differs, so the pod keeps its links and its open connections.
-func (r *Reconciler) applyOptions(ctx context.Context, mb *member, opts enrollment.Options) error {
-	if optionsEqual(mb.opts, opts) || mb.istioCNI {
+func (r *Reconciler) applyOptions(ctx context.Context, mb *member, opts podopts.Options) error {
+	if mb.opts.Equal(opts) || mb.istioCNI {
 		// istio-cni's rules are not ours to change.
 		return nil
 	}
@@ -628,7 +629,7 @@ func (r *Reconciler) applyOptions(ctx context.Context, mb *member, opts enrollme
 		netns = ns.Path
 	}
 	p := dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: netns, Interface: mb.iface,
-		IPs: mb.ips, Options: dpOptions(opts), Running: true}
+		IPs: mb.ips, Options: opts, Running: true}
 	if err := r.enroll(ctx, p); err != nil {
 		r.observeError("enroll")
 		return fmt.Errorf("update options of pod %s: %w", key, err)
@@ -637,10 +638,6 @@ func (r *Reconciler) applyOptions(ctx context.Context, mb *member, opts enrollme
 	r.log.Info("pod options updated in place", "pod", key, "uid", mb.uid, "from", mb.opts, "to", opts)
 	mb.opts, mb.netns = opts, netns
 	return nil
-}
-
-func optionsEqual(a, b enrollment.Options) bool {
-	return a.BypassInbound == b.BypassInbound && a.DNSCapture == b.DNSCapture && slices.Equal(a.RerouteInterfaces, b.RerouteInterfaces)
 }
 
 func (r *Reconciler) update(uid string, f func(*member)) {
@@ -671,7 +668,7 @@ type Pod struct {
 	Redirection          enrollment.Redirection
 	Netns                string // "" when not known
 	IPs                  []netip.Addr
-	Options              enrollment.Options
+	Options              podopts.Options
 	// IstioCNI: istio-cni's rules redirect the pod, not the data path;
 	// Note says why.
 	IstioCNI bool
@@ -714,7 +711,7 @@ func (r *Reconciler) add(ctx context.Context, mb *member, strict bool) (retry, e
 	if !mb.istioCNI {
 		// Only the CNI path (strict) enrolls a pod before it runs.
 		err = r.enroll(ctx, dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: mb.netns,
-			Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts), Running: !strict})
+			Interface: mb.iface, IPs: mb.ips, Options: mb.opts, Running: !strict})
 		if err != nil {
 			r.observeError("enroll")
 			return nil, fmt.Errorf("enroll pod %s in the dataplane: %w", key, err)
@@ -878,12 +875,4 @@ func podIPs(pod *corev1.Pod) []netip.Addr {
 		}
 	}
 	return ips
-}
-
-func dpOptions(o enrollment.Options) inspect.Options {
-	return inspect.Options{BypassInbound: o.BypassInbound, DNSCapture: o.DNSCapture, RerouteInterfaces: o.RerouteInterfaces}
-}
-
-func enrollmentOptions(o inspect.Options) enrollment.Options {
-	return enrollment.Options{BypassInbound: o.BypassInbound, DNSCapture: o.DNSCapture, RerouteInterfaces: slices.Clone(o.RerouteInterfaces)}
 }

@@ -24,6 +24,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
@@ -378,12 +379,12 @@ func TestOptionChangesAreAppliedInPlace(t *testing.T) {
 	}
 	steps := []struct {
 		annotations map[string]string
-		want        inspect.Options
+		want        podopts.Options
 	}{
-		{map[string]string{enrollment.BypassInboundAnnotation: "true"}, inspect.Options{BypassInbound: true, DNSCapture: true}},
-		{map[string]string{enrollment.DNSCaptureAnnotation: "false"}, inspect.Options{}},
-		{map[string]string{enrollment.RerouteInterfacesAnnotation: "tun0, wg0"}, inspect.Options{DNSCapture: true, RerouteInterfaces: []string{"tun0", "wg0"}}},
-		{nil, inspect.Options{DNSCapture: true}},
+		{map[string]string{enrollment.BypassInboundAnnotation: "true"}, podopts.Options{BypassInbound: true, DNSCapture: true}},
+		{map[string]string{enrollment.DNSCaptureAnnotation: "false"}, podopts.Options{}},
+		{map[string]string{enrollment.RerouteInterfacesAnnotation: "tun0, wg0"}, podopts.Options{DNSCapture: true, RerouteInterfaces: []string{"tun0", "wg0"}}},
+		{nil, podopts.Options{DNSCapture: true}},
 	}
 	for i, s := range steps {
 		p := e.web.DeepCopy()
@@ -492,7 +493,7 @@ func TestCNIDelNeverRemovesAnotherPod(t *testing.T) {
 	replacement := e.web.DeepCopy()
 	replacement.UID = "uid-web-2"
 	for _, p := range []*corev1.Pod{e.web, replacement} {
-		mb := &member{uid: string(p.UID), namespace: p.Namespace, name: p.Name, netns: "/proc/1/ns/net", opts: enrollment.Options{}}
+		mb := &member{uid: string(p.UID), namespace: p.Namespace, name: p.Name, netns: "/proc/1/ns/net", opts: podopts.Options{}}
 		if _, err := e.r.add(context.Background(), mb, false); err != nil {
 			t.Fatal(err)
 		}

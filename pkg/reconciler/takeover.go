@@ -12,7 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // Takeover moves running pods from istio-cni's redirection onto the data
@@ -38,7 +38,7 @@ type TakeoverPod struct {
 	UID, Namespace, Name string
 	Netns                string
 	IPs                  []netip.Addr
-	Options              enrollment.Options
+	Options              podopts.Options
 	// Pinned: the data path had the pod before this agent started.
 	Pinned bool
 }
@@ -137,7 +137,7 @@ func (r *Reconciler) enrollMember(ctx context.Context, mb *member) error {
 		return nil
 	}
 	p := dataplane.Pod{UID: mb.uid, Namespace: mb.namespace, Name: mb.name, Netns: mb.netns,
-		Interface: mb.iface, IPs: mb.ips, Options: dpOptions(mb.opts), Running: true}
+		Interface: mb.iface, IPs: mb.ips, Options: mb.opts, Running: true}
 	if err := r.enroll(ctx, p); err != nil {
 		r.observeError("enroll")
 		return fmt.Errorf("istio-cni takeover of pod %s: enroll in the dataplane: %w", mb.key(), err)

@@ -11,6 +11,7 @@ import (
 	"net/netip"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 )
 
@@ -18,7 +19,7 @@ import (
 type Writer interface {
 	// ApplyPod writes istio-cni's exact in-pod rules for o in backend b,
 	// keeping every established connection of the pod.
-	ApplyPod(ctx context.Context, path string, b istiocni.Backend, o istiocni.Options) error
+	ApplyPod(ctx context.Context, path string, b istiocni.Backend, o podopts.Options) error
 	// ApplyNode writes istio-cni's host probe rule and ipsets.
 	ApplyNode(ctx context.Context, path string, b istiocni.Backend) error
 	// AddProbeEntries puts a pod's IPs in istio-cni's probe ipsets.
@@ -75,7 +76,7 @@ func handBackPod(ctx context.Context, w Writer, drain Drain, nodeNetns string, b
 	if p.Netns == "" {
 		return fmt.Errorf("hand back pod %s to istio-cni: its netns is not known", key)
 	}
-	o := istiocni.Options{DNS: p.Options.DNSCapture, IngressMode: p.Options.BypassInbound, Reroute: p.Options.RerouteInterfaces}
+	o := p.Options
 	if err := w.ApplyPod(ctx, p.Netns, b, o); err != nil {
 		return fmt.Errorf("hand back pod %s to istio-cni: %w", key, err)
 	}

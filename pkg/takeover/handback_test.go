@@ -12,18 +12,18 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 )
 
 type fakeWriter struct {
 	calls   []string
 	failPod string // ApplyPod fails in this netns
-	opts    map[string]istiocni.Options
+	opts    map[string]podopts.Options
 }
 
-func (w *fakeWriter) ApplyPod(_ context.Context, path string, b istiocni.Backend, o istiocni.Options) error {
+func (w *fakeWriter) ApplyPod(_ context.Context, path string, b istiocni.Backend, o podopts.Options) error {
 	w.calls = append(w.calls, "pod "+path+" "+string(b))
 	if path == w.failPod {
 		return errors.New("iptables-nft-restore: exit status 1")
@@ -44,9 +44,9 @@ func (w *fakeWriter) AddProbeEntries(_ context.Context, path, uid string, _ []ne
 // with its options; a pod that fails is not handed back (it stays on
 // eBPF), one istio-cni already redirects is, untouched.
 func TestHandBack(t *testing.T) {
-	w := &fakeWriter{failPod: "/ns/b", opts: map[string]istiocni.Options{}}
+	w := &fakeWriter{failPod: "/ns/b", opts: map[string]podopts.Options{}}
 	pods := []reconciler.Pod{
-		{UID: "a", Namespace: "ns", Name: "a", Netns: "/ns/a", Options: enrollment.Options{DNSCapture: true, RerouteInterfaces: []string{"wg0"}}},
+		{UID: "a", Namespace: "ns", Name: "a", Netns: "/ns/a", Options: podopts.Options{DNSCapture: true, RerouteInterfaces: []string{"wg0"}}},
 		{UID: "b", Namespace: "ns", Name: "b", Netns: "/ns/b"},
 		{UID: "c", Namespace: "ns", Name: "c", IstioCNI: true},
 		{UID: "d", Namespace: "ns", Name: "d"}, // netns not known
@@ -67,7 +67,7 @@ func TestHandBack(t *testing.T) {
 	if !slices.Equal(drain.calls, []string{"remove-drain"}) {
 		t.Errorf("drain calls %v, want a's drain removed", drain.calls)
 	}
-	if o := w.opts["/ns/a"]; !o.DNS || o.IngressMode || !slices.Equal(o.Reroute, []string{"wg0"}) {
+	if o := w.opts["/ns/a"]; !o.DNSCapture || o.BypassInbound || !slices.Equal(o.RerouteInterfaces, []string{"wg0"}) {
 		t.Errorf("options of a: %+v", o)
 	}
 	if !slices.Equal(results, []string{ResultHandedBack, ResultHandFailed, ResultHandFailed}) {

@@ -203,7 +203,7 @@ func (t *Takeover) Inspect(ctx context.Context, p reconciler.TakeoverPod) (recon
 		t.result(ResultRefused)
 		return reconciler.TakeoverPlan{Action: reconciler.TakeoverRefused, Reason: reason}, nil
 	}
-	want := istiocni.Options{DNS: p.Options.DNSCapture, IngressMode: p.Options.BypassInbound, Reroute: p.Options.RerouteInterfaces}
+	want := p.Options
 	if !ip.Options.Equal(want) {
 		// istio-cni writes a pod's rules once, at its start: the pod's
 		// annotations changed since. A new pod would get want, so does this one.

@@ -20,6 +20,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/bench/benchdoc"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -321,7 +322,7 @@ func newEnv(t *testing.T, s settings) *env {
 			switch {
 			case p.iptables():
 				// DNS capture on, as istio-cni's default.
-				e.ipt.Enroll(t, pod, reference.Opts{DNS: true})
+				e.ipt.Enroll(t, pod, podopts.Options{DNSCapture: true})
 			case p.ebpf():
 				if _, err := e.cni(pathEBPF, "ADD", []*simnode.Pod{pod}, 1); err != nil {
 					t.Fatalf("CNI ADD %s: %v", pod.Name, err)

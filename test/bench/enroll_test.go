@@ -10,7 +10,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -47,7 +47,7 @@ func (e *env) enrollment(res *Results) {
 			case pathIptables:
 				for _, p := range pods {
 					t0 := time.Now()
-					e.ipt.Enroll(e.t, p, reference.Opts{DNS: true})
+					e.ipt.Enroll(e.t, p, podopts.Options{DNSCapture: true})
 					lat = append(lat, time.Since(t0))
 				}
 			}

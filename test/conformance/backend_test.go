@@ -12,7 +12,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -78,7 +78,7 @@ func (b *ebpfBackend) enroll(t *testing.T, p *simnode.Pod, o podOpts) {
 	t.Helper()
 	err := b.dp.Enroll(context.Background(), dataplane.Pod{
 		UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
-		Options: inspect.Options{DNSCapture: o.dns, BypassInbound: o.ingressMode, RerouteInterfaces: o.reroute},
+		Options: podopts.Options{DNSCapture: o.dns, BypassInbound: o.ingressMode, RerouteInterfaces: o.reroute},
 	})
 	if err != nil {
 		t.Fatalf("enroll %s: %v", p.Name, err)
@@ -100,7 +100,7 @@ func (*iptablesBackend) name() string { return "iptables" }
 func (b *iptablesBackend) setup(t *testing.T, n *simnode.Node) { b.Setup(t, n) }
 
 func (b *iptablesBackend) enroll(t *testing.T, p *simnode.Pod, o podOpts) {
-	b.Enroll(t, p, reference.Opts{DNS: o.dns, IngressMode: o.ingressMode, Reroute: o.reroute})
+	b.Enroll(t, p, podopts.Options{DNSCapture: o.dns, BypassInbound: o.ingressMode, RerouteInterfaces: o.reroute})
 }
 
 func (b *iptablesBackend) remove(t *testing.T, p *simnode.Pod) { b.Remove(t, p) }

@@ -12,8 +12,8 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -28,7 +28,7 @@ func istioCNIPod(t *testing.T) (*simnode.Node, *simnode.Pod, *simnode.Ztunnel, *
 	ref := &reference.Iptables{Backend: reference.NftCompat}
 	ref.Setup(t, n)
 	p := n.AddPod("taken-over")
-	ref.Enroll(t, p, reference.Opts{DNS: true})
+	ref.Enroll(t, p, podopts.Options{DNSCapture: true})
 	zt := n.StartZtunnel()
 	zt.Add(p)
 	return n, p, zt, n.StartApp(p), n.StartOutsideApp()
@@ -44,7 +44,7 @@ func enrolRunning(t *testing.T, n *simnode.Node, p *simnode.Pod) {
 	}
 	t.Cleanup(func() { _ = d.Uninstall() })
 	if err := d.Enroll(context.Background(), dataplane.Pod{UID: p.UID, Namespace: p.Namespace, Name: p.Name, Netns: p.NetnsPath(), IPs: p.IPs(),
-		Options: inspect.Options{DNSCapture: true}, Running: true}); err != nil {
+		Options: podopts.Options{DNSCapture: true}, Running: true}); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -98,10 +99,10 @@ func TestLiveOptionChangesAgainstAPIServer(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	opts := func() inspect.Options {
+	opts := func() podopts.Options {
 		view, err := inspect.OpenPinned(r.BPFFSDir)
 		if err != nil {
-			return inspect.Options{}
+			return podopts.Options{}
 		}
 		defer view.Close()
 		pods, _ := view.Pods()
@@ -110,7 +111,7 @@ func TestLiveOptionChangesAgainstAPIServer(t *testing.T) {
 				return p.Options
 			}
 		}
-		return inspect.Options{}
+		return podopts.Options{}
 	}
 	uid := r.pinnedUID("web")
 

@@ -11,12 +11,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference/rules"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
-
-// Opts are the per-pod modes (R12-R14).
-type Opts = rules.Opts
 
 // Iptables applies istio-cni's documented rules (contract sections
 // 2 and 3): in-pod rules in each pod netns, and the host-probe SNAT rule
@@ -97,7 +95,7 @@ func tryRun(netnsPath string, args ...string) {
 }
 
 // Enroll applies the in-pod rules and adds the pod to the ipsets.
-func (b *Iptables) Enroll(t testing.TB, p *simnode.Pod, o Opts) {
+func (b *Iptables) Enroll(t testing.TB, p *simnode.Pod, o podopts.Options) {
 	t.Helper()
 	ns := p.NetnsPath()
 	// Applied again (istio-cni's reconcile), the old rules go first, so

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference/rules"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -50,8 +51,8 @@ func TestReferenceAppliesAndRemovesOnlyIstioCNIsRules(t *testing.T) {
 
 	var b Iptables
 	b.Setup(t, n)
-	b.Enroll(t, p, Opts{DNS: true})
-	b.Enroll(t, p, Opts{DNS: true}) // istio-cni re-applies on reconcile: routes are replaced, not added twice
+	b.Enroll(t, p, podopts.Options{DNSCapture: true})
+	b.Enroll(t, p, podopts.Options{DNSCapture: true}) // istio-cni re-applies on reconcile: routes are replaced, not added twice
 
 	podOn, nodeOn := save(pod), save(node)
 	for _, want := range []string{"-A PREROUTING -j ISTIO_PRERT", "-A OUTPUT -j ISTIO_OUTPUT", ":ISTIO_PRERT", "REDIRECT --to-ports 15001", "-j CT --zone 1"} {

@@ -30,6 +30,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -99,7 +100,7 @@ func newScenario(t *testing.T, specs ...podSpec) *scenario {
 		if spec.unrelated {
 			installUnrelated(t, p.NetnsPath())
 		}
-		s.ref.WithBackend(spec.backend).Enroll(t, p.Pod, reference.Opts{DNS: true})
+		s.ref.WithBackend(spec.backend).Enroll(t, p.Pod, podopts.Options{DNSCapture: true})
 		if spec.edit != nil {
 			spec.edit(t, p.Pod)
 		}

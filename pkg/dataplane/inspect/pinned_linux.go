@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // ErrNotInstalled is returned when no data path is pinned at a directory.
@@ -76,21 +77,21 @@ type MapDump struct {
 
 // PodEntry is one ae_pods entry.
 type PodEntry struct {
-	IP          netip.Addr `json:"ip"`
-	Pod         string     `json:"pod"` // namespace/name from ae_pod_meta
-	NetnsCookie uint64     `json:"netnsCookie"`
-	Slot        uint32     `json:"slot"`
-	Options     Options    `json:"options"`
+	IP          netip.Addr      `json:"ip"`
+	Pod         string          `json:"pod"` // namespace/name from ae_pod_meta
+	NetnsCookie uint64          `json:"netnsCookie"`
+	Slot        uint32          `json:"slot"`
+	Options     podopts.Options `json:"options"`
 }
 
 // NetnsEntry is one ae_netns entry.
 type NetnsEntry struct {
-	NetnsCookie uint64     `json:"netnsCookie"`
-	Pod         string     `json:"pod"`
-	IPv4        netip.Addr `json:"ipv4,omitzero"`
-	IPv6        netip.Addr `json:"ipv6,omitzero"`
-	Slot        uint32     `json:"slot"`
-	Options     Options    `json:"options"`
+	NetnsCookie uint64          `json:"netnsCookie"`
+	Pod         string          `json:"pod"`
+	IPv4        netip.Addr      `json:"ipv4,omitzero"`
+	IPv6        netip.Addr      `json:"ipv6,omitzero"`
+	Slot        uint32          `json:"slot"`
+	Options     podopts.Options `json:"options"`
 }
 
 // MetaEntry is one slot of ae_pod_meta in use.

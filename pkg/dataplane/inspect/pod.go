@@ -7,30 +7,20 @@ import (
 	"net/netip"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
-
-// Options are the per-pod switches (rows R12-R14).
-type Options struct {
-	// BypassInbound leaves inbound traffic alone (R12, ingress mode).
-	BypassInbound bool `json:"bypassInbound,omitempty"`
-	// DNSCapture sends DNS to ztunnel's proxy (R9, R13).
-	DNSCapture bool `json:"dnsCapture,omitempty"`
-	// RerouteInterfaces are virtual interfaces whose TCP is treated as
-	// the pod's outbound traffic (R14).
-	RerouteInterfaces []string `json:"rerouteInterfaces,omitempty"`
-}
 
 // EnrolledPod is a pod as the pinned maps describe it.
 type EnrolledPod struct {
-	UID           string       `json:"uid"`
-	Namespace     string       `json:"namespace"`
-	Name          string       `json:"name"`
-	Interface     string       `json:"interface"`
-	HostInterface string       `json:"hostInterface"`
-	NetnsCookie   uint64       `json:"netnsCookie"`
-	IPs           []netip.Addr `json:"ips"`
-	Options       Options      `json:"options"`
-	Slot          uint32       `json:"slot"`
+	UID           string          `json:"uid"`
+	Namespace     string          `json:"namespace"`
+	Name          string          `json:"name"`
+	Interface     string          `json:"interface"`
+	HostInterface string          `json:"hostInterface"`
+	NetnsCookie   uint64          `json:"netnsCookie"`
+	IPs           []netip.Addr    `json:"ips"`
+	Options       podopts.Options `json:"options"`
+	Slot          uint32          `json:"slot"`
 	// Problem is what of the pod's capture its map entries do not give
 	// it (an address whose ae_pods entry is missing or another pod's:
 	// its inbound traffic reaches the app past ztunnel); "" when they
@@ -50,8 +40,8 @@ type Stats struct {
 	ProbeNATFull      uint64 `json:"probeNatFull"`
 }
 
-// Flags encodes the options as ae_pods and ae_netns flags (AE_F_*).
-func (o Options) Flags() uint32 {
+// OptionFlags encodes the options as ae_pods and ae_netns flags (AE_F_*).
+func OptionFlags(o podopts.Options) uint32 {
 	var f uint32
 	if o.BypassInbound {
 		f |= bpfobj.FlagBypassInbound
@@ -62,8 +52,8 @@ func (o Options) Flags() uint32 {
 	return f
 }
 
-// OptionsFromFlags decodes Flags; the reroute interfaces are not in the
-// maps (a pod's pins name them).
-func OptionsFromFlags(f uint32) Options {
-	return Options{BypassInbound: f&bpfobj.FlagBypassInbound != 0, DNSCapture: f&bpfobj.FlagDNSCapture != 0}
+// OptionsFromFlags decodes OptionFlags; the reroute interfaces are not in
+// the maps (a pod's pins name them).
+func OptionsFromFlags(f uint32) podopts.Options {
+	return podopts.Options{BypassInbound: f&bpfobj.FlagBypassInbound != 0, DNSCapture: f&bpfobj.FlagDNSCapture != 0}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 )
 
 // PodRecord is one slot of the journal ae_pod_meta in use: the pod as the
@@ -182,7 +183,7 @@ func JournalName(state uint32) string {
 
 // AddPinnedReroutes adds to opts the virtual interfaces the pod's pin
 // directory dir names (reroute_<if>): the maps do not keep them.
-func AddPinnedReroutes(dir string, opts *Options) {
+func AddPinnedReroutes(dir string, opts *podopts.Options) {
 	entries, _ := os.ReadDir(dir)
 	for _, e := range entries {
 		if v, ok := bpfobj.RerouteInterface(e.Name()); ok && !slices.Contains(opts.RerouteInterfaces, v) {

@@ -18,6 +18,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podnetns"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 )
@@ -37,7 +38,7 @@ type Call struct {
 	Op   Op
 	Pod  string // namespace/name
 	UID  types.UID
-	Opts enrollment.Options
+	Opts podopts.Options
 }
 
 // Mesh is the reconciler over fakes. It is a reconciler.Desired, so
@@ -164,7 +165,7 @@ func (f fakeDataplane) Enroll(_ context.Context, p dataplane.Pod) error {
 	defer f.m.mu.Unlock()
 	if p.Interface == "" { // a CNI ADD names the interface; live enrollment does not
 		f.m.calls = append(f.m.calls, Call{Op: OpAdd, Pod: p.Namespace + "/" + p.Name, UID: types.UID(p.UID),
-			Opts: enrollment.Options{BypassInbound: p.Options.BypassInbound, DNSCapture: p.Options.DNSCapture, RerouteInterfaces: p.Options.RerouteInterfaces}})
+			Opts: p.Options})
 	}
 	return f.m.addErr
 }
@@ -182,7 +183,7 @@ func (f fakeDataplane) List() []inspect.EnrolledPod {
 	defer f.m.mu.Unlock()
 	var out []inspect.EnrolledPod
 	for uid := range f.m.adopted {
-		out = append(out, inspect.EnrolledPod{UID: string(uid), Options: inspect.Options{DNSCapture: true}})
+		out = append(out, inspect.EnrolledPod{UID: string(uid), Options: podopts.Options{DNSCapture: true}})
 	}
 	return out
 }

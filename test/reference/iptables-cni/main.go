@@ -32,6 +32,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference/rules"
 )
 
@@ -112,14 +113,14 @@ func cmdAdd(args *skel.CmdArgs) error {
 		}
 		hasV6 = hasV6 || ip.To4() == nil
 	}
-	if err := inpod(args.Netns, rules.Opts{DNS: c.DNSCapture}, hasV6); err != nil {
+	if err := inpod(args.Netns, podopts.Options{DNSCapture: c.DNSCapture}, hasV6); err != nil {
 		return err
 	}
 	return types.PrintResult(prev, c.CNIVersion)
 }
 
 // inpod applies the in-pod rules and the return path in the pod's netns.
-func inpod(path string, o rules.Opts, hasV6 bool) error {
+func inpod(path string, o podopts.Options, hasV6 bool) error {
 	ns, err := netns.GetFromPath(path)
 	if err != nil {
 		return fmt.Errorf("open netns %s: %w", path, err)

@@ -6,14 +6,11 @@
 // CNI plugin (test/reference/iptables-cni) stays as small as a plugin is.
 package rules
 
-import "strings"
+import (
+	"strings"
 
-// Opts are the per-pod modes (R12-R14).
-type Opts struct {
-	DNS         bool     // R9/R13: DNS capture
-	IngressMode bool     // R12: ambient.istio.io/bypass-inbound-capture
-	Reroute     []string // R14: istio.io/reroute-virtual-interfaces
-}
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
+)
 
 // The node's ipsets of enrolled pod IPs, named as istio-cni names them,
 // hash:ip with the pod UID as comment.
@@ -89,23 +86,23 @@ const (
 // iptables-restore input: inbound by nat REDIRECT (ztunnel reads
 // SO_ORIGINAL_DST), the original-source return path by connmark, DNS with
 // its own conntrack zone.
-func Inpod(o Opts, loopback, probe string) string {
+func Inpod(o podopts.Options, loopback, probe string) string {
 	mangle := []string{
 		"-A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff",
 		"-A ISTIO_OUTPUT -m connmark --mark 0x111/0xfff -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff",
 	}
 	var nat, raw []string
-	for _, v := range o.Reroute {
+	for _, v := range o.RerouteInterfaces {
 		nat = append(nat, "-A ISTIO_PRERT -i "+v+" -p tcp -j REDIRECT --to-ports 15001", "-A ISTIO_PRERT -i "+v+" -p tcp -j RETURN")
 	}
-	if !o.IngressMode {
+	if !o.BypassInbound {
 		nat = append(nat, "-A ISTIO_PRERT -s PROBE -p tcp -m tcp -j ACCEPT")
 	}
 	nat = append(nat, "-A ISTIO_OUTPUT -d PROBE -p tcp -m tcp -j ACCEPT")
-	if !o.IngressMode {
+	if !o.BypassInbound {
 		nat = append(nat, "-A ISTIO_PRERT ! -d LOOPBACK -p tcp ! --dport 15008 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15006")
 	}
-	if o.DNS {
+	if o.DNSCapture {
 		nat = append(nat,
 			"-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark 0x539/0xfff -m udp --dport 53 -j REDIRECT --to-port 15053",
 			"-A ISTIO_OUTPUT ! -d LOOPBACK -p tcp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053")
