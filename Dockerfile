@@ -3,7 +3,7 @@
 # The ambient-ebpf image: the node agent, the CNI plugin (the agent's
 # installer copies it into the host's CNI bin directory) and the CLI.
 #
-# The BPF objects are committed (pkg/dataplane/*_bpfel.o, embedded by
+# The BPF objects are committed (pkg/dataplane/**/*_bpfel.o, embedded by
 # bpf2go's generated Go), so the build needs Go only: no clang, no headers.
 # All three binaries are static (CGO_ENABLED=0) and the agent shells out to
 # nothing (no iptables, ip, tc or mount binaries), so the final image is

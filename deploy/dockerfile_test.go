@@ -260,7 +260,7 @@ func TestDockerignoreKeepsSources(t *testing.T) {
 			patterns = append(patterns, line)
 		}
 	}
-	needed := []string{"go.mod", "go.sum", "cmd/ambient-ebpf/main.go", "pkg/dataplane/tc_bpfel.o", "pkg/dataplane/sock_bpfel.o", "bpf", "headers"}
+	needed := []string{"go.mod", "go.sum", "cmd/ambient-ebpf/main.go", "pkg/dataplane/bpfobj/tc_bpfel.o", "pkg/dataplane/bpfobj/sock_bpfel.o", "pkg/dataplane/accel/accel_bpfel.o", "bpf", "bpf/include/common.h", "headers"}
 	for _, p := range needed {
 		if pat, ok := ignored(patterns, p); ok {
 			t.Errorf(".dockerignore pattern %q drops %s", pat, p)

@@ -203,9 +203,6 @@ func (d *Dataplane) pickMechanisms() {
 		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt())
 }
 
-// listenerSlots is AE_LISTENER_SLOTS: ae_listeners' slots per pod and port.
-const listenerSlots = 4
-
 // attachNetnsQuery attaches ae_netns_query to the agent's own cgroup where
 // the kernel lacks SO_NETNS_COOKIE; the link lives as long as the agent.
 func (d *Dataplane) attachNetnsQuery() error {
@@ -460,7 +457,7 @@ func (d *Dataplane) Uninstall() error {
 	return errors.Join(errs...)
 }
 
-// pinTraceFlag turns the data section holding ae_tracing (bpf/trace.h)
+// pinTraceFlag turns the data section holding ae_tracing (bpf/include/trace.h)
 // into a map pinned as maps/ae_tracing, so both objects and every tracer
 // share one flag, and loads it with value on: the loader writes a data
 // section's contents on every load, pinned or not.

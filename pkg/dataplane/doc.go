@@ -4,7 +4,21 @@
 // Package dataplane owns the eBPF data path: it loads the objects compiled
 // from bpf/ (package bpfobj), attaches them with bpf_link, pins everything
 // under one bpffs directory, and keeps the maps in step with the enrolled
-// pods.
+// pods: New (which adopts what an earlier agent pinned), Enroll, Remove,
+// List, Close, Uninstall.
+//
+// The data path is bpf/ and this package. Everything else about the pins
+// is a room of its own below it, and imports run one way (dataplane ->
+// inspect -> accel -> bpfobj; dataplane -> upgrade -> bpfobj):
+//
+//	bpfobj   the compiled objects, their map types, common.h's constants,
+//	         the pin directories and the hook tables
+//	accel    the optional sockmap acceleration (bpf/accel.c)
+//	upgrade  the layout record and the upgrade of an older agent's pins;
+//	         New hands it the specs it is about to load
+//	inspect  read-only views of the pins for the CLI, doctor and metrics:
+//	         pods, maps, stats, why, trace, hooks
+//	nsexec   running a function inside a network namespace
 //
 // What runs where:
 //
@@ -64,7 +78,7 @@
 //	maps/ae_node_cfg    the node-wide settings the programs were loaded with
 //	maps/ae_decisions   decisions by reason (per CPU), and trace events lost
 //	maps/ae_trace       the ring buffer of decision events (while tracing)
-//	maps/ae_tracing     the flag that switches the events on (bpf/trace.h)
+//	maps/ae_tracing     the flag that switches the events on (bpf/include/trace.h)
 //	links/<hook>        node-wide cgroup links: connect4, connect6,
 //	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
 //	                    getpeername4, getpeername6, sockops, getsockopt

@@ -100,7 +100,7 @@ func (d *Dataplane) fileExistingListeners(path string, cookie uint64) error {
 // listenerFiled reports whether one of ztunnel's inbound listeners of the
 // netns is in ae_listeners.
 func listenerFiled(m *bpfobj.SockMaps, cookie uint64) (bool, error) {
-	for i := range uint16(listenerSlots) {
+	for i := range uint16(bpfobj.ListenerSlots) {
 		key := bpfobj.SockListenerKey{NetnsCookie: cookie, Port: bpfobj.DefaultInboundPort, Idx: i}
 		var v uint64
 		err := m.AeListeners.Lookup(&key, &v)

@@ -5,9 +5,9 @@ package bpfobj
 
 import "net/netip"
 
-// The #define constants of bpf/common.h, copied by hand (bpf2go generates
-// types and enums, not macros); TestConstantsMatchCommonH in package
-// dataplane holds them to the C side.
+// The #define constants of bpf/include/common.h, copied by hand (bpf2go
+// generates types and enums, not macros); TestConstantsMatchCommonH holds
+// them to the C side.
 const (
 	// ae_pods and ae_netns flags (AE_F_*).
 	FlagHasV4         = 1 << 0
@@ -20,6 +20,10 @@ const (
 	CfgNetnsCookieSockopt = 1 << 1
 	CfgSkAssignReuseport  = 1 << 2
 	CfgSkLookupIfindex    = 1 << 3
+
+	// ListenerSlots is AE_LISTENER_SLOTS: ae_listeners' slots per pod and
+	// port.
+	ListenerSlots = 4
 
 	// Journal states of a pod's ae_pod_meta slot (AE_META_*).
 	MetaFree      = 0

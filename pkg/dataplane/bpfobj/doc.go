@@ -20,7 +20,7 @@
 // next_bpfel.go re-exports it under the same names; no shipped binary
 // has it.
 //
-// Beside them: bpf/common.h's #define constants and the contract's
+// Beside them: bpf/include/common.h's #define constants and the contract's
 // defaults (defines.go), and where the programs attach: the node-wide
 // cgroup hooks, each pod's hooks and our tc filters' identity (hooks.go).
 //

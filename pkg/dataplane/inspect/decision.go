@@ -40,7 +40,7 @@ func (d *Decision) UnmarshalText(b []byte) error { return unmarshalName(b, decis
 // decision and names the contract row it comes from.
 type Reason uint8
 
-// Reasons; the numbers are enum ae_reason in bpf/common.h (a test checks).
+// Reasons; the numbers are enum ae_reason in bpf/include/common.h (a test checks).
 const (
 	ReasonNone            Reason = iota
 	ReasonNotEnrolled            // the socket's netns or the address is no enrolled pod's
@@ -155,7 +155,7 @@ func Reasons() []Reason {
 // Hook is where a decision is made.
 type Hook uint8
 
-// Hooks; the numbers are enum ae_hook in bpf/common.h.
+// Hooks; the numbers are enum ae_hook in bpf/include/common.h.
 const (
 	HookNone       Hook = iota
 	HookConnect4        // cgroup/connect4

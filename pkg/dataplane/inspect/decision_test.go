@@ -29,7 +29,7 @@ func TestReasonsAreTheProgramsEnum(t *testing.T) {
 	}
 	for r, cr := range c {
 		if uint32(r) != uint32(cr) {
-			t.Errorf("%s is %d in Go, %d in bpf/common.h", r, r, cr)
+			t.Errorf("%s is %d in Go, %d in bpf/include/common.h", r, r, cr)
 		}
 		if r != ReasonNone && (r.Decision() == DecisionNone || r.Row() == "" || r.Text() == "") {
 			t.Errorf("%s says no decision, row or text", r)

@@ -21,7 +21,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
 
-// Tracing (bpf/trace.h): the programs count every decision in
+// Tracing (bpf/include/trace.h): the programs count every decision in
 // ae_decisions, and while ae_tracing is set they also write an event for
 // it into the ring buffer ae_trace. One tracer at a time reads the ring (a
 // ring buffer has a single consumer position): it holds an flock on the
@@ -191,7 +191,7 @@ const tracePoll = 50 * time.Millisecond
 func (t *Tracer) Read() (Event, error) {
 	for {
 		// The programs wake the reader only for a batch (trace_submit in
-		// bpf/trace.h), so it also looks at the ring every tracePoll.
+		// bpf/include/trace.h), so it also looks at the ring every tracePoll.
 		t.rd.SetDeadline(time.Now().Add(tracePoll))
 		rec, err := t.rd.Read()
 		if errors.Is(err, os.ErrDeadlineExceeded) {

@@ -1,52 +1,45 @@
 // Copyright ambient-ebpf authors
 // SPDX-License-Identifier: Apache-2.0
 
-package dataplane
+package bpfobj
 
 import (
 	"regexp"
 	"strconv"
 	"testing"
 
-	_ "embed"
-
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
+	"github.com/ambient-ebpf/ambient-ebpf/bpf/include"
 )
-
-// commonH is bpf/common.h as `make generate` copies it (gen.go).
-//
-//go:embed testdata/common.h
-var commonH string
 
 // The C side's #define constants are copied into Go by hand (bpf2go
 // generates types and enums, not macros); this holds the copies to
-// bpf/common.h, so a change on one side fails here instead of on a node.
+// bpf/include/common.h, so a change on one side fails here instead of on a node.
 func TestConstantsMatchCommonH(t *testing.T) {
-	defines := parseDefines(t, commonH)
+	defines := parseDefines(t, include.CommonH)
 	for name, got := range map[string]uint64{
-		"AE_F_HAS_V4":                 bpfobj.FlagHasV4,
-		"AE_F_HAS_V6":                 bpfobj.FlagHasV6,
-		"AE_F_BYPASS_INBOUND":         bpfobj.FlagBypassInbound,
-		"AE_F_DNS_CAPTURE":            bpfobj.FlagDNSCapture,
-		"AE_MAX_PODS":                 bpfobj.MaxPods,
-		"AE_LISTENER_SLOTS":           listenerSlots,
-		"AE_CFG_NETNS_COOKIE_SOCKOPS": bpfobj.CfgNetnsCookieSockops,
-		"AE_CFG_NETNS_COOKIE_SOCKOPT": bpfobj.CfgNetnsCookieSockopt,
-		"AE_CFG_SK_ASSIGN_REUSEPORT":  bpfobj.CfgSkAssignReuseport,
-		"AE_CFG_SK_LOOKUP_IFINDEX":    bpfobj.CfgSkLookupIfindex,
-		"AE_META_FREE":                bpfobj.MetaFree,
-		"AE_META_ENROLLED":            bpfobj.MetaEnrolled,
-		"AE_META_ENROLLING":           bpfobj.MetaEnrolling,
-		"AE_META_REMOVING":            bpfobj.MetaRemoving,
-		"AE_TRACE_LOST":               bpfobj.TraceLost,
+		"AE_F_HAS_V4":                 FlagHasV4,
+		"AE_F_HAS_V6":                 FlagHasV6,
+		"AE_F_BYPASS_INBOUND":         FlagBypassInbound,
+		"AE_F_DNS_CAPTURE":            FlagDNSCapture,
+		"AE_MAX_PODS":                 MaxPods,
+		"AE_LISTENER_SLOTS":           ListenerSlots,
+		"AE_CFG_NETNS_COOKIE_SOCKOPS": CfgNetnsCookieSockops,
+		"AE_CFG_NETNS_COOKIE_SOCKOPT": CfgNetnsCookieSockopt,
+		"AE_CFG_SK_ASSIGN_REUSEPORT":  CfgSkAssignReuseport,
+		"AE_CFG_SK_LOOKUP_IFINDEX":    CfgSkLookupIfindex,
+		"AE_META_FREE":                MetaFree,
+		"AE_META_ENROLLED":            MetaEnrolled,
+		"AE_META_ENROLLING":           MetaEnrolling,
+		"AE_META_REMOVING":            MetaRemoving,
+		"AE_TRACE_LOST":               TraceLost,
 	} {
 		want, ok := defines[name]
 		if !ok {
-			t.Errorf("%s: not defined in bpf/common.h (or not in a form this test reads)", name)
+			t.Errorf("%s: not defined in bpf/include/common.h (or not in a form this test reads)", name)
 			continue
 		}
 		if got != want {
-			t.Errorf("%s: Go has %d, bpf/common.h %d", name, got, want)
+			t.Errorf("%s: Go has %d, bpf/include/common.h %d", name, got, want)
 		}
 	}
 }
