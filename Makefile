@@ -48,6 +48,17 @@ ETCD_VERSION := v3.7.3
 KUBE_BINS    := $(CACHE)/kube/$(KUBE_VERSION)
 KUBE_LDFLAGS := -X k8s.io/component-base/version.gitVersion=$(KUBE_VERSION) -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 export AMBIENT_EBPF_KUBE_BINS := $(KUBE_BINS)
+# The real istio-cni (issue 32): its node agent install-cni and its chained
+# plugin istio-cni, built once per version of istio.io/istio in go.mod from
+# the wrapper module hack/tools/istio-cni, for the differential tests only
+# (nothing shipped links Istio's cni packages). The wrapper must require the
+# same version as go.mod; test/istiocnireal refuses binaries of another.
+ISTIO_VERSION  := $(shell awk '$$1 == "istio.io/istio" { print $$2 }' go.mod)
+ISTIO_WRAPPER_VERSION := $(shell awk '$$1 == "istio.io/istio" { print $$2 }' hack/tools/istio-cni/go.mod)
+ISTIO_CNI_BINS := $(CACHE)/istio-cni/$(ISTIO_VERSION)
+ISTIO_LDFLAGS  := -X istio.io/istio/pkg/version.buildVersion=$(ISTIO_VERSION) \
+	-X istio.io/istio/pkg/version.buildGitRevision=$(lastword $(subst -, ,$(ISTIO_VERSION))) -X istio.io/istio/pkg/version.buildStatus=Clean
+export AMBIENT_EBPF_ISTIO_CNI_BINS := $(ISTIO_CNI_BINS)
 # The version stamped into every binary (hack/version.sh: the last release of
 # hack/releases and the commits since, git describe style) and its commit.
 VERSION  ?= $(shell hack/version.sh)
@@ -143,6 +154,19 @@ $(KUBE_BINS)/kubelet: hack/tools/kubelet/go.mod hack/tools/kubelet/go.sum hack/t
 $(KUBE_BINS)/etcd: hack/tools/etcd/go.mod hack/tools/etcd/go.sum hack/tools/etcd/main.go
 	@mkdir -p $(KUBE_BINS)
 	cd hack/tools/etcd && nice $(GO) build -trimpath -o $@.tmp . && mv $@.tmp $@
+
+# Both from one go build: the second shares the first's packages. The
+# wrapper's version is checked against go.mod's first, naming both.
+.PHONY: istio-cni-bins
+istio-cni-bins: $(ISTIO_CNI_BINS)/install-cni $(ISTIO_CNI_BINS)/istio-cni ## build the real istio-cni (install-cni, istio-cni) of go.mod's istio.io/istio into .cache/istio-cni/<version> once
+
+$(ISTIO_CNI_BINS)/install-cni $(ISTIO_CNI_BINS)/istio-cni &: hack/tools/istio-cni/go.mod hack/tools/istio-cni/go.sum
+	@[ "$(ISTIO_WRAPPER_VERSION)" = "$(ISTIO_VERSION)" ] || { echo "istio-cni-bins: hack/tools/istio-cni/go.mod requires istio.io/istio $(ISTIO_WRAPPER_VERSION) but go.mod has $(ISTIO_VERSION); update the wrapper (go get istio.io/istio@$(ISTIO_VERSION) && go mod tidy there)"; exit 1; }
+	@mkdir -p $(ISTIO_CNI_BINS)
+	@tmp=$$(mktemp -d $(ISTIO_CNI_BINS)/.build.XXXXXX); trap 'rm -rf "$$tmp"' EXIT; \
+	cd hack/tools/istio-cni && nice $(GO) build -trimpath -ldflags '$(ISTIO_LDFLAGS)' -o "$$tmp"/ \
+		istio.io/istio/cni/cmd/install-cni istio.io/istio/cni/cmd/istio-cni && \
+	mv "$$tmp"/install-cni $(ISTIO_CNI_BINS)/install-cni && mv "$$tmp"/istio-cni $(ISTIO_CNI_BINS)/istio-cni
 
 # The suites make test-unit leaves out: they build binaries and images,
 # start API servers, nodes and the demo, and most of them need root.
