@@ -15,8 +15,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -271,24 +269,7 @@ func (n *Node) Forward(target string) netip.AddrPort {
 		n.t.Fatalf("listen in the node netns: %v", err)
 	}
 	n.t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				u, err := net.DialTimeout("tcp", target, 5*time.Second)
-				if err != nil {
-					return
-				}
-				defer u.Close()
-				go func() { _, _ = io.Copy(u, c); _ = u.(*net.TCPConn).CloseWrite() }()
-				_, _ = io.Copy(c, u)
-			}()
-		}
-	}()
+	sockutil.Forward(l, target)
 	return sockutil.AddrPort(l.Addr())
 }
 

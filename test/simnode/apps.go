@@ -8,6 +8,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -22,6 +23,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/zds"
 	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
+	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/zdsclient"
 )
 
 // App is an app helper process: it listens and dials on request.
@@ -112,6 +114,7 @@ type Ztunnel struct {
 	*Proc
 	t          TB
 	records    string
+	transcript string // StartZtunnelFor's ZDS transcript
 	zds        *zds.Server
 	stopServer func()
 	mu         sync.Mutex
@@ -175,9 +178,29 @@ func (z *Ztunnel) StopServer() {
 // agent, not the test, hands it pods. Add and Del are not available.
 func (n *Node) StartZtunnelFor(socketPath string, extraEnv ...string) *Ztunnel {
 	n.t.Helper()
-	z := &Ztunnel{t: n.t, records: filepath.Join(n.t.TempDir(), "ztunnel-records.jsonl")}
-	z.Proc = n.startZtunnelProc(z.records, socketPath, extraEnv...)
+	dir := n.t.TempDir()
+	z := &Ztunnel{t: n.t, records: filepath.Join(dir, "ztunnel-records.jsonl"), transcript: filepath.Join(dir, "zds-transcript.jsonl")}
+	z.Proc = n.startZtunnelProc(z.records, socketPath, append([]string{TranscriptEnv + "=" + z.transcript}, extraEnv...)...)
 	return z
+}
+
+// Transcript returns every ZDS request the stand-in received from the
+// agent so far (StartZtunnelFor), in order, across its connections.
+func (z *Ztunnel) Transcript() ([]zdsclient.Observed, error) {
+	b, err := os.ReadFile(z.transcript)
+	if err != nil {
+		return nil, fmt.Errorf("read zds transcript: %w", err)
+	}
+	var out []zdsclient.Observed
+	// A line being written is left out.
+	for line := range bytes.Lines(b[:bytes.LastIndexByte(b, '\n')+1]) {
+		var o zdsclient.Observed
+		if err := json.Unmarshal(line, &o); err != nil {
+			return nil, fmt.Errorf("zds transcript %s: %w", z.transcript, err)
+		}
+		out = append(out, o)
+	}
+	return out, nil
 }
 
 func (n *Node) startZtunnelProc(records, socket string, extraEnv ...string) *Proc {

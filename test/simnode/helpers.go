@@ -38,6 +38,10 @@ const (
 // RecordsEnv names the file the ztunnel helper appends its records to.
 const RecordsEnv = "AMBIENT_EBPF_RECORDS"
 
+// TranscriptEnv names the file the ztunnel helper appends each ZDS request
+// it receives to (zdsclient.Observed, one JSON line each).
+const TranscriptEnv = "AMBIENT_EBPF_ZDS_TRANSCRIPT"
+
 // The stand-in's DNS table in the simulated node: names under
 // KnownDNSSuffix are answered by ztunnel itself, the rest go upstream to
 // the outside host's server, which answers everything with OutsideDNSAnswer.
@@ -698,13 +702,15 @@ func runZtunnel() error {
 			cfg.DNS.Table[name] = a
 		}
 	}
-	if path := os.Getenv(RecordsEnv); path != "" {
-		f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
-		if err != nil {
-			return err
+	for env, w := range map[string]*io.Writer{RecordsEnv: &cfg.Records, TranscriptEnv: &cfg.Transcript} {
+		if path := os.Getenv(env); path != "" {
+			f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			*w = f
 		}
-		defer f.Close()
-		cfg.Records = f
 	}
 	proxy := standin.New(cfg)
 	defer proxy.Close()

@@ -11,6 +11,7 @@ package sockutil
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -396,4 +397,28 @@ func getOrigDst(fd, level int) (netip.AddrPort, error) {
 	default:
 		return netip.AddrPort{}, fmt.Errorf("SO_ORIGINAL_DST: unexpected family %d, length %d", family, l)
 	}
+}
+
+// Forward relays each connection accepted on l (a listener of some netns)
+// to target, dialled from the caller's netns, until l is closed: how a
+// simulated node reaches the test's kube-apiserver on loopback.
+func Forward(l net.Listener, target string) {
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				u, err := net.DialTimeout("tcp", target, 5*time.Second)
+				if err != nil {
+					return
+				}
+				defer u.Close()
+				go func() { _, _ = io.Copy(u, c); _ = u.(*net.TCPConn).CloseWrite() }()
+				_, _ = io.Copy(c, u)
+			}()
+		}
+	}()
 }

@@ -61,6 +61,9 @@ type Reply struct {
 type Config struct {
 	// Records receives one JSON line per connection; nil discards them.
 	Records io.Writer
+	// Transcript receives one JSON line (zdsclient.Observed) per ZDS
+	// request as it arrived; nil discards them.
+	Transcript io.Writer
 	// PlainInbound delivers inbound traffic to the app from the pod's own
 	// address. By default the client's address is kept (IP_TRANSPARENT +
 	// IP_FREEBIND + bind), as ztunnel does, which needs the

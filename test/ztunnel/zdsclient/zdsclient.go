@@ -16,6 +16,10 @@
 //	func (c *Client) Run(ctx context.Context) error
 //	func ServeConn(ctx context.Context, uc *net.UnixConn, h Handler, log *slog.Logger) error
 //	func HandlerFor(p PodSet) Handler // adapts a proxy with AddPod/DelPod/Pods
+//
+// Config.Observe sees every request as it arrived (Observed: session,
+// kind, uid, workload info, descriptors and the netns they name), for
+// transcripts of what an agent sent.
 package zdsclient
 
 import (
@@ -29,6 +33,7 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"istio.io/istio/pkg/zdsapi"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/zdswire"
@@ -63,6 +68,29 @@ type Config struct {
 	MinBackoff, MaxBackoff time.Duration
 	// OnSessionEnd, if set, is called with the reason each session ended.
 	OnSessionEnd func(error)
+	// Observe, if set, is called with each request as it arrived, before
+	// any check: the transcript of what the agent sent.
+	Observe func(Observed)
+}
+
+// Observed is one request as ztunnel received it.
+type Observed struct {
+	Time    time.Time `json:"time"`
+	Session int       `json:"session"` // 1 for the first connection, counting up
+	// Kind is add, keep, del or snapshot_sent; malformed when it did not
+	// decode.
+	Kind string `json:"kind"`
+	UID  string `json:"uid,omitempty"`
+	// Name, Namespace and ServiceAccount are the AddWorkload's
+	// workload_info; Info says whether it was set.
+	Info           bool   `json:"info,omitempty"`
+	Name           string `json:"name,omitempty"`
+	Namespace      string `json:"namespace,omitempty"`
+	ServiceAccount string `json:"serviceAccount,omitempty"`
+	FDs            int    `json:"fds"`
+	// NetnsDev and NetnsIno identify what the first descriptor names (Z9).
+	NetnsDev uint64 `json:"netnsDev,omitempty"`
+	NetnsIno uint64 `json:"netnsIno,omitempty"`
 }
 
 // Client keeps one session with the agent alive.
@@ -97,11 +125,13 @@ func New(cfg Config) (*Client, error) {
 // resets the backoff. It returns nil when ctx ends.
 func (c *Client) Run(ctx context.Context) error {
 	backoff := c.cfg.MinBackoff
+	session := 0
 	for {
 		uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: c.cfg.SocketPath, Net: "unixpacket"})
 		if err == nil {
 			var synced bool
-			synced, err = serve(ctx, uc, c.cfg.Handler, c.log)
+			session++
+			synced, err = serve(ctx, uc, c.cfg.Handler, c.log, c.observer(session))
 			_ = uc.Close()
 			if synced {
 				backoff = c.cfg.MinBackoff
@@ -133,14 +163,50 @@ func ServeConn(ctx context.Context, uc *net.UnixConn, h Handler, log *slog.Logge
 	if log == nil {
 		log = slog.Default()
 	}
-	_, err := serve(ctx, uc, h, log)
+	_, err := serve(ctx, uc, h, log, nil)
 	return err
+}
+
+// observer is Config.Observe for one session, or nil.
+func (c *Client) observer(session int) func(Observed) {
+	if c.cfg.Observe == nil {
+		return nil
+	}
+	return func(o Observed) {
+		o.Session = session
+		c.cfg.Observe(o)
+	}
+}
+
+// observe describes a request for an observer.
+func observe(req *zdsapi.WorkloadRequest, fds []int) Observed {
+	o := Observed{Time: time.Now(), Kind: "malformed", FDs: len(fds)}
+	if len(fds) > 0 {
+		var st unix.Stat_t
+		if unix.Fstat(fds[0], &st) == nil {
+			o.NetnsDev, o.NetnsIno = st.Dev, st.Ino
+		}
+	}
+	switch p := req.GetPayload().(type) {
+	case *zdsapi.WorkloadRequest_Add:
+		o.Kind, o.UID = "add", p.Add.GetUid()
+		if info := p.Add.GetWorkloadInfo(); info != nil {
+			o.Info, o.Name, o.Namespace, o.ServiceAccount = true, info.GetName(), info.GetNamespace(), info.GetServiceAccount()
+		}
+	case *zdsapi.WorkloadRequest_Keep:
+		o.Kind, o.UID = "keep", p.Keep.GetUid()
+	case *zdsapi.WorkloadRequest_Del:
+		o.Kind, o.UID = "del", p.Del.GetUid()
+	case *zdsapi.WorkloadRequest_SnapshotSent:
+		o.Kind = "snapshot_sent"
+	}
+	return o
 }
 
 // maxAckText leaves room for the Ack framing inside one datagram.
 const maxAckText = zdswire.MaxDatagram - 16
 
-func serve(ctx context.Context, uc *net.UnixConn, h Handler, log *slog.Logger) (synced bool, err error) {
+func serve(ctx context.Context, uc *net.UnixConn, h Handler, log *slog.Logger, obs func(Observed)) (synced bool, err error) {
 	// A read deadline in the past unblocks Recv when ctx ends.
 	stop := context.AfterFunc(ctx, func() { _ = uc.SetReadDeadline(time.Unix(1, 0)) })
 	defer stop()
@@ -160,6 +226,9 @@ func serve(ctx context.Context, uc *net.UnixConn, h Handler, log *slog.Logger) (
 			return synced, err
 		}
 		req, err := zdswire.DecodeRequest(data)
+		if obs != nil {
+			obs(observe(req, fds))
+		}
 		if err != nil {
 			zdswire.CloseAll(fds)
 			return synced, fmt.Errorf("%w: %w", ErrProtocol, err)

@@ -379,3 +379,44 @@ func TestZ7TwoClientsDuringRollout(t *testing.T) {
 	newZ.expect("del a")
 	oldZ.expect("del a") // the old one got no add in between
 }
+
+// TestObserveSeesEachRequestAsItArrived: the transcript names each
+// request's session, kind, uid, workload info, descriptors and the netns
+// the descriptor names, in order, across a reconnect.
+func TestObserveSeesEachRequestAsItArrived(t *testing.T) {
+	nsA := nstest.NewNetns(t)
+	path := filepath.Join(t.TempDir(), "zds.sock")
+	srv, stop := runServer(t, path, func() []zds.Workload {
+		return []zds.Workload{{UID: "a", Name: "pa", Namespace: "ns", ServiceAccount: "sa", Netns: nsA}, {UID: "b"}}
+	})
+	var mu sync.Mutex
+	var seen []Observed
+	rec := newRecorder(t)
+	runClient(t, Config{SocketPath: path, Handler: rec, MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+		Observe: func(o Observed) { mu.Lock(); seen = append(seen, o); mu.Unlock() }})
+	rec.expect("add a ns/pa sa=sa", "keep b", "snapshot_sent a,b")
+	if err := srv.DelWorkload(context.Background(), "a"); err != nil {
+		t.Fatal(err)
+	}
+	rec.expect("del a")
+	stop()
+	runServer(t, path, func() []zds.Workload { return nil })
+	rec.expect("snapshot_sent ")
+
+	id := nstest.IdentOfPath(t, nsA)
+	want := []Observed{
+		{Session: 1, Kind: "add", UID: "a", Info: true, Name: "pa", Namespace: "ns", ServiceAccount: "sa", FDs: 1, NetnsDev: id.Dev, NetnsIno: id.Ino},
+		{Session: 1, Kind: "keep", UID: "b"},
+		{Session: 1, Kind: "snapshot_sent"},
+		{Session: 1, Kind: "del", UID: "a"},
+		{Session: 2, Kind: "snapshot_sent"},
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for i := range seen {
+		seen[i].Time = time.Time{}
+	}
+	if !slices.Equal(seen, want) {
+		t.Fatalf("observed\n%+v\nwant\n%+v", seen, want)
+	}
+}
