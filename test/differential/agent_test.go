@@ -1,0 +1,93 @@
+//go:build istiocnireal
+
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package differential
+
+import (
+	"os"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/test/istiocnireal"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+)
+
+// cniPluginsDir is where make cni-plugins put the primary network's
+// plugins.
+func cniPluginsDir(t *testing.T) string {
+	t.Helper()
+	dir := os.Getenv("CNI_PLUGINS_DIR")
+	if dir == "" {
+		t.Fatal("CNI_PLUGINS_DIR is not set: run make test-istio-cni (it builds them with make cni-plugins)")
+	}
+	return dir
+}
+
+// The binaries under test are those of go.mod's istio.io/istio: a build of
+// another version is refused, naming both.
+func TestRealBinariesAreGoModsVersion(t *testing.T) {
+	b := istiocnireal.Require(t)
+	for _, path := range []string{b.Agent(), b.Plugin()} {
+		built, err := istiocnireal.BinaryVersion(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := istiocnireal.CheckSkew(path, built, b.Version); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// install-cni as its DaemonSet runs it on a node: it chains its plugin
+// into the primary conflist, copies the plugin, becomes ready, and takes
+// the ztunnel stand-in's ZDS connection (an empty snapshot: SnapshotSent
+// alone). Stopped, it takes its plugin out again (no DaemonSet: uninstall).
+func TestInstallCNIBecomesReadyAndServesZtunnel(t *testing.T) {
+	testenv.RequireRoot(t)
+	c := requireCluster(t)
+	bins := istiocnireal.Require(t)
+	n := simnode.New(t)
+	r := istiocnireal.NewRuntime(t, n, cniPluginsDir(t), "198.18.100.0/24", "fd00:198:18:100::/64")
+	a := istiocnireal.Start(t, r, bins, istiocnireal.Options{Cluster: c, NodeName: "node-" + n.ID})
+	took, err := a.WaitReady()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("install-cni ready %s after its exec", took.Round(time.Millisecond))
+	chain, err := r.Chain()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(chain, []string{"ptp", "istio-cni"}) {
+		t.Fatalf("conflist chain %v, want ptp then istio-cni", chain)
+	}
+	if _, err := os.Stat(r.BinDir + "/istio-cni"); err != nil {
+		t.Fatalf("plugin not installed: %v", err)
+	}
+	zt := n.StartZtunnelFor(a.ZDS)
+	if err := a.WaitZtunnel(); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	testenv.Poll(10*time.Second, func() bool {
+		tr, err := zt.Transcript()
+		got = nil
+		for _, o := range tr {
+			got = append(got, o.Kind)
+		}
+		return err == nil && len(got) > 0
+	})
+	if !slices.Equal(got, []string{"snapshot_sent"}) {
+		t.Fatalf("ztunnel received %v, want [snapshot_sent]", got)
+	}
+	if err := a.Stop(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if chain, err := r.Chain(); err != nil || !slices.Equal(chain, []string{"ptp"}) {
+		t.Fatalf("after stop, conflist chain %v (%v), want ptp alone", chain, err)
+	}
+}

@@ -1,0 +1,291 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package istiocnireal
+
+import (
+	"fmt"
+	"maps"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
+)
+
+// Options is how a run differs from the chart's defaults.
+type Options struct {
+	Cluster  *kubeapi.Cluster // required: the API server it watches
+	NodeName string           // required: spec.nodeName of its pod
+	// PodNamespace and PodName are its own pod's (POD_NAMESPACE,
+	// POD_NAME); empty: istio-system and istio-cni-node-<node>.
+	PodNamespace, PodName string
+	// LogLevel is --log_output_level; empty: the chart's (unset).
+	LogLevel string
+	// Env overrides or adds to the chart's environment (its ConfigMap's
+	// values and the container's env), NATIVE_NFTABLES=true say.
+	Env map[string]string
+}
+
+// Agent is a running install-cni on a simulated node.
+type Agent struct {
+	t       simnode.TB
+	Node    *simnode.Node
+	Runtime *Runtime
+	Dir     string
+	// RunDir is --cni-agent-run-dir (/var/run/istio-cni: the plugin's
+	// event socket and kubeconfig), ZDS --ztunnel-uds-address.
+	RunDir, ZDS string
+	// API is the API server's address as the node reaches it (127.0.0.1 of
+	// the node netns, relayed to the test's): KUBERNETES_SERVICE_*.
+	API     netip.AddrPort
+	Argv    []string
+	Process *simnode.Process
+	Started time.Time
+	http    *http.Client
+}
+
+// chartEnv is the environment istio-cni's chart (manifests/charts/istio-cni)
+// gives the container with ambient enabled and its other values at their
+// defaults: its ConfigMap and the container's env, less GOMEMLIMIT and
+// GOMAXPROCS (no limits here). One difference: the agent's pod runs in the
+// node netns (as with ambient.shareHostNetworkNamespace, which also drops
+// ALLOW_SWITCH_TO_HOST_NS), so its health and metrics ports are the node's;
+// its host netns (/host/proc/1/ns/net) is the node netns either way.
+func chartEnv(version string) map[string]string {
+	return map[string]string{
+		"CURRENT_AGENT_VERSION": version,
+		"AMBIENT_ENABLED":       "true",
+		"AMBIENT_ENABLEMENT_SELECTOR": `- podSelector:
+    matchLabels:
+      istio.io/dataplane-mode: ambient
+- namespaceSelector:
+    matchLabels:
+      istio.io/dataplane-mode: ambient
+  podSelector:
+    matchExpressions:
+    - key: istio.io/dataplane-mode
+      operator: NotIn
+      values:
+      - none
+`,
+		"AMBIENT_DNS_CAPTURE":                    "true",
+		"AMBIENT_IPV6":                           "true",
+		"AMBIENT_RECONCILE_POD_RULES_ON_STARTUP": "true",
+		"ENABLE_AMBIENT_DETECTION_RETRY":         "false",
+		"ISTIO_OWNED_CNI_CONFIG":                 "false",
+		"CHAINED_CNI_PLUGIN":                     "true",
+		"EXCLUDE_NAMESPACES":                     "kube-system",
+		"REPAIR_ENABLED":                         "true",
+		"REPAIR_LABEL_PODS":                      "false",
+		"REPAIR_DELETE_PODS":                     "false",
+		"REPAIR_REPAIR_PODS":                     "true",
+		"REPAIR_INIT_CONTAINER_NAME":             "istio-validation",
+		"REPAIR_BROKEN_POD_LABEL_KEY":            "cni.istio.io/uninitialized",
+		"REPAIR_BROKEN_POD_LABEL_VALUE":          "true",
+		"NATIVE_NFTABLES":                        "false",
+		"REPAIR_RUN_AS_DAEMON":                   "true",
+		"REPAIR_SIDECAR_ANNOTATION":              "sidecar.istio.io/status",
+		"ALLOW_SWITCH_TO_HOST_NS":                "true",
+		"PATH":                                   "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+	}
+}
+
+// enterScript builds the container's file system view in a new mount and
+// PID namespace (unshare, which mounted a /proc of it) and execs the agent
+// in it, as PID 1: /host/proc/1 is then in the node netns, as a node's
+// init is (the machine's PID 1 is not even readable here). The view: a tmpfs root holding the machine's
+// /usr, /etc, /dev, /proc, /sys, /tmp and /var (and the merged-/usr links),
+// a /run of its own with the service account's token and CA, the image's
+// /opt/cni/bin (istio-cni alone) and the binaries at /opt/istio, and the
+// DaemonSet's host mounts: /host/opt/cni/bin, /host/etc/cni/net.d and
+// /host/proc, and the runtime's netns folder at /host<folder>. The mount
+// namespace goes with the process; nothing here outlives it.
+const enterScript = `set -eu
+root=$1 bins=$2 cnibin=$3 netd=$4 netnsdir=$5 sa=$6
+shift 6
+mount -t tmpfs -o mode=0755 aer2-root "$root"
+for d in bin sbin lib lib32 lib64 libx32 usr etc dev proc sys tmp var; do
+	if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$root/$d"
+	elif [ -d "/$d" ]; then mkdir "$root/$d"; mount --rbind "/$d" "$root/$d"; fi
+done
+mkdir "$root/run"
+mount -t tmpfs -o mode=0755 aer2-run "$root/run"
+mkdir -p "$root/run/secrets/kubernetes.io/serviceaccount" "$root/opt/cni/bin" "$root/opt/istio" \
+	"$root/host/opt/cni/bin" "$root/host/etc/cni/net.d" "$root/host/proc" "$root/host$netnsdir"
+mount --bind -o ro "$sa" "$root/run/secrets/kubernetes.io/serviceaccount"
+mount --bind -o ro "$bins" "$root/opt/istio"
+touch "$root/opt/cni/bin/istio-cni"
+mount --bind -o ro "$bins/istio-cni" "$root/opt/cni/bin/istio-cni"
+mount --bind "$cnibin" "$root/host/opt/cni/bin"
+mount --bind "$netd" "$root/host/etc/cni/net.d"
+mount --rbind /proc "$root/host/proc"
+mount --bind "$netnsdir" "$root/host$netnsdir"
+exec chroot "$root" /usr/bin/env -i "$@"
+`
+
+// Start runs install-cni as istio-cni's DaemonSet runs it in ambient mode
+// on the runtime's node: in the node netns, in a mount namespace of its
+// own (enterScript), with the chart's environment, in-cluster credentials
+// of the API server, the runtime's CNI folders as the host's, and its
+// sockets in a folder of t's. It does not wait; WaitReady does. It is
+// stopped by PID at t's cleanup, which also removes what it left.
+func Start(t simnode.TB, r *Runtime, bins Bins, o Options) *Agent {
+	t.Helper()
+	node := r.Node
+	dir := t.TempDir()
+	a := &Agent{t: t, Node: node, Runtime: r, Dir: dir, RunDir: filepath.Join(dir, "istio-cni"), ZDS: filepath.Join(dir, "ztunnel", "ztunnel.sock")}
+	sa := filepath.Join(dir, "serviceaccount")
+	root := filepath.Join(dir, "root")
+	for _, d := range []string{a.RunDir, filepath.Dir(a.ZDS), sa, root} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if o.PodNamespace == "" {
+		o.PodNamespace = "istio-system"
+	}
+	if o.PodName == "" {
+		o.PodName = "istio-cni-node-" + o.NodeName
+	}
+	ca, err := o.Cluster.ServingCert()
+	if err != nil {
+		t.Fatalf("api server's certificate: %v", err)
+	}
+	for name, content := range map[string]string{"token": o.Cluster.Config.BearerToken, "ca.crt": string(ca), "namespace": o.PodNamespace} {
+		if err := os.WriteFile(filepath.Join(sa, name), []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	l, err := r.node.Listen(netip.MustParseAddrPort("127.0.0.1:0"), sockutil.Opts{})
+	if err != nil {
+		t.Fatalf("listen in netns %s: %v", node.NodeNS, err)
+	}
+	t.Cleanup(func() { l.Close() })
+	sockutil.Forward(l, strings.TrimPrefix(o.Cluster.Config.Host, "https://"))
+	a.API = sockutil.AddrPort(l.Addr())
+
+	env := chartEnv(bins.Version)
+	maps.Copy(env, map[string]string{
+		"KUBERNETES_SERVICE_HOST": a.API.Addr().String(), "KUBERNETES_SERVICE_PORT": fmt.Sprint(a.API.Port()),
+		"NODE_NAME": o.NodeName, "REPAIR_NODE_NAME": o.NodeName, "POD_NAME": o.PodName, "POD_NAMESPACE": o.PodNamespace,
+	})
+	maps.Copy(env, o.Env)
+	a.Argv = []string{"unshare", "--mount", "--propagation", "slave", "--pid", "--mount-proc", "--kill-child=SIGKILL", "--",
+		"/bin/sh", "-c", enterScript, "enter",
+		root, bins.Dir, r.BinDir, r.ConfDir, r.NetnsDir, sa}
+	for _, k := range slices.Sorted(maps.Keys(env)) {
+		a.Argv = append(a.Argv, k+"="+env[k])
+	}
+	a.Argv = append(a.Argv, "/opt/istio/"+AgentBinary, "--cni-agent-run-dir", a.RunDir, "--ztunnel-uds-address", a.ZDS)
+	if o.LogLevel != "" {
+		a.Argv = append(a.Argv, "--log_output_level", o.LogLevel)
+	}
+
+	c, closeHTTP, err := simnode.HTTPClient(node.NodeNS)
+	if err != nil {
+		t.Fatalf("http client in netns %s: %v", node.NodeNS, err)
+	}
+	t.Cleanup(closeHTTP)
+	a.http = c
+	cgroup := filepath.Join(node.CgroupRoot, "istio-cni")
+	if err := os.Mkdir(cgroup, 0o755); err != nil {
+		t.Fatalf("create cgroup: %v", err)
+	}
+	a.Started = time.Now()
+	a.Process = simnode.StartProcess(t, node.NodeNS, cgroup, a.Argv...)
+	// Before StartProcess's cleanup (which would end unshare, and with it
+	// the agent, by SIGKILL): the agent's own shutdown first.
+	t.Cleanup(func() {
+		if !a.Process.Exited() {
+			if err := a.Stop(30 * time.Second); err != nil {
+				t.Errorf("%v", err)
+			}
+		}
+	})
+	return a
+}
+
+// PID is install-cni's process id as the test sees it (it is PID 1 of
+// its own PID namespace, under unshare), or 0 when it is not running.
+func (a *Agent) PID() int {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", a.Process.PID(), a.Process.PID()))
+	if err != nil {
+		return 0
+	}
+	pid, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	return pid
+}
+
+// Get fetches a path from the agent's readiness server (:8000), or its
+// metrics server (:15014) for /metrics, in the node netns; on an error the
+// code is 0 and the body the error.
+func (a *Agent) Get(path string) (int, string) {
+	port := "8000"
+	if path == "/metrics" {
+		port = "15014"
+	}
+	code, body, err := simnode.Get(a.http, "http://127.0.0.1:"+port+path)
+	if err != nil {
+		return 0, err.Error()
+	}
+	return code, body
+}
+
+// WaitReady waits until /readyz answers 200 (the plugin installed, the
+// node agent serving) and returns the time since its exec; it fails when
+// the agent exits first or takes more than two minutes.
+func (a *Agent) WaitReady() (time.Duration, error) {
+	var code int
+	var took time.Duration
+	testenv.Poll(2*time.Minute, func() bool {
+		code, _ = a.Get("/readyz")
+		took = time.Since(a.Started)
+		return code == http.StatusOK || a.Process.Exited()
+	})
+	if code != http.StatusOK {
+		return 0, fmt.Errorf("install-cni not ready (/readyz %d); its output:\n%s", code, a.Process.Output.String())
+	}
+	return took, nil
+}
+
+// WaitZtunnel waits until a ztunnel (started by the caller) is connected,
+// as its metric ztunnel_connected says.
+func (a *Agent) WaitZtunnel() error {
+	var body string
+	if !testenv.Poll(time.Minute, func() bool {
+		_, body = a.Get("/metrics")
+		return strings.Contains(body, "\nistio_cni_ztunnel_connected 1\n") || strings.Contains(body, "\nztunnel_connected 1\n")
+	}) {
+		return fmt.Errorf("ztunnel not connected to install-cni after 1m; its output:\n%s", a.Process.Output.String())
+	}
+	return nil
+}
+
+// Stop sends install-cni SIGTERM by its PID (as kubelet stops its
+// container), kills it after grace, and says why when it did not exit
+// cleanly on its own.
+func (a *Agent) Stop(grace time.Duration) error {
+	if pid := a.PID(); pid > 0 {
+		if err := syscall.Kill(pid, syscall.SIGTERM); err != nil {
+			return fmt.Errorf("signal install-cni (pid %d): %w", pid, err)
+		}
+	}
+	// unshare exits with it; it blocks SIGTERM itself, so Terminate's
+	// SIGTERM only matters after the wait, when it kills.
+	if !testenv.Poll(grace, a.Process.Exited) || !a.Process.Terminate(time.Second) {
+		a.Process.Kill()
+		return fmt.Errorf("install-cni did not stop cleanly; its output:\n%s", a.Process.Output.String())
+	}
+	return nil
+}

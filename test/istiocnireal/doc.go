@@ -1,0 +1,19 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package istiocnireal runs the real istio-cni on a simulated node
+// (test/simnode), as users run it in ambient in-pod mode: Istio's node
+// agent install-cni and its chained plugin istio-cni, built by `make
+// istio-cni-bins` from go.mod's istio.io/istio into .cache/istio-cni/<version>
+// (FindBinaries refuses a build of another version, naming both).
+//
+// Runtime is the container runtime's side: the host's CNI folders with the
+// primary network (ptp + host-local), a netns folder of its own, and ADD
+// and DEL through libcni in the node netns. Start runs install-cni with
+// istio-cni's chart environment in the node netns, in a mount and PID
+// namespace of its own (a tmpfs root with the machine's /usr, /etc, /tmp
+// and the DaemonSet's /host mounts of the runtime's folders, in-cluster
+// credentials of test/kubeapi's API server relayed into the node netns);
+// its ZDS socket is where the caller's ztunnel stand-in connects. It is
+// stopped by PID, and everything it made goes with t's cleanup.
+package istiocnireal
