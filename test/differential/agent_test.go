@@ -51,7 +51,7 @@ func TestInstallCNIBecomesReadyAndServesZtunnel(t *testing.T) {
 	c := requireCluster(t)
 	bins := istiocnireal.Require(t)
 	n := simnode.New(t)
-	r := istiocnireal.NewRuntime(t, n, cniPluginsDir(t), "198.18.100.0/24", "fd00:198:18:100::/64")
+	r := istiocnireal.NewRuntime(t, n, "", "", cniPluginsDir(t))
 	a := istiocnireal.Start(t, r, bins, istiocnireal.Options{Cluster: c, NodeName: "node-" + n.ID})
 	took, err := a.WaitReady()
 	if err != nil {

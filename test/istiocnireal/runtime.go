@@ -42,15 +42,29 @@ type Runtime struct {
 	node     *sockutil.Netns
 }
 
-// NewRuntime makes the host's CNI folders in a directory of t's, with the
-// primary network in them: ptp + host-local from pluginsDir on subnet4 and
-// subnet6 (10-primary.conflist), as the cluster's CNI installs it.
-func NewRuntime(t simnode.TB, n *simnode.Node, pluginsDir, subnet4, subnet6 string) *Runtime {
+// The primary network's pod subnets: every node's pods get the same
+// addresses, so two nodes' results compare.
+const (
+	PodSubnet4 = "198.18.100.0/24"
+	PodSubnet6 = "fd00:198:18:100::/64"
+)
+
+// NewRuntime writes the primary network into the host's CNI folders
+// binDir and confDir (made in a directory of t's when empty): ptp +
+// host-local from pluginsDir on PodSubnet4 and PodSubnet6
+// (10-primary.conflist), as the cluster's CNI installs it.
+func NewRuntime(t simnode.TB, n *simnode.Node, binDir, confDir, pluginsDir string) *Runtime {
 	t.Helper()
 	dir := t.TempDir()
-	r := &Runtime{t: t, Node: n, BinDir: filepath.Join(dir, "cni-bin"), ConfDir: filepath.Join(dir, "net.d"), NetnsDir: filepath.Join(dir, "netns")}
+	r := &Runtime{t: t, Node: n, BinDir: binDir, ConfDir: confDir, NetnsDir: filepath.Join(dir, "netns")}
+	if r.BinDir == "" {
+		r.BinDir = filepath.Join(dir, "cni-bin")
+	}
+	if r.ConfDir == "" {
+		r.ConfDir = filepath.Join(dir, "net.d")
+	}
 	for _, d := range []string{r.BinDir, r.ConfDir, r.NetnsDir} {
-		if err := os.Mkdir(d, 0o755); err != nil {
+		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -67,7 +81,7 @@ func NewRuntime(t simnode.TB, n *simnode.Node, pluginsDir, subnet4, subnet6 stri
   {"type": "ptp", "ipMasq": false, "mtu": 1500,
    "ipam": {"type": "host-local", "dataDir": %q,
             "ranges": [[{"subnet": %q}], [{"subnet": %q}]],
-            "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}]}}]}`, filepath.Join(dir, "ipam"), subnet4, subnet6)
+            "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}]}}]}`, filepath.Join(dir, "ipam"), PodSubnet4, PodSubnet6)
 	if err := os.WriteFile(filepath.Join(r.ConfDir, "10-primary.conflist"), []byte(primary), 0o644); err != nil {
 		t.Fatal(err)
 	}
