@@ -9,6 +9,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -21,6 +22,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/nstest"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/istiocnireal"
@@ -84,8 +86,8 @@ func ambientEBPFSide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
 // side's node, then its sandbox through the CNI chain as a runtime does,
 // then marks it Running with the chain's addresses, as kubelet does; it
 // returns what the side's users and ztunnel saw once the annotation
-// settled, and the pod.
-func addPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (observed, *simnode.Pod) {
+// settled, and the pod on the node and in the API.
+func addPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (observed, *simnode.Pod, *corev1.Pod) {
 	t.Helper()
 	ns := c.Namespace(t, "diff", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
 	kp := c.Pod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: nodeName})
@@ -101,7 +103,7 @@ func addPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (observe
 	t.Logf("%s: CNI ADD took %s", s.name, time.Since(start).Round(time.Millisecond))
 	if err != nil {
 		o.AddErr = err.Error()
-		return o, p
+		return o, p, kp
 	}
 	o.Result = istiocnireal.Comparable(res)
 	var ips []netip.Addr
@@ -119,11 +121,20 @@ func addPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (observe
 		}
 		return o.Annotation == enrollment.RedirectionEnabled
 	})
+	o.Transcript = transcript(t, s, p)
+	return o, p, kp
+}
+
+// transcript is what the side's stand-in received so far, with the pod's
+// uid, namespace and netns named as such.
+func transcript(t *testing.T, s *side, p *simnode.Pod) []string {
+	t.Helper()
 	tr, err := s.zt.Transcript()
 	if err != nil {
 		t.Fatal(err)
 	}
 	id := nstest.IdentOfPath(t, p.NetnsPath())
+	var out []string
 	for _, m := range tr {
 		uid, namespace, netns := m.UID, m.Namespace, ""
 		if uid == p.UID {
@@ -138,10 +149,10 @@ func addPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (observe
 				netns = "pod netns"
 			}
 		}
-		o.Transcript = append(o.Transcript, fmt.Sprintf("session %d: %s uid=%s info=%t name=%s namespace=%s sa=%q fds=%d %s",
+		out = append(out, fmt.Sprintf("session %d: %s uid=%s info=%t name=%s namespace=%s sa=%q fds=%d %s",
 			m.Session, m.Kind, uid, m.Info, m.Name, namespace, m.ServiceAccount, m.FDs, netns))
 	}
-	return o, p
+	return out
 }
 
 func addrOf(res *current.Result, v4 bool) netip.Addr {
@@ -171,7 +182,7 @@ func TestOnePodThroughTheChainBothWays(t *testing.T) {
 	}{{"istio-cni", istioCNISide}, {"ambient-ebpf", ambientEBPFSide}} {
 		nodeName := "diff-" + impl.name + "-" + testenv.RunID()
 		s := impl.start(t, c, nodeName)
-		o, p := addPod(t, c, s, nodeName)
+		o, p, _ := addPod(t, c, s, nodeName)
 		t.Logf("%s observed:\n  chain %v\n  ADD error %q\n  result %s\n  annotation %q\n  ztunnel received:\n    %s",
 			s.name, o.Chain, o.AddErr, o.Result, o.Annotation, strings.Join(o.Transcript, "\n    "))
 		if o.AddErr != "" || o.Annotation != enrollment.RedirectionEnabled {
@@ -298,4 +309,100 @@ func normalize(out string, p *simnode.Pod) string {
 		keep = append(keep, line)
 	}
 	return strings.Join(keep, "\n")
+}
+
+// removed is what a side's users and ztunnel saw when the pod went away.
+type removed struct {
+	DelErr string
+	// Transcript is everything ztunnel received, the add included.
+	Transcript []string
+	// NodeState says whether state on the node still names the pod: the
+	// real agent's probe ipset entry, our agent's pinned pod. It outlives
+	// the pod, so it must go.
+	NodeState bool
+	// InPodRules says whether the real agent's chains are still in the
+	// pod's netns. It leaves them on purpose for a deleted pod (its
+	// RemovePodFromMesh skips DeleteInpodRules when the pod is deleted:
+	// the netns goes with the sandbox); our state in the pod is its
+	// pinned entry, so there is nothing to compare.
+	InPodRules bool
+}
+
+// removePod takes the pod away as kubelet does: the API marks it
+// deleted, the runtime tears the sandbox down (CNI DEL), the object goes;
+// it waits up to 30 s for ztunnel to be told.
+func removePod(t *testing.T, c *kubeapi.Cluster, s *side, p *simnode.Pod, kp *corev1.Pod) removed {
+	t.Helper()
+	ctx := context.Background()
+	pods := c.Client.CoreV1().Pods(kp.Namespace)
+	if err := pods.Delete(ctx, kp.Name, metav1.DeleteOptions{GracePeriodSeconds: ptr(int64(30))}); err != nil {
+		t.Fatal(err)
+	}
+	var r removed
+	if err := s.runtime.Del(p, filepath.Join(s.runtime.NetnsDir, p.NS)); err != nil {
+		r.DelErr = err.Error()
+	}
+	if err := pods.Delete(ctx, kp.Name, metav1.DeleteOptions{GracePeriodSeconds: ptr(int64(0))}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Poll(30*time.Second, func() bool {
+		r.Transcript = transcript(t, s, p)
+		return slices.ContainsFunc(r.Transcript, func(m string) bool { return strings.Contains(m, ": del uid=<pod uid>") })
+	})
+	if s.name == "istio-cni" {
+		inPod := reference.Run(t, p.NetnsPath(), "", "iptables-save") + reference.Run(t, p.NetnsPath(), "", "ip6tables-save")
+		r.InPodRules = strings.Contains(inPod, "ISTIO_")
+	}
+	// Polled: the order of the del to ztunnel and the node's cleanup is
+	// the agent's.
+	testenv.Poll(10*time.Second, func() bool {
+		if s.name == "istio-cni" {
+			node := simnode.NetnsPath(s.node.NodeNS)
+			sets := reference.Run(t, node, "", "ipset", "list", rules.IpsetV4) + reference.Run(t, node, "", "ipset", "list", rules.IpsetV6)
+			r.NodeState = strings.Contains(sets, p.UID)
+		} else {
+			r.NodeState = slices.ContainsFunc(agentrun.PinnedPods(t, s.node.BPFFSDir), func(e dataplane.EnrolledPod) bool { return e.UID == p.UID })
+		}
+		return !r.NodeState
+	})
+	return r
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// The same pod, then removed as kubelet removes it: the CNI DEL's exit
+// (istio-cni's DEL does nothing; removal follows the API), what ztunnel
+// received (the add, then a del of the pod's uid) and that no state on
+// the node names the pod any more are the same.
+func TestOnePodRemovedBothWays(t *testing.T) {
+	testenv.RequireRoot(t)
+	c := requireCluster(t)
+	got := map[string]removed{}
+	for _, impl := range []struct {
+		name  string
+		start func(*testing.T, *kubeapi.Cluster, string) *side
+	}{{"istio-cni", istioCNISide}, {"ambient-ebpf", ambientEBPFSide}} {
+		nodeName := "diff-" + impl.name + "-" + testenv.RunID()
+		s := impl.start(t, c, nodeName)
+		o, p, kp := addPod(t, c, s, nodeName)
+		if o.AddErr != "" || o.Annotation != enrollment.RedirectionEnabled {
+			t.Fatalf("%s: ADD error %q, annotation %q; the agent's output:\n%s", s.name, o.AddErr, o.Annotation, s.output())
+		}
+		r := removePod(t, c, s, p, kp)
+		t.Logf("%s after removal:\n  DEL error %q\n  node state names the pod %t\n  in-pod rules left %t\n  ztunnel received:\n    %s",
+			s.name, r.DelErr, r.NodeState, r.InPodRules, strings.Join(r.Transcript, "\n    "))
+		got[impl.name] = r
+	}
+	istio, ours := got["istio-cni"], got["ambient-ebpf"]
+	if istio.DelErr != ours.DelErr || istio.NodeState || ours.NodeState {
+		t.Errorf("after removal: istio-cni DEL error %q, node state names the pod %t; ambient-ebpf DEL error %q, node state names the pod %t",
+			istio.DelErr, istio.NodeState, ours.DelErr, ours.NodeState)
+	}
+	if istio.InPodRules {
+		t.Log("a known difference: istio-cni leaves its in-pod rules in a deleted pod's netns (which goes with the sandbox); ambient-ebpf's pod state is on the node and is gone")
+	}
+	if !slices.Equal(istio.Transcript, ours.Transcript) {
+		t.Errorf("ztunnel received different messages:\nistio-cni:\n  %s\nambient-ebpf:\n  %s",
+			strings.Join(istio.Transcript, "\n  "), strings.Join(ours.Transcript, "\n  "))
+	}
 }
