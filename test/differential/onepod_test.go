@@ -42,6 +42,16 @@ type side struct {
 	output  func() string // the agent's output, for failures
 }
 
+// eachSide starts the real istio-cni, then ambient-ebpf, each on a fresh
+// node of its own, and runs fn with it.
+func eachSide(t *testing.T, c *kubeapi.Cluster, fn func(s *side, nodeName string)) {
+	t.Helper()
+	for _, start := range []func(*testing.T, *kubeapi.Cluster, string) *side{istioCNISide, ambientEBPFSide} {
+		nodeName := "diff-" + testenv.RunID()
+		fn(start(t, c, nodeName), nodeName)
+	}
+}
+
 // observed is what a side's users and ztunnel saw for one pod.
 type observed struct {
 	Chain      []string
@@ -176,23 +186,18 @@ func TestOnePodThroughTheChainBothWays(t *testing.T) {
 	got := map[string]observed{}
 	var istioPod *simnode.Pod
 	var istioNode *simnode.Node
-	for _, impl := range []struct {
-		name  string
-		start func(*testing.T, *kubeapi.Cluster, string) *side
-	}{{"istio-cni", istioCNISide}, {"ambient-ebpf", ambientEBPFSide}} {
-		nodeName := "diff-" + impl.name + "-" + testenv.RunID()
-		s := impl.start(t, c, nodeName)
+	eachSide(t, c, func(s *side, nodeName string) {
 		o, p, _ := addPod(t, c, s, nodeName)
 		t.Logf("%s observed:\n  chain %v\n  ADD error %q\n  result %s\n  annotation %q\n  ztunnel received:\n    %s",
 			s.name, o.Chain, o.AddErr, o.Result, o.Annotation, strings.Join(o.Transcript, "\n    "))
 		if o.AddErr != "" || o.Annotation != enrollment.RedirectionEnabled {
 			t.Errorf("%s: ADD error %q, annotation %q; the agent's output:\n%s", s.name, o.AddErr, o.Annotation, s.output())
 		}
-		got[impl.name] = o
-		if impl.name == "istio-cni" {
+		got[s.name] = o
+		if s.name == "istio-cni" {
 			istioPod, istioNode = p, s.node
 		}
-	}
+	})
 	istio, ours := got["istio-cni"], got["ambient-ebpf"]
 	if want := []string{"ptp", "istio-cni"}; !slices.Equal(istio.Chain, want) {
 		t.Errorf("istio-cni's chain %v, want %v", istio.Chain, want)
@@ -378,12 +383,7 @@ func TestOnePodRemovedBothWays(t *testing.T) {
 	testenv.RequireRoot(t)
 	c := requireCluster(t)
 	got := map[string]removed{}
-	for _, impl := range []struct {
-		name  string
-		start func(*testing.T, *kubeapi.Cluster, string) *side
-	}{{"istio-cni", istioCNISide}, {"ambient-ebpf", ambientEBPFSide}} {
-		nodeName := "diff-" + impl.name + "-" + testenv.RunID()
-		s := impl.start(t, c, nodeName)
+	eachSide(t, c, func(s *side, nodeName string) {
 		o, p, kp := addPod(t, c, s, nodeName)
 		if o.AddErr != "" || o.Annotation != enrollment.RedirectionEnabled {
 			t.Fatalf("%s: ADD error %q, annotation %q; the agent's output:\n%s", s.name, o.AddErr, o.Annotation, s.output())
@@ -391,8 +391,8 @@ func TestOnePodRemovedBothWays(t *testing.T) {
 		r := removePod(t, c, s, p, kp)
 		t.Logf("%s after removal:\n  DEL error %q\n  node state names the pod %t\n  in-pod rules left %t\n  ztunnel received:\n    %s",
 			s.name, r.DelErr, r.NodeState, r.InPodRules, strings.Join(r.Transcript, "\n    "))
-		got[impl.name] = r
-	}
+		got[s.name] = r
+	})
 	istio, ours := got["istio-cni"], got["ambient-ebpf"]
 	if istio.DelErr != ours.DelErr || istio.NodeState || ours.NodeState {
 		t.Errorf("after removal: istio-cni DEL error %q, node state names the pod %t; ambient-ebpf DEL error %q, node state names the pod %t",
