@@ -6,8 +6,10 @@
 package differential
 
 import (
+	"fmt"
 	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -89,5 +91,38 @@ func TestInstallCNIBecomesReadyAndServesZtunnel(t *testing.T) {
 	}
 	if chain, err := r.Chain(); err != nil || !slices.Equal(chain, []string{"ptp"}) {
 		t.Fatalf("after stop, conflist chain %v (%v), want ptp alone", chain, err)
+	}
+}
+
+// An install-cni that cannot start (an enablement selector it refuses)
+// is reported with its output, and nothing of its run is left: no
+// process, and no mount of the runtime's netns folder (the mounts of its
+// own view went with its mount namespace).
+func TestInstallCNIThatExitsIsReportedAndCleanedUp(t *testing.T) {
+	testenv.RequireRoot(t)
+	c := requireCluster(t)
+	bins := istiocnireal.Require(t)
+	var dir string
+	var pid int
+	t.Run("run", func(t *testing.T) {
+		n := simnode.New(t)
+		r := istiocnireal.NewRuntime(t, n, "", "", cniPluginsDir(t))
+		a := istiocnireal.Start(t, r, bins, istiocnireal.Options{Cluster: c, NodeName: "node-" + n.ID,
+			Env: map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": "- podSelector: ["}})
+		dir, pid = r.NetnsDir, a.Process.PID()
+		_, err := a.WaitReady()
+		if err == nil || !strings.Contains(err.Error(), "failed to parse ambient enablement selector") {
+			t.Fatalf("WaitReady: %v", err)
+		}
+	})
+	mounts, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(mounts), dir) {
+		t.Errorf("a mount of %s is left", dir)
+	}
+	if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err == nil {
+		t.Errorf("process %d (unshare of install-cni) is left", pid)
 	}
 }
