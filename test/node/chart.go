@@ -4,10 +4,8 @@
 package node
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
-	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -15,17 +13,13 @@ import (
 	"strconv"
 	"strings"
 
-	"helm.sh/helm/v3/pkg/chart/loader"
-	"helm.sh/helm/v3/pkg/chartutil"
-	"helm.sh/helm/v3/pkg/engine"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/runtime/serializer"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	cri "k8s.io/cri-api/pkg/apis/runtime/v1"
 	"sigs.k8s.io/yaml"
+
+	"github.com/ambient-ebpf/ambient-ebpf/test/helmrender"
 )
 
 // Release is how the suite installs the chart.
@@ -43,55 +37,12 @@ type Chart struct {
 // RenderChart renders the chart at dir as `helm template` does, with
 // values (YAML) over its values.yaml.
 func RenderChart(dir, values string) (*Chart, error) {
-	ch, err := loader.Load(dir)
+	objs, err := helmrender.Render(dir, helmrender.Release{Name: ReleaseName, Namespace: ReleaseNamespace, Strict: true}, values,
+		"serviceaccount.yaml", "rbac.yaml", "daemonset.yaml")
 	if err != nil {
-		return nil, fmt.Errorf("load chart: %w", err)
+		return nil, err
 	}
-	vals, err := chartutil.ReadValues([]byte(values))
-	if err != nil {
-		return nil, fmt.Errorf("read values: %w", err)
-	}
-	top, err := chartutil.ToRenderValues(ch, vals,
-		chartutil.ReleaseOptions{Name: ReleaseName, Namespace: ReleaseNamespace, Revision: 1, IsInstall: true}, chartutil.DefaultCapabilities.Copy())
-	if err != nil {
-		return nil, fmt.Errorf("render values: %w", err)
-	}
-	files, err := engine.Engine{Strict: true}.Render(ch, top)
-	if err != nil {
-		return nil, fmt.Errorf("render: %w", err)
-	}
-	s := k8sruntime.NewScheme()
-	for _, add := range []func(*k8sruntime.Scheme) error{appsv1.AddToScheme, corev1.AddToScheme, rbacv1.AddToScheme} {
-		if err := add(s); err != nil {
-			return nil, err
-		}
-	}
-	dec := serializer.NewCodecFactory(s, serializer.EnableStrict).UniversalDeserializer()
-	c := &Chart{}
-	for _, name := range []string{"serviceaccount.yaml", "rbac.yaml", "daemonset.yaml"} {
-		rd := utilyaml.NewYAMLReader(bufio.NewReader(strings.NewReader(files[filepath.Join(ch.Name(), "templates", name)])))
-		for {
-			doc, err := rd.Read()
-			if errors.Is(err, io.EOF) {
-				break
-			}
-			if err != nil {
-				return nil, fmt.Errorf("%s: %w", name, err)
-			}
-			var probe map[string]any
-			if err := yaml.Unmarshal(doc, &probe); err != nil || len(probe) == 0 {
-				continue
-			}
-			obj, _, err := dec.Decode(doc, nil, nil)
-			if err != nil {
-				return nil, fmt.Errorf("%s: decode: %w", name, err)
-			}
-			c.Objects = append(c.Objects, obj)
-			if ds, ok := obj.(*appsv1.DaemonSet); ok {
-				c.DaemonSet = ds
-			}
-		}
-	}
+	c := &Chart{Objects: objs, DaemonSet: helmrender.DaemonSet(objs)}
 	if c.DaemonSet == nil {
 		return nil, errors.New("the chart renders no DaemonSet")
 	}
