@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/nstest"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/test/istiocnireal"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -45,7 +46,8 @@ func TestRealBinariesAreGoModsVersion(t *testing.T) {
 }
 
 // install-cni as its DaemonSet runs it on a node: it chains its plugin
-// into the primary conflist, copies the plugin, becomes ready, and takes
+// into the primary conflist, copies the plugin, becomes ready (with the
+// node netns as its host's), and takes
 // the ztunnel stand-in's ZDS connection (an empty snapshot: SnapshotSent
 // alone). Stopped, it takes its plugin out again (no DaemonSet: uninstall).
 func TestInstallCNIBecomesReadyAndServesZtunnel(t *testing.T) {
@@ -60,6 +62,10 @@ func TestInstallCNIBecomesReadyAndServesZtunnel(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("install-cni ready %s after its exec", took.Round(time.Millisecond))
+	// Its host netns, as it finds it (/host/proc/1/ns/net), is the node's.
+	if pid := a.PID(); pid == 0 || nstest.IdentOfPath(t, fmt.Sprintf("/proc/%d/root/host/proc/1/ns/net", pid)) != nstest.IdentOfPath(t, simnode.NetnsPath(n.NodeNS)) {
+		t.Fatalf("install-cni (pid %d) does not see the node netns as its host's", pid)
+	}
 	chain, err := r.Chain()
 	if err != nil {
 		t.Fatal(err)

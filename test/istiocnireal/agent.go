@@ -29,10 +29,11 @@ type Options struct {
 	// PodNamespace and PodName are its own pod's (POD_NAMESPACE,
 	// POD_NAME); empty: istio-system and istio-cni-node-<node>.
 	PodNamespace, PodName string
-	// LogLevel is --log_output_level; empty: the chart's (unset).
-	LogLevel string
-	// Env overrides or adds to the chart's environment (its ConfigMap's
-	// values and the container's env), NATIVE_NFTABLES=true say.
+	// Values are the chart's values (YAML) over its values.yaml; empty:
+	// AmbientProfile, as Istio's docs install it.
+	Values string
+	// Env overrides or adds to the environment the chart gives the
+	// container (its ConfigMap and its env).
 	Env map[string]string
 }
 
@@ -54,62 +55,20 @@ type Agent struct {
 	http    *http.Client
 }
 
-// chartEnv is the environment istio-cni's chart (manifests/charts/istio-cni)
-// gives the container with ambient enabled and its other values at their
-// defaults: its ConfigMap and the container's env, less GOMEMLIMIT and
-// GOMAXPROCS (no limits here). One difference: the agent's pod runs in the
-// node netns (as with ambient.shareHostNetworkNamespace, which also drops
-// ALLOW_SWITCH_TO_HOST_NS), so its health and metrics ports are the node's;
-// its host netns (/host/proc/1/ns/net) is the node netns either way.
-func chartEnv(version string) map[string]string {
-	return map[string]string{
-		"CURRENT_AGENT_VERSION": version,
-		"AMBIENT_ENABLED":       "true",
-		"AMBIENT_ENABLEMENT_SELECTOR": `- podSelector:
-    matchLabels:
-      istio.io/dataplane-mode: ambient
-- namespaceSelector:
-    matchLabels:
-      istio.io/dataplane-mode: ambient
-  podSelector:
-    matchExpressions:
-    - key: istio.io/dataplane-mode
-      operator: NotIn
-      values:
-      - none
-`,
-		"AMBIENT_DNS_CAPTURE":                    "true",
-		"AMBIENT_IPV6":                           "true",
-		"AMBIENT_RECONCILE_POD_RULES_ON_STARTUP": "true",
-		"ENABLE_AMBIENT_DETECTION_RETRY":         "false",
-		"ISTIO_OWNED_CNI_CONFIG":                 "false",
-		"CHAINED_CNI_PLUGIN":                     "true",
-		"EXCLUDE_NAMESPACES":                     "kube-system",
-		"REPAIR_ENABLED":                         "true",
-		"REPAIR_LABEL_PODS":                      "false",
-		"REPAIR_DELETE_PODS":                     "false",
-		"REPAIR_REPAIR_PODS":                     "true",
-		"REPAIR_INIT_CONTAINER_NAME":             "istio-validation",
-		"REPAIR_BROKEN_POD_LABEL_KEY":            "cni.istio.io/uninitialized",
-		"REPAIR_BROKEN_POD_LABEL_VALUE":          "true",
-		"NATIVE_NFTABLES":                        "false",
-		"REPAIR_RUN_AS_DAEMON":                   "true",
-		"REPAIR_SIDECAR_ANNOTATION":              "sidecar.istio.io/status",
-		"ALLOW_SWITCH_TO_HOST_NS":                "true",
-		"PATH":                                   "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-	}
-}
-
 // enterScript builds the container's file system view in a new mount and
-// PID namespace (unshare, which mounted a /proc of it) and execs the agent
-// in it, as PID 1: /host/proc/1 is then in the node netns, as a node's
-// init is (the machine's PID 1 is not even readable here). The view: a tmpfs root holding the machine's
-// /usr, /etc, /dev, /proc, /sys, /tmp and /var (and the merged-/usr links),
-// a /run of its own with the service account's token and CA, the image's
-// /opt/cni/bin (istio-cni alone) and the binaries at /opt/istio, and the
-// DaemonSet's host mounts: /host/opt/cni/bin, /host/etc/cni/net.d and
-// /host/proc, and the runtime's netns folder at /host<folder>. The mount
-// namespace goes with the process; nothing here outlives it.
+// PID namespace (unshare, which mounted a /proc of it) and runs the agent
+// in it. The shell stays as PID 1, in the node netns, as a node's init
+// is: /host/proc/1/ns/net is then the node netns (the machine's PID 1 is
+// not even readable here). The agent itself must not be PID 1: its
+// threads enter pod netns, and /proc/1/ns/net follows its main thread,
+// so its "host" netns would at times be a pod's (seen: its ipset add
+// failing with ENOENT). The view: a tmpfs root holding the machine's
+// /usr, /etc, /dev, /proc, /sys, /tmp and /var (and the merged-/usr
+// links), a /run of its own with the service account's token and CA, the
+// image's /opt/cni/bin (istio-cni alone) and the binaries at /opt/istio,
+// and the DaemonSet's host mounts: /host/opt/cni/bin, /host/etc/cni/net.d
+// and /host/proc, and the runtime's netns folder at /host<folder>. The
+// mount namespace goes with the processes; nothing here outlives them.
 const enterScript = `set -eu
 root=$1 bins=$2 cnibin=$3 netd=$4 netnsdir=$5 sa=$6
 shift 6
@@ -130,14 +89,18 @@ mount --bind "$cnibin" "$root/host/opt/cni/bin"
 mount --bind "$netd" "$root/host/etc/cni/net.d"
 mount --rbind /proc "$root/host/proc"
 mount --bind "$netnsdir" "$root/host$netnsdir"
-exec chroot "$root" /usr/bin/env -i "$@"
+chroot "$root" /usr/bin/env -i "$@" &
+wait $!
 `
 
 // Start runs install-cni as istio-cni's DaemonSet runs it in ambient mode
-// on the runtime's node: in the node netns, in a mount namespace of its
-// own (enterScript), with the chart's environment, in-cluster credentials
-// of the API server, the runtime's CNI folders as the host's, and its
-// sockets in a folder of t's. It does not wait; WaitReady does. It is
+// on the runtime's node: in the node netns (its pod shares it: the chart's
+// ambient.shareHostNetworkNamespace; otherwise its health and metrics
+// would be in a pod netns of their own), in a mount namespace of its own
+// (enterScript), with the environment and arguments of the chart rendered
+// with o.Values (Chart.Container), in-cluster credentials of the API
+// server, the runtime's CNI folders as the host's, and its sockets in a
+// folder of t's. It does not wait; WaitReady does. It is
 // stopped by PID at t's cleanup, which also removes what it left.
 func Start(t simnode.TB, r *Runtime, bins Bins, o Options) *Agent {
 	t.Helper()
@@ -175,10 +138,22 @@ func Start(t simnode.TB, r *Runtime, bins Bins, o Options) *Agent {
 	sockutil.Forward(l, strings.TrimPrefix(o.Cluster.Config.Host, "https://"))
 	a.API = sockutil.AddrPort(l.Addr())
 
-	env := chartEnv(bins.Version)
+	if o.Values == "" {
+		o.Values = AmbientProfile
+	}
+	ch, err := RenderChart(o.Values)
+	if err != nil {
+		t.Fatalf("istio-cni's chart: %v", err)
+	}
+	env, args, err := ch.Container(Pod{NodeName: o.NodeName, Name: o.PodName, Namespace: o.PodNamespace})
+	if err != nil {
+		t.Fatalf("istio-cni's chart: %v", err)
+	}
+	// What kubelet and the image add: the service's address (as the
+	// node reaches it) and the image's PATH.
 	maps.Copy(env, map[string]string{
 		"KUBERNETES_SERVICE_HOST": a.API.Addr().String(), "KUBERNETES_SERVICE_PORT": fmt.Sprint(a.API.Port()),
-		"NODE_NAME": o.NodeName, "REPAIR_NODE_NAME": o.NodeName, "POD_NAME": o.PodName, "POD_NAMESPACE": o.PodNamespace,
+		"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
 	})
 	maps.Copy(env, o.Env)
 	a.Argv = []string{"unshare", "--mount", "--propagation", "slave", "--pid", "--mount-proc", "--kill-child=SIGKILL", "--",
@@ -187,10 +162,8 @@ func Start(t simnode.TB, r *Runtime, bins Bins, o Options) *Agent {
 	for _, k := range slices.Sorted(maps.Keys(env)) {
 		a.Argv = append(a.Argv, k+"="+env[k])
 	}
-	a.Argv = append(a.Argv, "/opt/istio/"+AgentBinary, "--cni-agent-run-dir", a.RunDir, "--ztunnel-uds-address", a.ZDS)
-	if o.LogLevel != "" {
-		a.Argv = append(a.Argv, "--log_output_level", o.LogLevel)
-	}
+	a.Argv = append(a.Argv, "/opt/istio/"+AgentBinary)
+	a.Argv = append(append(a.Argv, args...), "--cni-agent-run-dir", a.RunDir, "--ztunnel-uds-address", a.ZDS)
 
 	c, closeHTTP, err := simnode.HTTPClient(node.NodeNS)
 	if err != nil {
@@ -216,14 +189,20 @@ func Start(t simnode.TB, r *Runtime, bins Bins, o Options) *Agent {
 	return a
 }
 
-// PID is install-cni's process id as the test sees it (it is PID 1 of
-// its own PID namespace, under unshare), or 0 when it is not running.
+// PID is install-cni's process id as the test sees it (under unshare,
+// the init shell of its PID namespace, then it), or 0 when it is not
+// running.
 func (a *Agent) PID() int {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", a.Process.PID(), a.Process.PID()))
-	if err != nil {
-		return 0
+	pid := a.Process.PID()
+	for range 2 {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
+		if err != nil {
+			return 0
+		}
+		if pid, err = strconv.Atoi(strings.TrimSpace(string(b))); err != nil {
+			return 0
+		}
 	}
-	pid, _ := strconv.Atoi(strings.TrimSpace(string(b)))
 	return pid
 }
 

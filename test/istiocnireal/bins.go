@@ -47,11 +47,7 @@ func (b Bins) Plugin() string { return filepath.Join(b.Dir, PluginBinary) }
 // source tree's above the working directory): whose types (zdsapi) the
 // agent and the tests speak.
 func GoModVersion() (string, error) {
-	wd, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	root, err := testbin.Root(wd)
+	root, err := sourceRoot()
 	if err != nil {
 		return "", err
 	}
@@ -67,6 +63,15 @@ func GoModVersion() (string, error) {
 		}
 	}
 	return "", fmt.Errorf("%s requires no %s", path, Module)
+}
+
+// sourceRoot is the source tree above the working directory.
+func sourceRoot() (string, error) {
+	wd, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	return testbin.Root(wd)
 }
 
 // BinaryVersion is the version of istio.io/istio the Go binary at path was

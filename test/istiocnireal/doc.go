@@ -9,10 +9,12 @@
 //
 // Runtime is the container runtime's side: the host's CNI folders with the
 // primary network (ptp + host-local), a netns folder of its own, and ADD
-// and DEL through libcni in the node netns. Start runs install-cni with
-// istio-cni's chart environment in the node netns, in a mount and PID
-// namespace of its own (a tmpfs root with the machine's /usr, /etc, /tmp
-// and the DaemonSet's /host mounts of the runtime's folders, in-cluster
+// and DEL through libcni in the node netns. RenderChart renders Istio's
+// own istio-cni chart (profile=ambient by default) and Chart.Container
+// gives the install-cni container's environment and arguments. Start runs
+// install-cni with them in the node netns, in a mount and PID namespace
+// of its own (a tmpfs root with the machine's /usr, /etc, /tmp and the
+// DaemonSet's /host mounts of the runtime's folders, in-cluster
 // credentials of test/kubeapi's API server relayed into the node netns);
 // its ZDS socket is where the caller's ztunnel stand-in connects. It is
 // stopped by PID, and everything it made goes with t's cleanup.
