@@ -11,8 +11,13 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	appsv1 "k8s.io/api/apps/v1"
+	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/util/retry"
 )
 
@@ -126,4 +131,60 @@ func (c *Cluster) RunningPod(tb testing.TB, spec PodSpec, ips ...netip.Addr) *co
 // String names the cluster's endpoint for logs.
 func (c *Cluster) String() string {
 	return fmt.Sprintf("kube-apiserver %s (logs in %s)", c.Config.Host, c.dir)
+}
+
+// Apply creates a chart's object in namespace (the release's; cluster
+// objects have none), or leaves it when it exists (a ClusterRole is
+// replaced, so the rules are the chart's).
+func (c *Cluster) Apply(tb testing.TB, namespace string, obj k8sruntime.Object) {
+	tb.Helper()
+	ctx := context.Background()
+	cs := c.Client
+	var err error
+	switch o := obj.(type) {
+	case *corev1.ServiceAccount:
+		_, err = cs.CoreV1().ServiceAccounts(namespace).Create(ctx, o, metav1.CreateOptions{})
+	case *rbacv1.ClusterRole:
+		_, err = cs.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
+		if apierrors.IsAlreadyExists(err) {
+			_, err = cs.RbacV1().ClusterRoles().Update(ctx, o, metav1.UpdateOptions{})
+		}
+	case *rbacv1.ClusterRoleBinding:
+		_, err = cs.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+	case *rbacv1.Role:
+		_, err = cs.RbacV1().Roles(namespace).Create(ctx, o, metav1.CreateOptions{})
+	case *rbacv1.RoleBinding:
+		_, err = cs.RbacV1().RoleBindings(namespace).Create(ctx, o, metav1.CreateOptions{})
+	case *appsv1.DaemonSet:
+		_, err = cs.AppsV1().DaemonSets(namespace).Create(ctx, o, metav1.CreateOptions{})
+	default:
+		tb.Fatalf("apply %T: not handled", obj)
+	}
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		tb.Fatalf("apply %T: %v", obj, err)
+	}
+}
+
+// ServiceAccountToken returns a token of the service account (an hour
+// long), as kubelet projects one into a pod: RBAC then applies to its
+// bearer as to the pod.
+func (c *Cluster) ServiceAccountToken(tb testing.TB, namespace, name string) string {
+	tb.Helper()
+	expiry := int64(3600)
+	tr, err := c.Client.CoreV1().ServiceAccounts(namespace).CreateToken(context.Background(), name,
+		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: &expiry}}, metav1.CreateOptions{})
+	if err != nil {
+		tb.Fatalf("token for service account %s/%s: %v", namespace, name, err)
+	}
+	return tr.Status.Token
+}
+
+// EnsureNamespace creates the namespace (a release's, shared by tests)
+// unless it exists.
+func (c *Cluster) EnsureNamespace(tb testing.TB, name string) {
+	tb.Helper()
+	_, err := c.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		tb.Fatalf("create namespace %s: %v", name, err)
+	}
 }

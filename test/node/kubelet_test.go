@@ -61,7 +61,7 @@ func TestKubelet(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, obj := range ch.Objects {
-		apply(t, obj)
+		cluster.Apply(t, ReleaseNamespace, obj)
 	}
 	agent := s.daemonSetPod(ch)
 	waitPod(t, k, agent, "agent ready (kubelet's readiness probe on /readyz)", podReady)

@@ -18,13 +18,9 @@ import (
 	"testing"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
-	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
@@ -140,9 +136,7 @@ func newScene(t *testing.T) *scene {
 	s.api = n.Forward(strings.TrimPrefix(c.Config.Host, "https://"))
 
 	ctx := context.Background()
-	if _, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ReleaseNamespace}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
-	}
+	c.EnsureNamespace(t, ReleaseNamespace)
 	s.ambientNS = c.Namespace(t, "ambient", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}).Name
 	s.plainNS = c.Namespace(t, "plain", nil).Name
 	if _, err := c.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: s.nodeName}}, metav1.CreateOptions{}); err != nil {
@@ -173,7 +167,7 @@ func (s *scene) deploy(extraValues string, wait bool) (string, error) {
 		t.Fatal(err)
 	}
 	for _, obj := range ch.Objects {
-		apply(t, obj)
+		cluster.Apply(t, ReleaseNamespace, obj)
 	}
 	if s.saDir == "" {
 		s.saDir = s.serviceAccount(ch.DaemonSet.Spec.Template.Spec.ServiceAccountName)
@@ -289,11 +283,7 @@ func (s *scene) nodeHTTP() *http.Client {
 // server's CA and the namespace.
 func (s *scene) serviceAccount(name string) string {
 	t := s.t
-	tr, err := cluster.Client.CoreV1().ServiceAccounts(ReleaseNamespace).CreateToken(context.Background(), name,
-		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: ptr(int64(3600))}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatalf("token for service account %s: %v", name, err)
-	}
+	token := cluster.ServiceAccountToken(t, ReleaseNamespace, name)
 	ca, err := cluster.ServingCert()
 	if err != nil {
 		t.Fatal(err)
@@ -302,7 +292,7 @@ func (s *scene) serviceAccount(name string) string {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	for f, b := range map[string][]byte{"token": []byte(tr.Status.Token), "ca.crt": ca, "namespace": []byte(ReleaseNamespace)} {
+	for f, b := range map[string][]byte{"token": []byte(token), "ca.crt": ca, "namespace": []byte(ReleaseNamespace)} {
 		if err := os.WriteFile(filepath.Join(dir, f), b, 0o644); err != nil {
 			t.Fatal(err)
 		}
@@ -318,36 +308,6 @@ func (w testWriter) Write(p []byte) (int, error) {
 }
 
 func ptr[T any](v T) *T { return &v }
-
-// apply creates a chart object, or replaces it when it exists.
-func apply(t *testing.T, obj k8sruntime.Object) {
-	t.Helper()
-	ctx := context.Background()
-	cs := cluster.Client
-	var err error
-	switch o := obj.(type) {
-	case *corev1.ServiceAccount:
-		_, err = cs.CoreV1().ServiceAccounts(ReleaseNamespace).Create(ctx, o, metav1.CreateOptions{})
-	case *rbacv1.ClusterRole:
-		_, err = cs.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
-		if apierrors.IsAlreadyExists(err) {
-			_, err = cs.RbacV1().ClusterRoles().Update(ctx, o, metav1.UpdateOptions{})
-		}
-	case *rbacv1.ClusterRoleBinding:
-		_, err = cs.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
-	case *rbacv1.Role:
-		_, err = cs.RbacV1().Roles(ReleaseNamespace).Create(ctx, o, metav1.CreateOptions{})
-	case *rbacv1.RoleBinding:
-		_, err = cs.RbacV1().RoleBindings(ReleaseNamespace).Create(ctx, o, metav1.CreateOptions{})
-	case *appsv1.DaemonSet:
-		_, err = cs.AppsV1().DaemonSets(ReleaseNamespace).Create(ctx, o, metav1.CreateOptions{})
-	default:
-		t.Fatalf("apply %T: not handled", obj)
-	}
-	if err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatalf("apply %T: %v", obj, err)
-	}
-}
 
 // app is a pod of the scene: its object in the API server and its sandbox.
 type app struct {
