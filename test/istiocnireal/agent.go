@@ -14,7 +14,11 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"testing"
 	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
@@ -26,9 +30,9 @@ import (
 type Options struct {
 	Cluster  *kubeapi.Cluster // required: the API server it watches
 	NodeName string           // required: spec.nodeName of its pod
-	// PodNamespace and PodName are its own pod's (POD_NAMESPACE,
-	// POD_NAME); empty: istio-system and istio-cni-node-<node>.
-	PodNamespace, PodName string
+	// PodName is its own pod's (POD_NAME; POD_NAMESPACE is the
+	// release's, ReleaseNamespace); empty: istio-cni-node-<node>.
+	PodName string
 	// Values are the chart's values (YAML) over its values.yaml; empty:
 	// AmbientProfile, as Istio's docs install it.
 	Values string
@@ -39,7 +43,7 @@ type Options struct {
 
 // Agent is a running install-cni on a simulated node.
 type Agent struct {
-	t       simnode.TB
+	t       testing.TB
 	Node    *simnode.Node
 	Runtime *Runtime
 	Dir     string
@@ -99,10 +103,11 @@ wait $!
 // would be in a pod netns of their own), in a mount namespace of its own
 // (enterScript), with the environment and arguments of the chart rendered
 // with o.Values (Chart.Container), in-cluster credentials of the API
-// server, the runtime's CNI folders as the host's, and its sockets in a
-// folder of t's. It does not wait; WaitReady does. It is
+// server for the chart's service account (so its cluster roles apply),
+// the runtime's CNI folders as the host's, and its sockets in a folder of
+// t's. It does not wait; WaitReady does. It is
 // stopped by PID at t's cleanup, which also removes what it left.
-func Start(t simnode.TB, r *Runtime, bins Bins, o Options) *Agent {
+func Start(t testing.TB, r *Runtime, bins Bins, o Options) *Agent {
 	t.Helper()
 	node := r.Node
 	dir := t.TempDir()
@@ -114,17 +119,32 @@ func Start(t simnode.TB, r *Runtime, bins Bins, o Options) *Agent {
 			t.Fatal(err)
 		}
 	}
-	if o.PodNamespace == "" {
-		o.PodNamespace = "istio-system"
-	}
 	if o.PodName == "" {
 		o.PodName = "istio-cni-node-" + o.NodeName
 	}
+	if o.Values == "" {
+		o.Values = AmbientProfile
+	}
+	ch, err := RenderChart(o.Values)
+	if err != nil {
+		t.Fatalf("istio-cni's chart: %v", err)
+	}
+	// The chart's service account and cluster roles (not its DaemonSet:
+	// without it, a stopped agent uninstalls), and a token of that
+	// account where kubelet projects it, with the API server's CA.
+	o.Cluster.EnsureNamespace(t, ReleaseNamespace)
+	for _, obj := range ch.Objects {
+		switch obj.(type) {
+		case *corev1.ServiceAccount, *rbacv1.ClusterRole, *rbacv1.ClusterRoleBinding:
+			o.Cluster.Apply(t, ReleaseNamespace, obj)
+		}
+	}
+	token := o.Cluster.ServiceAccountToken(t, ReleaseNamespace, ch.DaemonSet.Spec.Template.Spec.ServiceAccountName)
 	ca, err := o.Cluster.ServingCert()
 	if err != nil {
 		t.Fatalf("api server's certificate: %v", err)
 	}
-	for name, content := range map[string]string{"token": o.Cluster.Config.BearerToken, "ca.crt": string(ca), "namespace": o.PodNamespace} {
+	for name, content := range map[string]string{"token": token, "ca.crt": string(ca), "namespace": ReleaseNamespace} {
 		if err := os.WriteFile(filepath.Join(sa, name), []byte(content), 0o600); err != nil {
 			t.Fatal(err)
 		}
@@ -138,14 +158,7 @@ func Start(t simnode.TB, r *Runtime, bins Bins, o Options) *Agent {
 	sockutil.Forward(l, strings.TrimPrefix(o.Cluster.Config.Host, "https://"))
 	a.API = sockutil.AddrPort(l.Addr())
 
-	if o.Values == "" {
-		o.Values = AmbientProfile
-	}
-	ch, err := RenderChart(o.Values)
-	if err != nil {
-		t.Fatalf("istio-cni's chart: %v", err)
-	}
-	env, args, err := ch.Container(Pod{NodeName: o.NodeName, Name: o.PodName, Namespace: o.PodNamespace})
+	env, args, err := ch.Container(Pod{NodeName: o.NodeName, Name: o.PodName, Namespace: ReleaseNamespace})
 	if err != nil {
 		t.Fatalf("istio-cni's chart: %v", err)
 	}
