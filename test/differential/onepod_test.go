@@ -22,8 +22,9 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/nstest"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/istiocnireal"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
@@ -237,7 +238,7 @@ func compareWithReference(t *testing.T, istioNode *simnode.Node, istio *simnode.
 	ref := &reference.Iptables{Backend: backend}
 	ref.Setup(t, n)
 	p := n.AddPod("app")
-	ref.Enroll(t, p, reference.Opts{DNS: true})
+	ref.Enroll(t, p, podopts.Options{DNSCapture: true})
 	save4, save6 := string(backend)+"-save", strings.Replace(string(backend), "iptables", "ip6tables", 1)+"-save"
 	for _, c := range []struct {
 		where string
@@ -366,7 +367,7 @@ func removePod(t *testing.T, c *kubeapi.Cluster, s *side, p *simnode.Pod, kp *co
 			sets := reference.Run(t, node, "", "ipset", "list", rules.IpsetV4) + reference.Run(t, node, "", "ipset", "list", rules.IpsetV6)
 			r.NodeState = strings.Contains(sets, p.UID)
 		} else {
-			r.NodeState = slices.ContainsFunc(agentrun.PinnedPods(t, s.node.BPFFSDir), func(e dataplane.EnrolledPod) bool { return e.UID == p.UID })
+			r.NodeState = slices.ContainsFunc(agentrun.PinnedPods(t, s.node.BPFFSDir), func(e inspect.EnrolledPod) bool { return e.UID == p.UID })
 		}
 		return !r.NodeState
 	})
