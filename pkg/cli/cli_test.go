@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
@@ -82,6 +83,7 @@ func TestCommandsReadPinsWithoutTheAgent(t *testing.T) {
 
 // bpftool prints the same pins with BTF field names.
 func TestBpftoolPrintsFieldNames(t *testing.T) {
+	testenv.RequireRoot(t) // before the tool: make test-unit runs it unprivileged
 	if _, err := exec.LookPath("bpftool"); err != nil {
 		t.Fatal("bpftool is not installed (make deps installs it)")
 	}

@@ -14,6 +14,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/istiocni"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
@@ -147,6 +148,7 @@ func noIstio(t *testing.T, ns string) {
 }
 
 func TestInspectAndRemovePod(t *testing.T) {
+	testenv.RequireRoot(t) // before the tools: make test-unit runs it unprivileged
 	ctx := context.Background()
 	mgr := istiocni.New()
 	if m := mgr.Missing(); len(m) > 0 {

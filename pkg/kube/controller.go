@@ -267,7 +267,7 @@ func validPods(pods []*corev1.Pod, log *slog.Logger) []*corev1.Pod {
 	return slices.DeleteFunc(pods, func(p *corev1.Pod) bool {
 		err := checkPod(p)
 		if err != nil {
-			log.Warn("pod skipped: invalid identity", "pod", p.Namespace+"/"+p.Name, "error", err)
+			log.Warn("pod skipped: invalid name or uid", "pod", p.Namespace+"/"+p.Name, "error", err)
 		}
 		return err != nil
 	})

@@ -485,7 +485,7 @@ func (r *Reconciler) reconcile(ctx context.Context, key string) error {
 		if err := validate.Pod(pod.Namespace, pod.Name, string(pod.UID)); err != nil {
 			// Not retried: the object will not become valid. A pod known
 			// under this key before still leaves below.
-			r.log.Warn("pod skipped: invalid identity", "pod", key, "error", err)
+			r.log.Warn("pod skipped: invalid name or uid", "pod", key, "error", err)
 			pod = nil
 		}
 	}

@@ -38,7 +38,7 @@ import (
 )
 
 // ErrInvalid is wrapped by every error of this package.
-var ErrInvalid = errors.New("invalid identity")
+var ErrInvalid = errors.New("invalid pod name, uid, id or path")
 
 // Limits of the rules above.
 const (
@@ -51,7 +51,7 @@ const (
 // StandalonePrefix starts the UID StandaloneUID derives.
 const StandalonePrefix = "standalone-"
 
-// Error is a refused identity: the field, the value as given, and why.
+// Error is a refused value: the field, the value as given, and why.
 type Error struct {
 	Field  string
 	Value  string
