@@ -131,6 +131,16 @@ build: hooks ## build all binaries into bin/
 	@mkdir -p bin
 	$(GO) build -trimpath -ldflags '$(VERSION_LDFLAGS)' -o bin/ ./cmd/...
 
+# The image's other architecture: static binaries, as the Dockerfile's go
+# build makes them, into bin/linux_arm64/ (the BPF objects are bpf2go's
+# -target bpfel, one for every little-endian architecture; docs/KERNELS.md,
+# "Architectures"). deploy's TestCommandsBuildForEveryImageArch builds them
+# in make test.
+.PHONY: build-arm64
+build-arm64: hooks ## cross-compile all binaries for linux/arm64 (static) into bin/linux_arm64/
+	@mkdir -p bin/linux_arm64
+	CGO_ENABLED=0 GOOS=linux GOARCH=arm64 $(GO) build -trimpath -ldflags '$(VERSION_LDFLAGS)' -o bin/linux_arm64/ ./cmd/...
+
 .PHONY: vet
 vet: ## go vet and gofmt
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt needed"; exit 1; }

@@ -7,5 +7,6 @@
 // into the Kubernetes API types we target, parse the agent's rendered
 // arguments with the agent's own flags, run the agent's controller under
 // the chart's RBAC against a real kube-apiserver (test/kubeapi, RBAC on),
-// and keep the Dockerfile's build targets in step with cmd/.
+// keep the Dockerfile's build targets in step with cmd/, and cross-compile
+// them for every architecture the image is built for.
 package deploy
