@@ -14,8 +14,9 @@
  *   getpeername4/6  a redirected socket still names its original peer.
  *   sockops       when a redirected socket starts connecting, file its
  *                 original destination under its local address (the peer
- *                 the proxy sees), and forget it at close; also close out
- *                 host-probe translations with their socket (H1).
+ *                 the proxy sees), and forget it at close; file a node
+ *                 socket's flow to an enrolled pod (H1, direct mode); close
+ *                 out host-probe entries with their socket (H1).
  *   getsockopt    answer SO_ORIGINAL_DST for ztunnel's accepted sockets.
  *
  * No packet is rewritten and no conntrack entry is made: the connection
@@ -59,18 +60,60 @@ struct sockaddr_in6_ {
 	__u32 scope_id;
 };
 
+/* The node's netns (its cookie): in direct mode its sockets' connections
+ * to enrolled pods are host probes (H1). Written by the agent after load,
+ * before the hooks are attached (where the kernel lacks SO_NETNS_COOKIE,
+ * the cookie is read with a program of this object); a section of its own,
+ * so the write is one map update. */
+volatile __u64 ae_node_netns_cookie SEC(".data.node") = 0;
+
+/*
+ * Node sockets that connect to an enrolled pod, in direct mode: marked by
+ * connect, where the socket's netns is known on every kernel (sockops
+ * learns it only in 5.15), and filed by sockops once the source port is
+ * chosen (file_direct_probe). Not pinned: a probe that connects while the
+ * agent replaces its programs loses its mark and is captured, once.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u32);
+} ae_sk_probe SEC(".maps");
+
 /*
  * The pod the socket's netns belongs to, or NULL when the socket is not
- * in an enrolled netns (R16): one hash lookup for everyone else.
+ * in an enrolled netns (R16): one hash lookup for everyone else. *cookie
+ * is the socket's netns (0 without a socket).
  */
-static __always_inline struct netns_info *pod_netns(struct bpf_sock_addr *ctx)
+static __always_inline struct netns_info *pod_netns(struct bpf_sock_addr *ctx, __u64 *cookie)
 {
-	__u64 cookie;
-
+	*cookie = 0;
 	if (!ctx->sk)
 		return NULL;
-	cookie = bpf_get_netns_cookie(ctx);
-	return bpf_map_lookup_elem(&ae_netns, &cookie);
+	*cookie = bpf_get_netns_cookie(ctx);
+	return bpf_map_lookup_elem(&ae_netns, cookie);
+}
+
+/* Whether a connect in the netns of cookie may be a host probe (direct
+ * mode): only the node's own sockets are. */
+static __always_inline bool node_probe_netns(__u64 cookie, bool connect)
+{
+	return (ae_cfg.flags & AE_CFG_PROBE_DIRECT) && connect && cookie && cookie == ae_node_netns_cookie;
+}
+
+/*
+ * H1 in direct mode: a node socket's TCP connect to an enrolled pod is a
+ * host probe. The socket is marked for sockops, which files its flow
+ * before the SYN leaves. Traffic the node forwards has no socket here and
+ * a socket of any other netns is not the node's, so both stay captured
+ * (H2), whatever source address they carry.
+ */
+static __always_inline void mark_node_probe(struct bpf_sock_addr *ctx, const struct ae_addr *dst)
+{
+	if (ctx->protocol != IPPROTO_TCP_ || !bpf_map_lookup_elem(&ae_pods, dst))
+		return;
+	bpf_sk_storage_get(&ae_sk_probe, ctx->sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 }
 
 /*
@@ -219,16 +262,22 @@ static __always_inline void trace_sock(struct bpf_sock_addr *ctx, __u8 hook, __u
 static __always_inline int redirect4(struct bpf_sock_addr *ctx, bool connect)
 {
 	__u8 hook = connect ? AE_HOOK_CONNECT4 : AE_HOOK_SENDMSG4;
-	struct netns_info *ns = pod_netns(ctx);
 	struct ae_addr dst, to;
+	struct netns_info *ns;
+	__u64 cookie;
 	__be16 dport;
 	__u8 reason;
 
+	ns = pod_netns(ctx, &cookie);
 	if (!ns) {
-		if (ae_tracing) {
+		bool probe = node_probe_netns(cookie, connect);
+
+		if (probe || ae_tracing)
 			addr_set_v4(&dst, ctx->user_ip4);
+		if (probe)
+			mark_node_probe(ctx, &dst);
+		if (ae_tracing)
 			trace_sock(ctx, hook, AE_R_NOT_ENROLLED, NULL, &dst, (__be16)ctx->user_port, NULL, 0);
-		}
 		return SYS_PROCEED;
 	}
 	/* Read once, kept in a register: the verifier refuses a context
@@ -286,14 +335,16 @@ static __always_inline void set_user_ip6(struct bpf_sock_addr *ctx, __u32 w0, __
 static __always_inline int redirect6(struct bpf_sock_addr *ctx, bool connect)
 {
 	__u8 hook = connect ? AE_HOOK_CONNECT6 : AE_HOOK_SENDMSG6;
-	struct netns_info *ns = pod_netns(ctx);
 	struct ae_addr dst, to;
+	struct netns_info *ns;
+	__u64 cookie;
 	__be16 dport;
 	__u32 ip6[4];
 	__u8 reason;
 	bool v4;
 
-	if (!ns && !ae_tracing)
+	ns = pod_netns(ctx, &cookie);
+	if (!ns && !ae_tracing && !node_probe_netns(cookie, connect))
 		return SYS_PROCEED;
 	dport = (__be16)ctx->user_port;
 	barrier_var(dport); /* see redirect4 */
@@ -303,7 +354,10 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, bool connect)
 	ip6[3] = ctx->user_ip6[3];
 	addr_set_v6(&dst, ip6);
 	if (!ns) {
-		trace_sock(ctx, hook, AE_R_NOT_ENROLLED, NULL, &dst, dport, NULL, 0);
+		if (node_probe_netns(cookie, connect))
+			mark_node_probe(ctx, &dst);
+		if (ae_tracing)
+			trace_sock(ctx, hook, AE_R_NOT_ENROLLED, NULL, &dst, dport, NULL, 0);
 		return SYS_PROCEED;
 	}
 	v4 = ip6_is_v4_mapped(ip6);
@@ -557,6 +611,40 @@ static __always_inline void file_local_flow(struct bpf_sock_ops *skops, const st
 }
 
 /*
+ * H1 in direct mode: a node socket that connect marked (mark_node_probe)
+ * files its flow, as the pod will see it, with its own address: the pod's
+ * programs let exactly this flow reach the app (node_probe in bpf/tc.c).
+ * An entry of the same flow from a closed socket of the same address is
+ * taken over; one of another address is left alone, and this probe is
+ * captured like any other inbound flow.
+ */
+static __always_inline void file_direct_probe(struct bpf_sock_ops *skops, struct bpf_sock *sk, struct pod_info *pod)
+{
+	struct probe_nat nat = {}, *old;
+	struct pod_stats *st;
+	struct probe_key key;
+
+	if (!bpf_sk_storage_get(&ae_sk_probe, sk, 0, 0))
+		return;
+	probe_key_of(skops, &key);
+	sockops_local(skops, &nat.host);
+	nat.last_seen_ns = bpf_ktime_get_ns();
+	if (bpf_map_update_elem(&ae_probe_nat, &key, &nat, BPF_NOEXIST)) {
+		old = bpf_map_lookup_elem(&ae_probe_nat, &key);
+		if (!old || !addr_eq(&old->host, &nat.host)) {
+			count_decision(old ? AE_R_PROBE_PORT_TAKEN : AE_R_PROBE_TABLE_FULL);
+			if (ae_tracing)
+				trace_sockops(skops, old ? AE_R_PROBE_PORT_TAKEN : AE_R_PROBE_TABLE_FULL, pod->slot, &key.pod, key.pod_port);
+			return;
+		}
+		old->last_seen_ns = nat.last_seen_ns;
+	}
+	st = pod_stats(pod->slot);
+	if (st)
+		st->probe_snat++;
+}
+
+/*
  * A socket starts connecting (TCP_CONNECT_CB runs just before the SYN).
  * A redirected one files its original destination under the address the
  * proxy will see as its peer. A socket connecting to an enrolled pod may
@@ -569,6 +657,7 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 	struct orig_key key;
 	struct ae_addr remote;
 	struct orig_dst *od;
+	struct pod_info *pod;
 	bool track = false;
 
 	if (!sk)
@@ -585,9 +674,12 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 		}
 	} else {
 		sockops_remote(skops, &remote);
-		track = bpf_map_lookup_elem(&ae_pods, &remote) != NULL;
-		if (track && mark_is_ztunnel(sk->mark))
+		pod = bpf_map_lookup_elem(&ae_pods, &remote);
+		track = pod != NULL;
+		if (pod && mark_is_ztunnel(sk->mark))
 			file_local_flow(skops, &remote);
+		else if (pod && (ae_cfg.flags & AE_CFG_PROBE_DIRECT))
+			file_direct_probe(skops, sk, pod);
 	}
 	if (track)
 		bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);

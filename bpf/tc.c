@@ -17,7 +17,7 @@
  *   ae_pod_lo_ingress on lo: marks ztunnel's connections to the app so the
  *                     app's replies route back to ztunnel (R10).
  *   ae_pod_reroute    on virtual interfaces: their TCP goes to :15001 (R14).
- * On the node side of the pod's veth:
+ * On the node side of the pod's veth, in SNAT mode only:
  *   ae_host_egress / ae_host_ingress: host-probe SNAT (H1-H3).
  *
  * R5: a TCP flow to an enrolled pod's IP that no socket owns yet is handed
@@ -27,7 +27,8 @@
  * packet is rewritten: the accepted socket's local address is the original
  * destination, which is what ztunnel reads when SO_ORIGINAL_DST has
  * nothing to say.
- * R6: :15008 (HBONE) and R7: flows from the probe SNAT address pass.
+ * R6: :15008 (HBONE) and R7: flows from the probe SNAT address pass; in
+ * direct mode R7 is off and the flows node sockets filed pass instead (H1).
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -291,6 +292,37 @@ static __always_inline int assign_to_listener(struct __sk_buff *skb, struct flow
 	return err;
 }
 
+/*
+ * H1 in direct mode: the flow a socket of the node's netns filed as it
+ * connected (file_direct_probe in bpf/sock.c), seen from the pod. It
+ * reaches the app with the node's own address. A packet that carries the
+ * node's address from anywhere else matches no filed flow of that address
+ * and port, and is captured (H2).
+ */
+static __always_inline bool node_probe(const struct ae_addr *pod, __be16 pod_port, const struct ae_addr *peer,
+				       __be16 peer_port)
+{
+	struct probe_key key = {};
+	struct probe_nat *nat;
+
+	if (!(ae_cfg.flags & AE_CFG_PROBE_DIRECT))
+		return false;
+	key.pod = *pod;
+	key.pod_port = pod_port;
+	key.host_port = peer_port;
+	nat = bpf_map_lookup_elem(&ae_probe_nat, &key);
+	return nat && addr_eq(&nat->host, peer);
+}
+
+/* R7: from the probe SNAT address, which only SNAT mode uses; in direct
+ * mode such a source is an ordinary client and is captured. */
+static __always_inline bool from_probe_address(const struct ae_addr *peer)
+{
+	if (ae_cfg.flags & AE_CFG_PROBE_DIRECT)
+		return false;
+	return addr_eq(peer, (struct ae_addr *)&ae_cfg.probe_v4) || addr_eq(peer, (struct ae_addr *)&ae_cfg.probe_v6);
+}
+
 static __always_inline int capture_inbound(struct __sk_buff *skb)
 {
 	struct pod_info *pod;
@@ -307,9 +339,10 @@ static __always_inline int capture_inbound(struct __sk_buff *skb)
 		reason = AE_R_INGRESS_MODE;
 	else if (f.dport == bpf_htons(ae_cfg.hbone_port))
 		reason = AE_R_HBONE;
-	else if (addr_eq(&f.saddr, (struct ae_addr *)&ae_cfg.probe_v4) ||
-		 addr_eq(&f.saddr, (struct ae_addr *)&ae_cfg.probe_v6))
+	else if (from_probe_address(&f.saddr))
 		reason = AE_R_PROBE_SOURCE;
+	else if (f.syn && node_probe(&f.daddr, f.dport, &f.saddr, f.sport))
+		reason = AE_R_PROBE_DIRECT; /* later segments have their socket */
 	if (reason) {
 		note_flow(AE_HOOK_TC_INGRESS, reason, pod->slot, pod->netns_cookie, &f, NULL, 0);
 		return TCX_NEXT;
@@ -515,6 +548,10 @@ static __always_inline int snat_probe(struct __sk_buff *skb)
 	struct pod_stats *st;
 	struct flow f = {};
 
+	/* Not attached in direct mode; a filter left from SNAT mode while
+	 * the agent switches must not translate what the pod now captures. */
+	if (ae_cfg.flags & AE_CFG_PROBE_DIRECT)
+		return TCX_NEXT;
 	if (!skb->sk) {
 		if (ae_tracing)
 			trace_forwarded(skb);
@@ -566,6 +603,8 @@ static __always_inline int unsnat_probe(struct __sk_buff *skb)
 	struct probe_nat *nat;
 	struct flow f = {};
 
+	if (ae_cfg.flags & AE_CFG_PROBE_DIRECT)
+		return TCX_NEXT;
 	if (parse_tcp(skb, &f) || !addr_eq(&f.daddr, probe_addr(f.v6)))
 		return TCX_NEXT;
 	key.pod = f.saddr;
@@ -690,9 +729,10 @@ static __always_inline __u8 inbound_decision(struct bpf_sk_lookup *ctx, const st
 	key.dport = bpf_htons((__u16)ctx->local_port);
 	if (bpf_map_lookup_elem(&ae_local_flows, &key))
 		return AE_R_ZTUNNEL_DELIVERY;
-	if (addr_eq(remote, (struct ae_addr *)&ae_cfg.probe_v4) ||
-	    addr_eq(remote, (struct ae_addr *)&ae_cfg.probe_v6))
+	if (from_probe_address(remote))
 		return AE_R_PROBE_SOURCE;
+	if (node_probe(local, key.dport, remote, key.sport))
+		return AE_R_PROBE_DIRECT;
 	return AE_R_INBOUND;
 }
 

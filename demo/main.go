@@ -297,12 +297,12 @@ func (d *demo) traffic() {
 	kubelet := d.node.StartNodeApp()
 
 	frontend, backend := d.pods["frontend"], d.pods["backend"]
-	d.show("frontend -> backend (pod to pod)", apps["frontend"], netip.AddrPortFrom(backend.V4, 8080))
-	d.show("frontend -> outside server", apps["frontend"], netip.AddrPortFrom(simnode.OutsideV4, 8080))
-	d.show("frontend -> outside server over IPv6", apps["frontend"], netip.AddrPortFrom(simnode.OutsideV6, 8080))
-	d.show("outside client -> backend (inbound)", outside, netip.AddrPortFrom(backend.V4, 8080))
-	d.show("kubelet-style probe -> frontend", kubelet, netip.AddrPortFrom(frontend.V4, 8080))
-	d.show("batch (not in the mesh) -> outside server", apps["batch"], netip.AddrPortFrom(simnode.OutsideV4, 8080))
+	d.show("frontend -> backend (pod to pod)", apps["frontend"], netip.AddrPortFrom(backend.V4, 8080), "")
+	d.show("frontend -> outside server", apps["frontend"], netip.AddrPortFrom(simnode.OutsideV4, 8080), "")
+	d.show("frontend -> outside server over IPv6", apps["frontend"], netip.AddrPortFrom(simnode.OutsideV6, 8080), "")
+	d.show("outside client -> backend (inbound)", outside, netip.AddrPortFrom(backend.V4, 8080), "")
+	d.show("kubelet-style probe -> frontend", kubelet, netip.AddrPortFrom(frontend.V4, 8080), "; the probe kept the node's own address (direct host probes)")
+	d.show("batch (not in the mesh) -> outside server", apps["batch"], netip.AddrPortFrom(simnode.OutsideV4, 8080), "")
 
 	name := "backend.shop." + simnode.KnownDNSSuffix
 	server := netip.AddrPortFrom(simnode.OutsideV4, 53)
@@ -320,8 +320,9 @@ func (d *demo) traffic() {
 }
 
 // show dials dst from app and says who answered, what they saw, and what
-// ztunnel recorded.
-func (d *demo) show(what string, app *simnode.App, dst netip.AddrPort) {
+// ztunnel recorded; direct is said of a connection that reached its server
+// without ztunnel, from an address other than the probe SNAT address.
+func (d *demo) show(what string, app *simnode.App, dst netip.AddrPort, direct string) {
 	resp, err := app.Dial("tcp", simnode.AppRequest{Addr: dst})
 	if err != nil {
 		d.r.Fatalf("%s: %v", what, err)
@@ -334,6 +335,8 @@ func (d *demo) show(what string, app *simnode.App, dst netip.AddrPort) {
 	}
 	if resp.Reply.Peer.Addr() == simnode.ProbeV4 {
 		line += "; the probe arrived from the probe SNAT address"
+	} else if _, via := d.zt.RecordFor(resp.Local); !via {
+		line += direct
 	}
 	fmt.Fprintf(d.out, "  %-44s %s\n", what, line)
 	for _, rec := range d.zt.Records() {

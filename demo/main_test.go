@@ -20,7 +20,7 @@ func TestMain(m *testing.M) {
 
 // The demo (the README's first command) runs end to end and says what the
 // README promises: pods through the CNI chain, traffic through ztunnel, the
-// probe from 169.254.7.127, the DNS answer, the decoded maps; and it cleans
+// probe from the node's own address, the DNS answer, the decoded maps; and it cleans
 // up.
 func TestDemoRunsAndCleansUp(t *testing.T) {
 	testenv.RequireRoot(t)
@@ -45,7 +45,7 @@ func TestDemoRunsAndCleansUp(t *testing.T) {
 		"legacy/batch", "passes through",
 		`reached "backend", which saw the client as 198.18.100.2; via ztunnel :15001, original destination 198.18.100.3:8080 (SO_ORIGINAL_DST)`,
 		"via ztunnel :15001, original destination 198.19.0.2:8080",
-		"which saw the client as 169.254.7.127; not through ztunnel",
+		"which saw the client as 198.18.100.1; not through ztunnel; the probe kept the node's own address (direct host probes)",
 		"answered by ztunnel's DNS proxy (:15053); the app saw the reply come from 198.19.0.2:53",
 		"ae_pods (4)", "ae_probe_nat",
 		"agent stopped; no pins left",

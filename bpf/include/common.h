@@ -18,15 +18,17 @@
 
 #define AE_MAX_PODS 8192
 
-/* Kernel features the loader found (struct ae_config.flags). Branches on
- * them are dead code on kernels without the feature, so the verifier never
- * sees a helper the kernel does not have. */
+/* Kernel features the loader found, and the node's modes (struct
+ * ae_config.flags). Branches on them are dead code where they are off, so
+ * the verifier never sees a helper the kernel does not have. */
 #define AE_CFG_NETNS_COOKIE_SOCKOPS (1U << 0) /* Linux 5.15 */
 #define AE_CFG_NETNS_COOKIE_SOCKOPT (1U << 1) /* Linux 5.15 */
 #define AE_CFG_SK_ASSIGN_REUSEPORT  (1U << 2) /* Linux 6.5: tc's bpf_sk_assign takes reuseport
                                                 * listeners; set where TCX (6.6) is */
 #define AE_CFG_SK_LOOKUP_IFINDEX    (1U << 3) /* Linux 5.17: sk_lookup sees the ingress
                                                 * interface, so it alone captures inbound */
+#define AE_CFG_PROBE_DIRECT         (1U << 4) /* host probes reach the app with the node's
+                                                * address, untranslated (H1 direct) */
 
 /* struct pod_meta.state: the enrolment journal. A pod's slot is written
  * ENROLLING (with what must be restored) before the node is touched and
@@ -125,11 +127,12 @@ struct pod_stats {
 	__u64 orig_dst_errors;     /* original destination could not be kept */
 	__u64 dns_redirects;       /* R9: DNS queries sent to :15053 */
 	__u64 reroute_redirects;   /* R14: flows from virtual interfaces to :15001 */
-	__u64 probe_snat;          /* H1: host probe connections translated */
+	__u64 probe_snat;          /* H1: host probe connections translated, or filed (direct) */
 	__u64 probe_nat_full;      /* H1: probes left untranslated, table full */
 };
 
-/* Key of ae_probe_nat: a host-probe connection as the pod sees it. */
+/* Key of ae_probe_nat: a host-probe connection as the pod sees it (after
+ * the translation, in SNAT mode). */
 struct probe_key {
 	struct ae_addr pod;  /* the enrolled pod's address */
 	__be16 pod_port;     /* the probed port */
@@ -207,6 +210,7 @@ enum ae_reason {
 	AE_R_ORIG_DST_FULL,    /* error: ae_orig_dst full (R1) */
 	AE_R_LOCAL_FLOW_FULL,  /* error: ae_local_flows full (R10) */
 	AE_R_LISTENER_FULL,    /* error: ae_listeners full, ztunnel's listener not filed (R5) */
+	AE_R_PROBE_DIRECT,     /* passed: a node socket's own flow, direct mode (H1) */
 	AE_R_MAX,
 };
 

@@ -70,10 +70,14 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ae_orig_dst SEC(".maps");
 
-/* Host-probe SNAT translations (H1). An entry lives exactly as long as the
- * prober's socket: it is made by the SYN leaving the node and deleted by
- * the sockops state callback when that socket closes, so finished probes
- * leave nothing and the table holds only live connections. */
+/* Host probes (H1): connections from sockets of the node's netns to an
+ * enrolled pod. In SNAT mode the translation, made by the SYN leaving the
+ * node (bpf/tc.c, snat_probe); in direct mode the flow itself, filed by
+ * sockops before the SYN leaves (bpf/sock.c, file_direct_probe), which the
+ * pod's programs let through untranslated. Either way an entry lives
+ * exactly as long as the prober's socket: the sockops state callback
+ * deletes it when that socket closes, so finished probes leave nothing and
+ * the table holds only live connections. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(map_flags, BPF_F_NO_PREALLOC);

@@ -195,7 +195,7 @@ func printMaps(w *tabwriter.Writer, d *inspect.MapDump) {
 	for _, e := range d.OrigDst {
 		fmt.Fprintf(w, "  %d\t%s\t%s\n", e.NetnsCookie, e.Client, e.OrigDst)
 	}
-	fmt.Fprintf(w, "\nae_probe_nat (%d): live host-probe translations\n", len(d.ProbeNAT))
+	fmt.Fprintf(w, "\nae_probe_nat (%d): live host probes (snat: their translations; direct: the node sockets' flows)\n", len(d.ProbeNAT))
 	fmt.Fprintln(w, "  POD\tPROBER\tPROBER-PORT")
 	for _, e := range d.ProbeNAT {
 		fmt.Fprintf(w, "  %s\t%s\t%d\n", e.Pod, e.Host, e.HostPort)

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -33,12 +34,15 @@ type mesh struct {
 	vm            *simnode.VM
 }
 
-func newMesh(t *testing.T) *mesh {
+func newMesh(t *testing.T) *mesh { return newMeshWith(t, "") }
+
+// newMeshWith is newMesh with host probes in a mode ("": the default).
+func newMeshWith(t *testing.T, probes bpfobj.ProbeMode) *mesh {
 	t.Helper()
 	n := simnode.New(t)
 	m := &mesh{n: n, a: n.AddPod("a"), b: n.AddPod("b"), d: n.AddPod("d"), x: n.AddPod("x"), e: n.AddPod("e")}
 	m.vm = n.AddVirtualInterface(m.e, "virt0")
-	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), HostProbes: probes})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -217,10 +217,10 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 		in.To != ap(m.b.V4, 15006) || in.Decision != inspect.DecisionCaptured || in.Row != "R5" || in.NetnsCookie == 0 {
 		t.Errorf("b's inbound event: %+v", in)
 	}
-	probe := find(traced["R7_H1_host_probe"], "default/a", inspect.ReasonProbeSNAT)
-	if probe.Hook != inspect.HookHostEgress || probe.Decision != inspect.DecisionTranslated || probe.To.Addr() != simnode.ProbeV4 ||
-		probe.To.Port() != probe.Src.Port() || probe.Src.Addr() != simnode.GatewayV4 || probe.Dst != ap(m.a.V4, 8080) {
-		t.Errorf("the probe's translation event: %+v", probe)
+	probe := find(traced["R7_H1_host_probe"], "default/a", inspect.ReasonProbeDirect)
+	if probe.Hook != inHook || probe.Decision != inspect.DecisionPassed || probe.To.IsValid() || probe.Row != "H1" ||
+		probe.Src.Addr() != simnode.GatewayV4 || probe.Src.Port() == 0 || probe.Dst != ap(m.a.V4, 8080) {
+		t.Errorf("the direct probe's event: %+v", probe)
 	}
 	re := find(traced["R14_virtual_interface"], "default/e", inspect.ReasonReroute)
 	if re.Hook != inspect.HookReroute || re.Src.Addr() != m.vm.Addr || re.Dst != ap(out4, 8080) || re.To != ap(out4, 15001) || re.Row != "R14" {
@@ -242,7 +242,7 @@ func TestTraceAndWhyAgreeOnRealTraffic(t *testing.T) {
 		t.Fatal(err)
 	}
 	counted := []inspect.Reason{inspect.ReasonOutbound, inspect.ReasonInbound, inspect.ReasonDNS, inspect.ReasonNoListener, inspect.ReasonReroute,
-		inspect.ReasonProbeSNAT, inspect.ReasonHBONE, inspect.ReasonIngressMode}
+		inspect.ReasonProbeDirect, inspect.ReasonHBONE, inspect.ReasonIngressMode}
 	if sk {
 		// Only sk_lookup sees ztunnel's deliveries; tc on the pod's
 		// interface never meets what goes over lo.

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -54,7 +55,13 @@ func fail(t *testing.T, args ...string) error {
 // for clients in pods, outside and on the node, TCP and UDP, both
 // families; the legs name pod, hook, decision, reason and target.
 func TestWhyNamesEachHookAndDecision(t *testing.T) {
-	m := newMesh(t)
+	for _, mode := range []bpfobj.ProbeMode{bpfobj.ProbeDirect, bpfobj.ProbeSNAT} {
+		t.Run(string(mode), func(t *testing.T) { whyNamesEachHookAndDecision(t, mode) })
+	}
+}
+
+func whyNamesEachHookAndDecision(t *testing.T, mode bpfobj.ProbeMode) {
+	m := newMeshWith(t, mode)
 	a4, a6, b4, x4 := m.a.V4.String(), m.a.V6.String(), m.b.V4.String(), m.x.V4.String()
 	out4 := simnode.OutsideV4.String()
 	// Inbound flows meet the pod's sk_lookup where it sees the ingress
@@ -72,6 +79,18 @@ func TestWhyNamesEachHookAndDecision(t *testing.T) {
 		return nil
 	}
 	join := func(parts ...[]string) []string { return slices.Concat(parts...) }
+	// The node side of a pod's veth has a program in the SNAT mode only,
+	// which leaves forwarded traffic alone (H2).
+	fwd := func(pod string) []string {
+		if mode == bpfobj.ProbeSNAT {
+			return []string{pod + " host_egress passed/forwarded"}
+		}
+		return nil
+	}
+	probe := []string{" connect4 passed/not_enrolled", "default/a " + in + " passed/probe_direct"}
+	if mode == bpfobj.ProbeSNAT {
+		probe = []string{" connect4 passed/not_enrolled", "default/a host_egress translated/probe_snat 169.254.7.127", "default/a " + in + " passed/probe_source"}
+	}
 	// The redirected SYN on a's own lo, and the connection from a's
 	// ztunnel to its original destination, around every outbound capture.
 	captured := func(to string, hook string) []string {
@@ -85,12 +104,12 @@ func TestWhyNamesEachHookAndDecision(t *testing.T) {
 		{[]string{"default/a", out4 + ":8080"}, captured(a4+":15001", "connect4")},
 		{[]string{"default/a", "[" + simnode.OutsideV6.String() + "]:8080"}, captured("["+a6+"]:15001", "connect6")},
 		{[]string{"default/a", "default/b:8080"}, join(captured(a4+":15001", "connect4"),
-			[]string{"default/b host_egress passed/forwarded", "default/b " + in + " captured/inbound " + b4 + ":15006", "default/b connect4 passed/ztunnel_mark"},
+			fwd("default/b"), []string{"default/b " + in + " captured/inbound " + b4 + ":15006", "default/b connect4 passed/ztunnel_mark"},
 			onSkLookup("default/b sk_lookup passed/ztunnel_delivery"))},
-		{[]string{out4, "default/x:8080"}, []string{"default/x host_egress passed/forwarded", "default/x " + in + " dropped/no_listener"}},
-		{[]string{"node", "default/a:8080"}, []string{" connect4 passed/not_enrolled", "default/a host_egress translated/probe_snat 169.254.7.127", "default/a " + in + " passed/probe_source"}},
-		{[]string{out4, "default/d:8080"}, []string{"default/d host_egress passed/forwarded", "default/d " + in + " passed/ingress_mode"}},
-		{[]string{out4, "default/a:15008"}, []string{"default/a host_egress passed/forwarded", "default/a " + in + " passed/hbone_port"}},
+		{[]string{out4, "default/x:8080"}, join(fwd("default/x"), []string{"default/x " + in + " dropped/no_listener"})},
+		{[]string{"node", "default/a:8080"}, probe},
+		{[]string{out4, "default/d:8080"}, join(fwd("default/d"), []string{"default/d " + in + " passed/ingress_mode"})},
+		{[]string{out4, "default/a:15008"}, join(fwd("default/a"), []string{"default/a " + in + " passed/hbone_port"})},
 		{[]string{"default/a", out4 + ":53", "udp"}, []string{"default/a connect4 captured/dns 127.0.0.1:15053", "default/a connect4 passed/ztunnel_mark"}},
 		{[]string{"default/d", out4 + ":53", "udp"}, []string{"default/d connect4 passed/dns_capture_off"}},
 		{[]string{"default/a", out4 + ":9999", "udp"}, []string{"default/a connect4 passed/udp_not_dns"}},
@@ -101,7 +120,7 @@ func TestWhyNamesEachHookAndDecision(t *testing.T) {
 		{[]string{a4, out4 + ":8080"}, captured(a4+":15001", "connect4")}, // a pod's address is the pod
 		{[]string{"--via", "virt0", "default/e", out4 + ":8080"}, []string{"default/e reroute captured/reroute " + out4 + ":15001", "default/e connect4 passed/ztunnel_mark"}},
 		{[]string{"default/a", x4 + ":8080"}, join(captured(a4+":15001", "connect4"),
-			[]string{"default/x host_egress passed/forwarded", "default/x " + in + " dropped/no_listener"})},
+			fwd("default/x"), []string{"default/x " + in + " dropped/no_listener"})},
 	}
 	for _, c := range cases {
 		t.Run(strings.Join(c.args, "_"), func(t *testing.T) {

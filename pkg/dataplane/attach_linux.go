@@ -50,8 +50,12 @@ func (a attachment) String() string {
 	return "tc ingress on " + a.iface
 }
 
-// plan lists the programs a pod in a slot needs.
+// plan lists the programs a pod in a slot needs. In the direct host-probe
+// mode nothing goes on the node side of its veth (hostIf).
 func (d *Dataplane) plan(p *Pod, hostIf string, slot uint32) []attachment {
+	if d.cfg.HostProbes == bpfobj.ProbeDirect {
+		hostIf = ""
+	}
 	return planPod(p, hostIf, d.cfg.NodeNetns, slot, !d.skLookupInbound, podPrograms{
 		ingress: d.tc.AePodIngress, lo: d.tc.AePodLoIngress, reroute: d.tc.AePodReroute,
 		steer: d.tc.AePodSteer, hostEgress: d.tc.AeHostEgress, hostIngress: d.tc.AeHostIngress,

@@ -30,6 +30,12 @@ type Config struct {
 	ProcRoot string
 	// ProbeV4 and ProbeV6 are the host-probe SNAT addresses (R7, R8).
 	ProbeV4, ProbeV6 netip.Addr
+	// HostProbes is how the node's own connections to enrolled pods
+	// (kubelet's probes) reach the app: bpfobj.ProbeDirect (default), with
+	// the node's address, or bpfobj.ProbeSNAT, from ProbeV4/ProbeV6 as
+	// istio-cni does. Changed between two agents, pods already enrolled
+	// take the new mode as the second one adopts them.
+	HostProbes bpfobj.ProbeMode
 	// SockmapAccel accelerates the hop between an app and ztunnel inside
 	// each enrolled pod with sockhashes and an sk_msg program
 	// (bpf/accel.c): both ends being sockets of the pod's netns, a send on
@@ -109,6 +115,11 @@ func (c *Config) setDefaults() error {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	probes, err := bpfobj.ParseProbeMode(string(c.HostProbes))
+	if err != nil {
+		return err
+	}
+	c.HostProbes = probes
 	mode, err := accel.ParseMode(string(c.SockmapAccel))
 	if err != nil {
 		return err
@@ -121,5 +132,8 @@ func (c *Config) setDefaults() error {
 func (c *Config) bpfConfig() bpfobj.SockAeConfig {
 	cfg := bpfobj.DefaultConfig(c.ProbeV4, c.ProbeV6)
 	cfg.ReturnMark = returnMark
+	if c.HostProbes == bpfobj.ProbeDirect {
+		cfg.Flags |= bpfobj.CfgProbeDirect
+	}
 	return cfg
 }

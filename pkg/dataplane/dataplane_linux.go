@@ -142,6 +142,10 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 		d.closeObjects()
 		return nil, err
 	}
+	if err := d.setNodeNetns(); err != nil {
+		d.closeObjects()
+		return nil, err
+	}
 	if err := d.attachNodeHooks(cgroupID); err != nil {
 		d.closeObjects()
 		return nil, err
@@ -221,6 +225,21 @@ func (d *Dataplane) attachNetnsQuery() error {
 	return nil
 }
 
+// setNodeNetns tells the socket programs which netns is the node's: in
+// the direct host-probe mode its sockets' connections to enrolled pods are
+// host probes (bpf/sock.c). Before the hooks are attached.
+func (d *Dataplane) setNodeNetns() error {
+	var cookie uint64
+	err := nsexec.Do(d.cfg.NodeNetns, func() (err error) { cookie, err = d.netnsCookie(); return err })
+	if err != nil {
+		return fmt.Errorf("read the cookie of the node netns %s: %w", d.cfg.NodeNetns, err)
+	}
+	if err := d.sock.AeNodeNetnsCookie.Set(cookie); err != nil {
+		return fmt.Errorf("write ae_node_netns_cookie: %w", err)
+	}
+	return nil
+}
+
 func mapsDir(cfg Config) string            { return bpfobj.MapsDir(cfg.BPFFSDir) }
 func linksDir(cfg Config) string           { return bpfobj.LinksDir(cfg.BPFFSDir) }
 func podsDir(cfg Config) string            { return bpfobj.PodsDir(cfg.BPFFSDir) }
@@ -230,7 +249,7 @@ func podDir(cfg Config, uid string) string { return bpfobj.PodDir(cfg.BPFFSDir, 
 // settings and the mechanisms this kernel has.
 func (d *Dataplane) loadConfig() bpfobj.SockAeConfig {
 	c := d.cfg.bpfConfig()
-	c.Flags = d.bpfFlags
+	c.Flags |= d.bpfFlags
 	return c
 }
 

@@ -37,8 +37,10 @@
 //     room (package accel), started and removed from here.
 //   - bpf/tc.c, per pod: the sk_lookup program in the pod netns hands new
 //     inbound flows to ztunnel's :15006 (R5); a tc program on the pod's lo
-//     gives ztunnel's deliveries the return mark (R10); two on the node
-//     side of the pod's veth translate host probes (H1).
+//     gives ztunnel's deliveries the return mark (R10); in the SNAT
+//     host-probe mode (Config.HostProbes), two on the node side of the
+//     pod's veth translate host probes (H1). In the direct mode the socket
+//     programs file the node's own connections for the pod's inbound hook.
 //
 // Enrolment waits for nothing: per-pod TC programs are classic tc filters
 // (a TCX attach waits for an RCU grace period, about 16 ms), the sk_lookup
@@ -71,7 +73,7 @@
 //	maps/ae_stats       per-pod counters (per CPU, by slot)
 //	maps/ae_sk_dst      original destination per socket (socket storage)
 //	maps/ae_orig_dst    original destination by client address
-//	maps/ae_probe_nat   host-probe SNAT translations
+//	maps/ae_probe_nat   host probes: SNAT translations, or node sockets' flows (direct)
 //	maps/ae_listeners   ztunnel's inbound listeners by netns (sockhash)
 //	maps/ae_local_flows ztunnel's connections to its pod's app (R10)
 //	maps/ae_steer       flows tc hands to sk_lookup (older kernels, R14)
@@ -87,7 +89,7 @@
 //	pods/<uid>/sk_lookup     sk_lookup link in the pod netns (R5)
 //	pods/<uid>/lo_ingress    tc ingress on the pod's lo (R10)
 //	pods/<uid>/reroute_<if>  tc ingress on a virtual interface (R14)
-//	pods/<uid>/host_egress   tc on the node side of the pod's veth (H1)
+//	pods/<uid>/host_egress   tc on the node side of the pod's veth (H1, SNAT mode only)
 //	pods/<uid>/host_ingress
 //	pods/<uid>/ingress       tc ingress on the pod's interface (R5, kernels
 //	                         before 5.17 only)

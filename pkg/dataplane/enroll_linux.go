@@ -538,12 +538,15 @@ func pinnedPod(dir string, st *podState) Pod {
 // removes or re-enrolls such pods.
 func (d *Dataplane) adoptLinks(st *podState) {
 	plan := d.podPlan(st)
-	if d.upgrade != nil && d.upgrade.Active() {
-		d.removeUnplanned(st, plan)
-	}
+	// Another layout's programs (an upgrade), or the node-side ones of
+	// the SNAT host-probe mode when this agent runs in the direct one.
+	d.removeUnplanned(st, plan)
 	for _, a := range plan {
 		pin := filepath.Join(podDir(d.cfg, st.UID), a.pin)
 		if _, err := os.Stat(pin); err != nil {
+			if isNodeSide(a.pin) {
+				d.attachNodeSide(st, a) // enrolled in the direct mode, adopted in the SNAT one
+			}
 			continue
 		}
 		l, err := d.hooksFor(a).adopt(a, pin)
@@ -555,10 +558,26 @@ func (d *Dataplane) adoptLinks(st *podState) {
 	}
 }
 
+// isNodeSide reports whether a pod pin is a program on the node side of
+// the pod's veth (the SNAT host-probe mode's).
+func isNodeSide(pin string) bool { return pin == "host_egress" || pin == "host_ingress" }
+
+// attachNodeSide attaches a node-side program an adopted pod lacks: it was
+// enrolled while the agent ran in the direct host-probe mode. One that
+// cannot be attached leaves the pod's host probes captured, not open.
+func (d *Dataplane) attachNodeSide(st *podState, a attachment) {
+	l, err := d.attach(st.UID, a)
+	if err != nil {
+		d.log.Warn("attach the host-probe SNAT to an adopted pod; its probes go through ztunnel", "pod", st.Namespace+"/"+st.Name, "uid", st.UID, "pin", a.pin, "error", err)
+		return
+	}
+	st.links[a.pin] = l
+}
+
 // removeUnplanned detaches the pod's pinned programs this build does not
-// plan: an older or newer layout's (an upgrade). A link detaches from
-// its pin; a tc program's filter is looked for, by its name, on every
-// interface of the pod.
+// plan: an older or newer layout's (an upgrade), or those of the other
+// host-probe mode. A link detaches from its pin; a tc program's filter is
+// looked for, by its name, on every interface of the pod.
 func (d *Dataplane) removeUnplanned(st *podState, plan []attachment) {
 	dir := podDir(d.cfg, st.UID)
 	entries, _ := os.ReadDir(dir)
@@ -567,7 +586,7 @@ func (d *Dataplane) removeUnplanned(st *podState, plan []attachment) {
 			continue
 		}
 		pin := filepath.Join(dir, e.Name())
-		d.log.Info("removing a pod program of another layout", "pod", st.Namespace+"/"+st.Name, "pin", e.Name())
+		d.log.Info("removing a pod program this agent does not plan (another layout, or the other host-probe mode)", "pod", st.Namespace+"/"+st.Name, "pin", e.Name())
 		if l, err := link.LoadPinnedLink(pin, nil); err == nil {
 			_ = detachLink(l)
 			continue

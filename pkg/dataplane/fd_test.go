@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/nstest"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -100,7 +101,13 @@ func TestEnrolledPodsHoldNoDescriptors(t *testing.T) {
 func TestFailedMoveToANewNetnsKeepsTheOldPins(t *testing.T) {
 	n := simnode.New(t)
 	a, b := n.AddPod("a"), n.AddPod("b")
-	d := newDataplane(t, n)
+	// The SNAT host-probe mode: the last programs attached are on the
+	// node side, where the enrolment fails.
+	d, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), HostProbes: bpfobj.ProbeSNAT})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Uninstall() })
 	ctx := context.Background()
 	if err := d.Enroll(ctx, podOf(a)); err != nil {
 		t.Fatal(err)

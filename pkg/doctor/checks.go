@@ -16,6 +16,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
@@ -358,15 +359,55 @@ func checkTCHooks(_ context.Context, n *node) []Finding {
 		groups[i].pods = append(groups[i].pods, h.Pod)
 	}
 	for _, g := range groups {
-		out = append(out, Finding{Check: "tc-hooks", Status: Warn,
+		f := Finding{Check: "tc-hooks", Status: Warn,
 			Summary: fmt.Sprintf("%s runs before ours at %s of %d pods (%s)", g.ahead, g.pin, len(g.pods), list(g.pods, 3)),
 			Meaning: "ours runs only if each of these passes the packet on (TCX_NEXT, TC_ACT_UNSPEC); one that returns TC_ACT_OK or redirects ends the chain, and then no longer " + hookDoes(g.pin),
-			Action:  "check that the primary CNI chains (Cilium, Calico and other TCX users pass packets on by default)"})
+			Action:  "check that the primary CNI chains (Cilium, Calico and other TCX users pass packets on by default)"}
+		if g.pin == "host_egress" || g.pin == "host_ingress" {
+			// A BPF CNI that forwards the pods' packets itself (Cilium's
+			// host routing) drops the replies to the probe address.
+			f.Action += "; or run host probes in the direct mode (--host-probes=direct, chart agent.hostProbes: direct), which puts nothing on the node side of the pods' veths"
+		}
+		out = append(out, f)
 	}
 	if checked > 0 && len(groups) == 0 {
 		out = append(out, Finding{Check: "tc-hooks", Status: OK, Summary: fmt.Sprintf("all %d per-pod hooks have our program, nothing ahead of it", checked)})
 	}
 	return out
+}
+
+// checkHostProbes names the host-probe mode the pinned programs run in,
+// and in the SNAT mode what on this node drops replies to the probe
+// address: a program ahead of ours on the node side of a pod's veth (a BPF
+// CNI forwarding by the FIB, where 169.254.7.127 has no route).
+func checkHostProbes(_ context.Context, n *node) []Finding {
+	const check = "host-probes"
+	if n.pinned == nil {
+		return nil
+	}
+	if n.pinned.ProbeMode() == bpfobj.ProbeDirect {
+		return []Finding{{Check: check, Status: OK, Summary: "direct: the node's connections to enrolled pods (kubelet's probes) reach the app with the node's own address",
+			Meaning: "no address is rewritten and nothing runs on the node side of the pods' veths; a NetworkPolicy sees the node, as without the mesh"}}
+	}
+	f := Finding{Check: check, Status: OK, Summary: "snat: kubelet's probes reach enrolled pods from the link-local SNAT address (--probe-snat-v4/v6), as with istio-cni",
+		Meaning: "replies to the link-local address must come back through the node side of each pod's veth; NetworkPolicies must allow it"}
+	hooks, err := n.pinned.TCHooks(n.cfg.NodeNetns)
+	if err != nil {
+		return []Finding{f}
+	}
+	var pods []string
+	for _, h := range hooks {
+		if h.Pin == "host_ingress" && len(h.Ahead) > 0 && !slices.Contains(pods, h.Pod) {
+			pods = append(pods, h.Pod)
+		}
+	}
+	if len(pods) > 0 {
+		f.Status = Warn
+		f.Summary += fmt.Sprintf("; another program takes the pods' replies first on %d pods (%s)", len(pods), list(pods, 3))
+		f.Meaning = "a BPF CNI that forwards pods' packets itself (Cilium's BPF host routing or masquerade) drops replies to the link-local probe address, and kubelet's probes fail (istio/istio#52208)"
+		f.Action = "run host probes in the direct mode: --host-probes=direct (chart agent.hostProbes: direct); the agent's restart moves every pod, none restarts"
+	}
+	return []Finding{f}
 }
 
 func checkCNI(_ context.Context, n *node) []Finding {

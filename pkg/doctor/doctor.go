@@ -35,8 +35,8 @@ const (
 // Finding is one result.
 type Finding struct {
 	// Check names what was looked at: kernel, feature/<name>, cgroup2,
-	// bpffs, datapath, cgroup-hooks, tc-hooks, cni, ztunnel, istio-cni,
-	// agent.
+	// bpffs, datapath, cgroup-hooks, tc-hooks, host-probes, cni, ztunnel,
+	// istio-cni, agent.
 	Check   string `json:"check"`
 	Status  Status `json:"status"`
 	Summary string `json:"summary"`
@@ -119,7 +119,7 @@ func Run(ctx context.Context, cfg Config) *Report {
 	r := &Report{Counts: map[Status]int{}}
 	for _, check := range []func(context.Context, *node) []Finding{
 		checkKernel, checkFeatures, checkCgroup2, checkBPFFS, checkDataPath, checkCgroupHooks,
-		checkTCHooks, checkCNI, checkZtunnel, checkIstioCNI, checkAgent,
+		checkTCHooks, checkHostProbes, checkCNI, checkZtunnel, checkIstioCNI, checkAgent,
 	} {
 		for _, f := range check(ctx, n) {
 			r.Findings = append(r.Findings, f)

@@ -21,6 +21,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
@@ -125,7 +126,9 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 
 	// With the sockmap acceleration on: its sockops program beside ours is
 	// not another program on our hooks.
-	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), SockmapAccel: accel.ToZtunnel})
+	// Host probes SNATed: the node side of the veth has programs to check.
+	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), SockmapAccel: accel.ToZtunnel,
+		HostProbes: bpfobj.ProbeSNAT})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -142,6 +145,7 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 			want{"datapath", OK, []string{"data path pinned at " + n.BPFFSDir, "1 pods enrolled"}},
 			want{"cgroup-hooks", OK, []string{"our 10 socket hooks are attached to " + n.CgroupRoot}},
 			want{"tc-hooks", OK, []string{"all 4 per-pod hooks have our program"}},
+			want{"host-probes", OK, []string{"snat: kubelet's probes reach enrolled pods"}},
 			want{"cni", OK, []string{"ptp -> ambient-ebpf-cni", "CNI 1.0.0"}},
 			want{"ztunnel", Warn, []string{"the agent listens on " + zdsSocket, "no ztunnel is connected"}},
 		)
@@ -214,6 +218,7 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 		requireFindings(t, r,
 			want{"cgroup-hooks", Warn, []string{"program cil_sock4_conne", fmt.Sprintf("(id %d)", lb), "on connect4 of " + pod.Cgroup}},
 			want{"tc-hooks", Warn, []string{"tcx primary_in runs before ours at host_ingress of 1 pods (shop/web)"}},
+			want{"host-probes", Warn, []string{"another program takes the pods' replies first on 1 pods (shop/web)"}},
 			want{"tc-hooks", Warn, []string{"bpf primary-cni (priority 1) runs before ours at host_egress of 1 pods (shop/web)"}},
 			want{"tc-hooks", Fail, []string{"pod shop/web: our program is missing from ingress on lo (lo_ingress)"}},
 			want{"istio-cni", Warn, []string{"the node still has istio-cni's host rules", "ISTIO_POSTRT"}},

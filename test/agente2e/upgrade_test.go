@@ -20,6 +20,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testbin"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/upgrade"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -246,7 +247,7 @@ func (n *agentNode) checkBuild(t *testing.T, b build, pods []*simnode.Pod, befor
 			t.Errorf("after %s: program %d of the previous build still pinned", b.name, id)
 		}
 		for _, m := range prog {
-			if !pinned[m.id] && !internalMap(m.name) {
+			if !pinned[m.id] && !internalMap(m.name) && !bpfobj.UnpinnedMap(m.name) {
 				t.Errorf("after %s: program %d uses map %d (%s), which is not pinned under maps/: the previous build's", b.name, id, m.id, m.name)
 			}
 		}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -44,13 +45,17 @@ const referenceBackend = "iptables"
 
 // ebpfBackend is ambient-ebpf's data path.
 type ebpfBackend struct {
-	accel accel.Mode
-	dp    *dataplane.Dataplane
+	accel  accel.Mode
+	probes bpfobj.ProbeMode // "": SNAT, as istio-cni, which the rows compare with
+	dp     *dataplane.Dataplane
 }
 
 func (b *ebpfBackend) name() string {
-	if b.accel.On() {
+	switch {
+	case b.accel.On():
 		return "ebpf-sockmap"
+	case b.probes == bpfobj.ProbeDirect:
+		return "ebpf-direct"
 	}
 	return "ebpf"
 }
@@ -58,6 +63,9 @@ func (b *ebpfBackend) name() string {
 func (b *ebpfBackend) setup(t *testing.T, n *simnode.Node) {
 	cfg := ebpfConfig(n)
 	cfg.SockmapAccel = b.accel
+	if b.probes != "" {
+		cfg.HostProbes = b.probes
+	}
 	dp, err := dataplane.New(cfg)
 	if err != nil {
 		t.Fatalf("load dataplane: %v", err)
@@ -70,8 +78,11 @@ func (b *ebpfBackend) setup(t *testing.T, n *simnode.Node) {
 	})
 }
 
+// ebpfConfig is the data path's configuration for a node. Host probes are
+// SNATed, as istio-cni does, since the rows compare with its rules; the
+// direct mode has rows of its own (probes_test.go).
 func ebpfConfig(n *simnode.Node) dataplane.Config {
-	return dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)}
+	return dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), HostProbes: bpfobj.ProbeSNAT}
 }
 
 func (b *ebpfBackend) enroll(t *testing.T, p *simnode.Pod, o podOpts) {

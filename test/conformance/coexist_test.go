@@ -26,7 +26,7 @@ import (
 func TestCoexistsWithThePrimaryCNIsPrograms(t *testing.T) {
 	n := simnode.New(t)
 	a := n.AddPod("a")
-	d, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	d, err := dataplane.New(ebpfConfig(n))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,10 +19,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
-	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
 )
@@ -537,24 +534,7 @@ func TestConformance(t *testing.T) {
 				if eb.accel.On() {
 					defer t.Run("sockmap_accelerated_the_hops", func(t *testing.T) { checkAccelerated(t, eb.dp, e.node) })
 				}
-				defer t.Run("H1_probe_translations_of_finished_connections_go_away", func(t *testing.T) {
-					var left []inspect.ProbeNATEntry
-					if !testenv.Poll(5*time.Second, func() bool {
-						view, err := inspect.OpenPinned(e.node.BPFFSDir)
-						if err != nil {
-							t.Fatal(err)
-						}
-						d, err := view.Dump()
-						view.Close()
-						if err != nil {
-							t.Fatal(err)
-						}
-						left = d.ProbeNAT
-						return len(left) == 0
-					}) {
-						t.Fatalf("%d probe translations left after every probe ended: %+v", len(left), left[:min(3, len(left))])
-					}
-				})
+				defer t.Run("H1_probe_translations_of_finished_connections_go_away", func(t *testing.T) { probeEntriesGoAway(t, e.node) })
 				t.Run("no_iptables_or_nftables_rules", func(t *testing.T) {
 					for _, ns := range []string{simnode.NetnsPath(e.node.NodeNS), simnode.NetnsPath(e.node.OutsideNS), e.a.NetnsPath(), e.bpod.NetnsPath()} {
 						if rules := rulesIn(t, ns); rules != "" {

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -26,7 +27,10 @@ import (
 // TestKubelet runs kubelet on the node: it starts the agent's pod (the
 // DaemonSet's template, as the DaemonSet controller would create it) with
 // the chart's securityContext and probes, and a meshed pod whose HTTP
-// readiness and liveness probes pass through the host-probe SNAT.
+// readiness and liveness probes pass in the direct host-probe mode (a
+// default-deny policy that allows only the node's address too), and in
+// the SNAT mode after the agent's restart switched it, the pod running on;
+// there the policy refuses them.
 func TestKubelet(t *testing.T) {
 	bins, err := kubeapi.FindBinaries()
 	if err != nil {
@@ -96,32 +100,61 @@ func TestKubelet(t *testing.T) {
 			return err == nil && p.Annotations[enrollment.RedirectionAnnotation] == "enabled"
 		})
 	}
-	// The app saw both probes from the SNAT address, and liveness kept
-	// passing (no restart) over several periods.
-	seen := map[string]int{}
-	var example string
-	testenv.Eventually(t, 30*time.Second, "readiness and liveness probes from "+ProbeV4.String(), func() bool {
-		clear(seen)
-		for _, l := range k.PodLog(app.Namespace, app.Name, string(app.UID), "echo") {
-			var p struct{ Path, Peer string }
-			if json.Unmarshal([]byte(l), &p) == nil && p.Path != "" {
-				if !strings.HasPrefix(p.Peer, ProbeV4.String()+":") {
-					t.Fatalf("probe %s came from %s, want the host-probe SNAT address %s", p.Path, p.Peer, ProbeV4)
-				}
-				seen[p.Path]++
-				example = l
-			}
+	// Host probes in the direct mode (the chart's default): the app saw
+	// both probes from the node's own address, and liveness kept passing
+	// (no restart) over several periods.
+	log := func() []probeLine { return probeLog(k, app) }
+	var nodeAddr string
+	waitProbes(t, log, 0, "readiness and liveness probes from the node's own address", func(peer string) bool {
+		if nodeAddr == "" && !strings.HasPrefix(peer, ProbeV4.String()+":") {
+			nodeAddr, _, _ = strings.Cut(peer, ":")
 		}
-		return seen["/ready"] >= 3 && seen["/live"] >= 3
+		return strings.HasPrefix(peer, nodeAddr+":")
 	})
-	t.Logf("probes the app saw: %v, e.g. %s", seen, example)
-	p, err := cluster.Client.CoreV1().Pods(app.Namespace).Get(ctx, app.Name, metav1.GetOptions{})
+	t.Logf("direct: probes from %s", nodeAddr)
+	requireReady(t, app, 0)
+
+	// A default-deny policy for the app's port that allows the node's
+	// address, and not 169.254.7.127 (how a NetworkPolicy enforced at the
+	// pod sees kubelet; istio/istio#49277): the probes pass on.
+	netns := s.n.SandboxNetns(app.Namespace, app.Name)
+	policy := []string{"INPUT", "-p", "tcp", "--dport", "8081", "!", "-s", nodeAddr, "-j", "DROP"}
+	inPod := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command("nsenter", append([]string{"--net=" + netns, "--", "iptables", "-w"}, args...)...).CombinedOutput(); err != nil {
+			t.Fatalf("iptables %v in the pod: %v: %s", args, err, out)
+		}
+	}
+	inPod(append([]string{"-I"}, policy...)...)
+	waitProbes(t, log, len(log()), "probes pass the default-deny policy from "+nodeAddr, func(peer string) bool { return strings.HasPrefix(peer, nodeAddr+":") })
+	requireReady(t, app, 0)
+	inPod(append([]string{"-D"}, policy...)...)
+
+	// The SNAT mode, by an agent restart as a chart upgrade makes it: the
+	// pod runs on, and its probes come from the SNAT address.
+	if err := cluster.Client.CoreV1().Pods(agent.Namespace).Delete(ctx, agent.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 60*time.Second, "the agent's pod is gone", func() bool {
+		_, err := cluster.Client.CoreV1().Pods(agent.Namespace).Get(ctx, agent.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err)
+	})
+	ch, err = RenderChart(filepath.Join(repoRoot, "deploy", "ambient-ebpf"), s.n.ChartValues("agent: {hostProbes: snat}\n"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cs := p.Status.ContainerStatuses; len(cs) != 1 || cs[0].RestartCount != 0 || !cs[0].Ready {
-		t.Fatalf("meshed pod's container: %+v", cs)
-	}
+	agent = s.daemonSetPod(ch)
+	waitPod(t, k, agent, "agent ready again, host probes in the SNAT mode", podReady)
+	waitProbes(t, log, len(log()), "probes from "+ProbeV4.String()+" after the switch", func(peer string) bool {
+		return strings.HasPrefix(peer, ProbeV4.String()+":")
+	})
+	requireReady(t, app, 0)
+
+	// The same policy now refuses kubelet: the pod goes unready.
+	inPod(append([]string{"-I"}, policy...)...)
+	waitPod(t, k, app, "the SNAT mode's probes refused by the policy: the pod is not ready", func(p *corev1.Pod) bool { return !podReady(p) })
+	inPod(append([]string{"-D"}, policy...)...)
+
 	// Remove the pods through the API, as a user would; kubelet stops them.
 	for _, pod := range []*corev1.Pod{app, agent} {
 		if err := cluster.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
@@ -201,4 +234,59 @@ func waitPod(t *testing.T, k *Kubelet, pod *corev1.Pod, what string, cond func(*
 		t.Fatalf("timed out waiting: %s; pod status %s\nkubelet log ends:\n%s", what, b, k.LogTail())
 	}
 	return p
+}
+
+// probeLine is one request the echo app logged: a kubelet probe.
+type probeLine struct{ Path, Peer string }
+
+func probeLog(k *Kubelet, app *corev1.Pod) []probeLine {
+	var out []probeLine
+	for _, l := range k.PodLog(app.Namespace, app.Name, string(app.UID), "echo") {
+		var p probeLine
+		if json.Unmarshal([]byte(l), &p) == nil && p.Path != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// waitProbes waits until, after the first skip lines of the log, the last
+// three readiness and three liveness probes came from a peer ok accepts.
+func waitProbes(t *testing.T, log func() []probeLine, skip int, what string, ok func(peer string) bool) {
+	t.Helper()
+	var last []probeLine
+	testenv.Eventually(t, 60*time.Second, what, func() bool {
+		lines := log()
+		last = lines[min(skip, len(lines)):]
+		for _, path := range []string{"/ready", "/live"} {
+			n := 0
+			for i := len(last) - 1; i >= 0 && n < 3; i-- {
+				if last[i].Path != path {
+					continue
+				}
+				if !ok(last[i].Peer) {
+					return false
+				}
+				n++
+			}
+			if n < 3 {
+				return false
+			}
+		}
+		return true
+	})
+	t.Logf("%s: %d probes, the last %+v", what, len(last), last[len(last)-1])
+}
+
+// requireReady fails unless the pod's one container is ready and has
+// restarted restarts times.
+func requireReady(t *testing.T, app *corev1.Pod, restarts int32) {
+	t.Helper()
+	p, err := cluster.Client.CoreV1().Pods(app.Namespace).Get(context.Background(), app.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cs := p.Status.ContainerStatuses; len(cs) != 1 || cs[0].RestartCount != restarts || !cs[0].Ready {
+		t.Fatalf("meshed pod's container: %+v", cs)
+	}
 }

@@ -104,6 +104,21 @@ func (n *Node) MustRunPod(spec PodSpec) *Pod {
 	return p
 }
 
+// SandboxNetns is the netns of the ready sandbox of a pod kubelet runs.
+func (n *Node) SandboxNetns(namespace, name string) string {
+	n.t.Helper()
+	ctx, cancel := n.ctx()
+	defer cancel()
+	list, err := n.Runtime.ListPodSandbox(ctx, &cri.ListPodSandboxRequest{Filter: &cri.PodSandboxFilter{
+		State:         &cri.PodSandboxStateValue{State: cri.PodSandboxState_SANDBOX_READY},
+		LabelSelector: map[string]string{"io.kubernetes.pod.namespace": namespace, "io.kubernetes.pod.name": name},
+	}})
+	if err != nil || len(list.Items) != 1 {
+		n.t.Fatalf("the sandbox of %s/%s: %v (%d found)", namespace, name, err, len(list.GetItems()))
+	}
+	return n.NetnsPath(&Pod{ID: list.Items[0].Id})
+}
+
 // NetnsPath is the pod's netns as the runtime named it.
 func (n *Node) NetnsPath(p *Pod) string {
 	n.t.Helper()

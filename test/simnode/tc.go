@@ -4,10 +4,14 @@
 package simnode
 
 import (
+	"encoding/binary"
 	"errors"
+	"fmt"
 	"net"
+	"net/netip"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -65,4 +69,76 @@ func (n *Node) AddTCFilter(ns, iface string, attach ebpf.AttachType, prog *ebpf.
 	}); err != nil {
 		n.t.Fatalf("add tc filter to %s in %s: %v", iface, ns, err)
 	}
+}
+
+// DropRepliesTo emulates a primary CNI whose program takes a pod's packets
+// on the node side of its veth ahead of ours and forwards them by the FIB,
+// where the destinations given have no route: Cilium's BPF host routing
+// and BPF masquerade drop a pod's replies to 169.254.7.127 this way
+// (istio/istio#52208), and AWS's branch-ENI routing sends them out of the
+// wrong interface. A BPF filter at priority 1 of the veth's ingress drops
+// them before any later program runs; the rest goes on. It goes with the
+// interface. IPv4 prefixes and IPv6 prefixes of up to /64.
+func (n *Node) DropRepliesTo(p *Pod, prefixes ...netip.Prefix) {
+	n.t.Helper()
+	prog, err := dropProgram(prefixes)
+	if err != nil {
+		n.t.Fatalf("drop replies to %v: %v", prefixes, err)
+	}
+	n.t.Cleanup(func() { prog.Close() })
+	n.AddTCFilter(n.NodeNS, p.HostVeth, ebpf.AttachTCXIngress, prog, "drop_link_local")
+}
+
+// dropProgram is a classic tc program that drops IP packets to the
+// prefixes and lets everything else go on to the next filter.
+func dropProgram(prefixes []netip.Prefix) (*ebpf.Program, error) {
+	const scratch = -8 // stack slot bpf_skb_load_bytes copies into
+	load := func(off, size int32, fail string) asm.Instructions {
+		return asm.Instructions{
+			asm.Mov.Reg(asm.R1, asm.R6), asm.Mov.Imm(asm.R2, off), asm.Mov.Reg(asm.R3, asm.RFP), asm.Add.Imm(asm.R3, scratch), asm.Mov.Imm(asm.R4, size),
+			asm.FnSkbLoadBytes.Call(),
+			asm.JNE.Imm(asm.R0, 0, fail),
+		}
+	}
+	insns := asm.Instructions{asm.Mov.Reg(asm.R6, asm.R1)}
+	insns = append(insns, load(12, 2, "pass")...) // the ethertype
+	insns = append(insns, asm.LoadMem(asm.R7, asm.RFP, scratch, asm.Half), asm.HostTo(asm.BE, asm.R7, asm.Half))
+	for i, pfx := range prefixes {
+		next := fmt.Sprintf("next%d", i)
+		proto, off := int32(0x0800), int32(14+16)
+		if pfx.Addr().Is6() {
+			proto, off = 0x86dd, 14+24
+		}
+		if pfx.Addr().Is6() && pfx.Bits() > 64 {
+			return nil, fmt.Errorf("prefix %s: at most /64", pfx)
+		}
+		insns = append(insns, asm.JNE.Imm(asm.R7, proto, next))
+		for j, key := range destinationKeys(pfx) {
+			insns = append(insns, load(off+4*int32(j), 4, next)...)
+			insns = append(insns,
+				asm.LoadMem(asm.R1, asm.RFP, scratch, asm.Word), asm.HostTo(asm.BE, asm.R1, asm.Word),
+				asm.And.Imm32(asm.R1, int32(key.mask)), asm.JNE.Imm32(asm.R1, int32(key.val), next))
+		}
+		insns = append(insns, asm.Mov.Imm(asm.R0, 2), asm.Return()) // TC_ACT_SHOT
+		insns = append(insns, asm.Mov.Imm(asm.R0, 0).WithSymbol(next))
+	}
+	insns = append(insns, asm.Mov.Imm(asm.R0, -1).WithSymbol("pass"), asm.Return()) // TC_ACT_UNSPEC: next filter
+	return ebpf.NewProgram(&ebpf.ProgramSpec{Name: "drop_link_local", Type: ebpf.SchedCLS, License: "Dual BSD/GPL", Instructions: insns})
+}
+
+type destinationKey struct{ mask, val uint32 }
+
+// destinationKeys are the 32-bit words of a prefix, masked, in order.
+func destinationKeys(pfx netip.Prefix) []destinationKey {
+	pfx = pfx.Masked()
+	addr := pfx.Addr().AsSlice()
+	var keys []destinationKey
+	for i, bits := 0, pfx.Bits(); bits > 0; i, bits = i+4, bits-32 {
+		mask := ^uint32(0)
+		if bits < 32 {
+			mask <<= 32 - bits
+		}
+		keys = append(keys, destinationKey{mask: mask, val: binary.BigEndian.Uint32(addr[i:]) & mask})
+	}
+	return keys
 }

@@ -120,7 +120,8 @@ const (
 	accelAeReasonAE_R_ORIG_DST_FULL    accelAeReason = 26
 	accelAeReasonAE_R_LOCAL_FLOW_FULL  accelAeReason = 27
 	accelAeReasonAE_R_LISTENER_FULL    accelAeReason = 28
-	accelAeReasonAE_R_MAX              accelAeReason = 29
+	accelAeReasonAE_R_PROBE_DIRECT     accelAeReason = 29
+	accelAeReasonAE_R_MAX              accelAeReason = 30
 )
 
 type accelListenerKey struct {

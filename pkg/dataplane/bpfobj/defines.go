@@ -3,7 +3,10 @@
 
 package bpfobj
 
-import "net/netip"
+import (
+	"fmt"
+	"net/netip"
+)
 
 // The #define constants of bpf/include/common.h, copied by hand (bpf2go
 // generates types and enums, not macros); TestConstantsMatchCommonH holds
@@ -20,6 +23,7 @@ const (
 	CfgNetnsCookieSockopt = 1 << 1
 	CfgSkAssignReuseport  = 1 << 2
 	CfgSkLookupIfindex    = 1 << 3
+	CfgProbeDirect        = 1 << 4
 
 	// ListenerSlots is AE_LISTENER_SLOTS: ae_listeners' slots per pod and
 	// port.
@@ -59,6 +63,11 @@ var (
 	DefaultProbeV6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
 )
 
+// UnpinnedMap reports whether a map of the objects is, on purpose, kept
+// per load and never pinned: ae_sk_probe, whose marks live only from a
+// node socket's connect to its sockops callback (bpf/sock.c).
+func UnpinnedMap(name string) bool { return name == "ae_sk_probe" }
+
 // TraceFlagMap is the pin name, under maps/, of the data section holding
 // ae_tracing (bpf/trace.h): the flag that switches trace events on.
 const TraceFlagMap = "ae_tracing"
@@ -77,4 +86,39 @@ func DefaultConfig(probe4, probe6 netip.Addr) SockAeConfig {
 	cfg.ProbeV4.B = probe4.As16()
 	cfg.ProbeV6.B = probe6.As16()
 	return cfg
+}
+
+// ProbeMode is how connections from the node's own sockets (kubelet's
+// probes) reach an enrolled pod's app, past ztunnel (contract rows H1-H4).
+type ProbeMode string
+
+// Host-probe modes.
+const (
+	// ProbeDirect lets them through untranslated, with the node's address
+	// as source: the node socket files its flow as it connects, and the
+	// pod's programs pass exactly that flow. Nothing is attached on the
+	// node side of the pod's veth. The default.
+	ProbeDirect ProbeMode = "direct"
+	// ProbeSNAT translates their source to the probe address
+	// (169.254.7.127), which the pod's programs pass, as istio-cni does.
+	ProbeSNAT ProbeMode = "snat"
+)
+
+// ParseProbeMode reads a mode's name; "" is the default, direct.
+func ParseProbeMode(s string) (ProbeMode, error) {
+	switch m := ProbeMode(s); m {
+	case "":
+		return ProbeDirect, nil
+	case ProbeDirect, ProbeSNAT:
+		return m, nil
+	}
+	return "", fmt.Errorf("host-probe mode %q: want %q or %q", s, ProbeDirect, ProbeSNAT)
+}
+
+// ProbeModeOf is the mode ae_cfg's flags say the programs run in.
+func ProbeModeOf(flags uint32) ProbeMode {
+	if flags&CfgProbeDirect != 0 {
+		return ProbeDirect
+	}
+	return ProbeSNAT
 }

@@ -27,6 +27,7 @@ func TestConstantsMatchCommonH(t *testing.T) {
 		"AE_CFG_NETNS_COOKIE_SOCKOPT": CfgNetnsCookieSockopt,
 		"AE_CFG_SK_ASSIGN_REUSEPORT":  CfgSkAssignReuseport,
 		"AE_CFG_SK_LOOKUP_IFINDEX":    CfgSkLookupIfindex,
+		"AE_CFG_PROBE_DIRECT":         CfgProbeDirect,
 		"AE_META_FREE":                MetaFree,
 		"AE_META_ENROLLED":            MetaEnrolled,
 		"AE_META_ENROLLING":           MetaEnrolling,

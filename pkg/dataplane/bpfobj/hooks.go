@@ -48,9 +48,10 @@ type PodHook struct {
 
 // PodHooks lists where the programs of the pod in slot go: in its netns
 // (netns, with its interface iface and virtual interfaces reroute) and on
-// the node side of its veth (hostIf in nodeNetns). tcIngress: sk_lookup
-// cannot capture inbound flows alone (before 5.17) and a tc program on the
-// pod's interface files them for it.
+// the node side of its veth (hostIf in nodeNetns; none when hostIf is "",
+// as in the direct host-probe mode). tcIngress: sk_lookup cannot capture
+// inbound flows alone (before 5.17) and a tc program on the pod's
+// interface files them for it.
 func PodHooks(netns, iface string, reroute []string, hostIf, nodeNetns string, slot uint32, tcIngress bool) []PodHook {
 	in := func(pin, iface string) PodHook {
 		return PodHook{Pin: pin, Netns: netns, Iface: iface, Attach: ebpf.AttachTCXIngress, Classid: slot + 1}
@@ -64,6 +65,9 @@ func PodHooks(netns, iface string, reroute []string, hostIf, nodeNetns string, s
 		hooks = append(hooks, in("reroute_"+v, v))
 	}
 	hooks = append(hooks, PodHook{Pin: "sk_lookup", Netns: netns, Attach: ebpf.AttachSkLookup})
+	if hostIf == "" {
+		return hooks
+	}
 	return append(hooks,
 		PodHook{Pin: "host_egress", Netns: nodeNetns, Iface: hostIf, Attach: ebpf.AttachTCXEgress, Classid: slot + 1},
 		PodHook{Pin: "host_ingress", Netns: nodeNetns, Iface: hostIf, Attach: ebpf.AttachTCXIngress, Classid: slot + 1},

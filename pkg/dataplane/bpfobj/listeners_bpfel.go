@@ -81,7 +81,8 @@ const (
 	ListenersAeReasonAE_R_ORIG_DST_FULL    ListenersAeReason = 26
 	ListenersAeReasonAE_R_LOCAL_FLOW_FULL  ListenersAeReason = 27
 	ListenersAeReasonAE_R_LISTENER_FULL    ListenersAeReason = 28
-	ListenersAeReasonAE_R_MAX              ListenersAeReason = 29
+	ListenersAeReasonAE_R_PROBE_DIRECT     ListenersAeReason = 29
+	ListenersAeReasonAE_R_MAX              ListenersAeReason = 30
 )
 
 type ListenersListenerKey struct {

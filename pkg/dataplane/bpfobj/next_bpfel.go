@@ -44,6 +44,7 @@ const SockAeReasonAE_R_REWRITE_ERROR = next.SockAeReasonAE_R_REWRITE_ERROR
 const SockAeReasonAE_R_ORIG_DST_FULL = next.SockAeReasonAE_R_ORIG_DST_FULL
 const SockAeReasonAE_R_LOCAL_FLOW_FULL = next.SockAeReasonAE_R_LOCAL_FLOW_FULL
 const SockAeReasonAE_R_LISTENER_FULL = next.SockAeReasonAE_R_LISTENER_FULL
+const SockAeReasonAE_R_PROBE_DIRECT = next.SockAeReasonAE_R_PROBE_DIRECT
 const SockAeReasonAE_R_MAX = next.SockAeReasonAE_R_MAX
 
 type SockListenerKey = next.SockListenerKey
@@ -68,6 +69,7 @@ const SockMapAePodMeta = next.SockMapAePodMeta
 const SockMapAePods = next.SockMapAePods
 const SockMapAeProbeNat = next.SockMapAeProbeNat
 const SockMapAeSkDst = next.SockMapAeSkDst
+const SockMapAeSkProbe = next.SockMapAeSkProbe
 const SockMapAeStats = next.SockMapAeStats
 const SockMapAeSteer = next.SockMapAeSteer
 const SockMapAeTrace = next.SockMapAeTrace
@@ -83,6 +85,7 @@ const SockProgAeSendmsg4 = next.SockProgAeSendmsg4
 const SockProgAeSendmsg6 = next.SockProgAeSendmsg6
 const SockProgAeSockops = next.SockProgAeSockops
 const SockVarAeCfg = next.SockVarAeCfg
+const SockVarAeNodeNetnsCookie = next.SockVarAeNodeNetnsCookie
 const SockVarAeTracing = next.SockVarAeTracing
 
 func LoadSock() (*ebpf.CollectionSpec, error) { return next.LoadSock() }
@@ -135,6 +138,7 @@ const TcAeReasonAE_R_REWRITE_ERROR = next.TcAeReasonAE_R_REWRITE_ERROR
 const TcAeReasonAE_R_ORIG_DST_FULL = next.TcAeReasonAE_R_ORIG_DST_FULL
 const TcAeReasonAE_R_LOCAL_FLOW_FULL = next.TcAeReasonAE_R_LOCAL_FLOW_FULL
 const TcAeReasonAE_R_LISTENER_FULL = next.TcAeReasonAE_R_LISTENER_FULL
+const TcAeReasonAE_R_PROBE_DIRECT = next.TcAeReasonAE_R_PROBE_DIRECT
 const TcAeReasonAE_R_MAX = next.TcAeReasonAE_R_MAX
 
 type TcListenerKey = next.TcListenerKey

@@ -71,6 +71,7 @@ const (
 	ReasonOrigDstFull            // ae_orig_dst is full: ztunnel cannot read SO_ORIGINAL_DST
 	ReasonLocalFlowFull          // ae_local_flows is full: the delivery may be captured
 	ReasonListenerFull           // ae_listeners is full: ztunnel's listener was not filed
+	ReasonProbeDirect            // a host probe: the flow a node socket filed (direct mode)
 	reasonCount
 )
 
@@ -111,6 +112,7 @@ var reasonInfos = [reasonCount]reasonInfo{
 	ReasonOrigDstFull:     {"orig_dst_table_full", DecisionError, "R1", "ae_orig_dst is full: ztunnel cannot read SO_ORIGINAL_DST"},
 	ReasonLocalFlowFull:   {"local_flow_table_full", DecisionError, "R10", "ae_local_flows is full: ztunnel's delivery may be captured"},
 	ReasonListenerFull:    {"listener_table_full", DecisionError, "R5", "ae_listeners is full: ztunnel's listener was not filed (the agent's resync files it when room returns)"},
+	ReasonProbeDirect:     {"probe_direct", DecisionPassed, "H1", "a host probe from a node socket, with the node's address (direct mode)"},
 }
 
 func (r Reason) info() reasonInfo {

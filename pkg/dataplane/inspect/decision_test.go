@@ -22,7 +22,7 @@ func TestReasonsAreTheProgramsEnum(t *testing.T) {
 		ReasonProbeSNAT: bpfobj.SockAeReasonAE_R_PROBE_SNAT, ReasonForwarded: bpfobj.SockAeReasonAE_R_FORWARDED, ReasonProbePortTaken: bpfobj.SockAeReasonAE_R_PROBE_PORT_TAKEN,
 		ReasonProbeTableFull: bpfobj.SockAeReasonAE_R_PROBE_TABLE_FULL, ReasonRewriteError: bpfobj.SockAeReasonAE_R_REWRITE_ERROR,
 		ReasonOrigDstFull: bpfobj.SockAeReasonAE_R_ORIG_DST_FULL, ReasonLocalFlowFull: bpfobj.SockAeReasonAE_R_LOCAL_FLOW_FULL,
-		ReasonListenerFull: bpfobj.SockAeReasonAE_R_LISTENER_FULL,
+		ReasonListenerFull: bpfobj.SockAeReasonAE_R_LISTENER_FULL, ReasonProbeDirect: bpfobj.SockAeReasonAE_R_PROBE_DIRECT,
 	}
 	if len(c) != int(reasonCount) || bpfobj.SockAeReasonAE_R_MAX != bpfobj.SockAeReason(reasonCount) {
 		t.Fatalf("%d Go reasons, the C enum has %d", reasonCount, bpfobj.SockAeReasonAE_R_MAX)

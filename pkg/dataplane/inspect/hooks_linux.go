@@ -171,16 +171,21 @@ func (p *Pinned) TCHooks(nodeNetns string) ([]TCHook, error) {
 	if nodeNetns == "" {
 		nodeNetns = "/proc/self/ns/net"
 	}
+	direct := p.ProbeMode() == bpfobj.ProbeDirect
 	var out []TCHook
 	for _, st := range pods {
 		if st.Journal != bpfobj.MetaEnrolled {
 			continue
 		}
+		hostIf := st.HostInterface
+		if direct {
+			hostIf = "" // nothing on the node side in the direct host-probe mode
+		}
 		dir := bpfobj.PodDir(p.dir, st.UID)
 		AddPinnedReroutes(dir, &st.Options)
 		_, err := os.Stat(filepath.Join(dir, "ingress"))
 		netnsErr := CheckNetns(st.NetnsPath, st.NetnsCookie)
-		for _, a := range bpfobj.PodHooks(st.NetnsPath, st.Interface, st.Options.RerouteInterfaces, st.HostInterface, nodeNetns, st.Slot, err == nil) {
+		for _, a := range bpfobj.PodHooks(st.NetnsPath, st.Interface, st.Options.RerouteInterfaces, hostIf, nodeNetns, st.Slot, err == nil) {
 			h := TCHook{Pod: st.Namespace + "/" + st.Name, Pin: a.Pin, Netns: a.Netns, Interface: a.Iface, Direction: direction(a.Attach)}
 			switch {
 			case a.Netns != nodeNetns && netnsErr != nil:

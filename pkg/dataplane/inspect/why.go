@@ -85,6 +85,7 @@ type nodeConfig struct {
 	probe4, probe6              netip.Addr
 	skLookupInbound, reuseport  bool
 	netnsCookieSockops, sockopt bool
+	probes                      bpfobj.ProbeMode
 }
 
 func readNodeConfig(m *bpfobj.SockMaps) nodeConfig {
@@ -99,8 +100,12 @@ func readNodeConfig(m *bpfobj.SockMaps) nodeConfig {
 		probe4: bpfobj.Addr(c.ProbeV4), probe6: netip.AddrFrom16(c.ProbeV6.B),
 		skLookupInbound: c.Flags&bpfobj.CfgSkLookupIfindex != 0, reuseport: c.Flags&bpfobj.CfgSkAssignReuseport != 0,
 		netnsCookieSockops: c.Flags&bpfobj.CfgNetnsCookieSockops != 0, sockopt: c.Flags&bpfobj.CfgNetnsCookieSockopt != 0,
+		probes: bpfobj.ProbeModeOf(c.Flags),
 	}
 }
+
+// ProbeMode is the host-probe mode the pinned programs run in (ae_node_cfg).
+func (p *Pinned) ProbeMode() bpfobj.ProbeMode { return readNodeConfig(&p.maps).probes }
 
 // why holds what the pins say, for one answer.
 type why struct {
@@ -221,7 +226,7 @@ func (w *why) fromPod(p *PodRecord, dst netip.AddrPort, q Query) []Leg {
 		// The redirected SYN reaches ztunnel's :15001 over lo; the pod's
 		// sk_lookup sees it from the pod's own address and leaves it.
 		if w.cfg.skLookupInbound && self.IsValid() {
-			legs = append(legs, w.inbound(p, self, out.To, false))
+			legs = append(legs, w.inbound(p, self, out.To, false, false))
 		}
 		// ztunnel connects on, with its mark, from the pod's address.
 		legs = append(legs, w.outbound(p, dst, false, w.cfg.mark, "ztunnel"))
@@ -234,7 +239,7 @@ func (w *why) fromPod(p *PodRecord, dst netip.AddrPort, q Query) []Leg {
 		}
 	case ReasonOwnIP:
 		if !q.UDP && w.cfg.skLookupInbound {
-			legs = append(legs, w.inbound(p, self, dst, false))
+			legs = append(legs, w.inbound(p, self, dst, false, false))
 		}
 	case ReasonLoopback:
 	default:
@@ -266,19 +271,23 @@ func (w *why) arrive(src netip.Addr, dst netip.AddrPort, udp, local bool) []Leg 
 	if p == nil || udp {
 		return nil
 	}
-	host := w.hostEgress(p, src, dst, local)
-	if host.Decision == DecisionTranslated {
-		src = host.To.Addr()
+	var legs []Leg
+	if w.cfg.probes == bpfobj.ProbeSNAT {
+		host := w.hostEgress(p, src, dst, local)
+		if host.Decision == DecisionTranslated {
+			src = host.To.Addr()
+		}
+		legs = append(legs, host)
 	}
-	in := w.inbound(p, src, dst, false)
-	legs := []Leg{host, in}
+	in := w.inbound(p, src, dst, false, local && w.cfg.probes == bpfobj.ProbeDirect)
+	legs = append(legs, in)
 	if in.Reason == ReasonInbound {
 		// ztunnel delivers to the app from the client's address (R10).
 		del := w.outbound(p, dst, false, w.cfg.mark, "ztunnel")
 		del.Src = netip.AddrPortFrom(src, 0)
 		legs = append(legs, del)
 		if w.cfg.skLookupInbound {
-			legs = append(legs, w.inbound(p, src, dst, true))
+			legs = append(legs, w.inbound(p, src, dst, true, false))
 		}
 	}
 	return legs
@@ -389,7 +398,10 @@ func (w *why) outbound(p *PodRecord, dst netip.AddrPort, udp bool, mark uint32, 
 // before Linux 5.17 capture_inbound() on the pod's interface, which meets
 // no traffic from inside the pod). delivery: the flow is one of
 // ztunnel's deliveries to the app (filed in ae_local_flows).
-func (w *why) inbound(p *PodRecord, src netip.Addr, dst netip.AddrPort, delivery bool) Leg {
+//
+// nodeProbe: the flow is a node socket's, filed as it connected (H1 in
+// direct mode).
+func (w *why) inbound(p *PodRecord, src netip.Addr, dst netip.AddrPort, delivery, nodeProbe bool) Leg {
 	l := &leg{Leg{Pod: podName(p), Hook: HookSkLookup, Src: netip.AddrPortFrom(src, 0), Dst: dst}}
 	l.Where = "sk_lookup in " + l.Pod
 	if !w.cfg.skLookupInbound {
@@ -417,10 +429,20 @@ func (w *why) inbound(p *PodRecord, src netip.Addr, dst netip.AddrPort, delivery
 		}
 		l.pass("R10", "not one of ztunnel's deliveries to the app")
 	}
-	if src.IsValid() && (src == w.cfg.probe4 || src == w.cfg.probe6) {
+	switch {
+	case w.cfg.probes == bpfobj.ProbeDirect:
+		l.pass("R7", "direct mode: the host-probe address is an ordinary source")
+	case src.IsValid() && (src == w.cfg.probe4 || src == w.cfg.probe6):
 		return l.decide(ReasonProbeSource, netip.AddrPort{}, "from the host-probe address %s", src)
+	default:
+		l.pass("R7", "not from the host-probe address")
 	}
-	l.pass("R7", "not from the host-probe address")
+	if nodeProbe {
+		return l.decide(ReasonProbeDirect, netip.AddrPort{}, "the flow a socket of the node filed as it connected (ae_probe_nat)")
+	}
+	if w.cfg.probes == bpfobj.ProbeDirect {
+		l.pass("H1", "no socket of the node filed this flow")
+	}
 	if w.cfg.skLookupInbound && !w.listening[p.NetnsCookie] {
 		return l.decide(ReasonNoListener, netip.AddrPort{}, "no ztunnel :%d listener is filed for the pod's netns (ae_listeners)", w.cfg.inbound)
 	}
@@ -447,6 +469,9 @@ func (w *why) nodeSocket(dst netip.AddrPort) Leg {
 		l.Hook = HookConnect4
 	}
 	l.Where = l.Hook.String() + " on the node"
+	if p := w.byIP[dst.Addr()]; p != nil && w.cfg.probes == bpfobj.ProbeDirect {
+		l.pass("H1", "direct mode: a TCP socket of the node's netns connecting to %s is marked; sockops files its flow before the SYN leaves", podName(p))
+	}
 	return l.decide(ReasonNotEnrolled, netip.AddrPort{}, "the node's netns is no enrolled pod's")
 }
 

@@ -81,7 +81,8 @@ const (
 	SockAeReasonAE_R_ORIG_DST_FULL    SockAeReason = 26
 	SockAeReasonAE_R_LOCAL_FLOW_FULL  SockAeReason = 27
 	SockAeReasonAE_R_LISTENER_FULL    SockAeReason = 28
-	SockAeReasonAE_R_MAX              SockAeReason = 29
+	SockAeReasonAE_R_PROBE_DIRECT     SockAeReason = 29
+	SockAeReasonAE_R_MAX              SockAeReason = 30
 )
 
 type SockListenerKey struct {
@@ -178,33 +179,35 @@ type SockSteerKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	SockMapAeDecisions     = "ae_decisions"
-	SockMapAeListeners     = "ae_listeners"
-	SockMapAeLocalFlows    = "ae_local_flows"
-	SockMapAeNetns         = "ae_netns"
-	SockMapAeNodeCfg       = "ae_node_cfg"
-	SockMapAeNsq           = "ae_nsq"
-	SockMapAeOrigDst       = "ae_orig_dst"
-	SockMapAePodMeta       = "ae_pod_meta"
-	SockMapAePods          = "ae_pods"
-	SockMapAeProbeNat      = "ae_probe_nat"
-	SockMapAeSkDst         = "ae_sk_dst"
-	SockMapAeStats         = "ae_stats"
-	SockMapAeSteer         = "ae_steer"
-	SockMapAeTrace         = "ae_trace"
-	SockProgAeConnect4     = "ae_connect4"
-	SockProgAeConnect6     = "ae_connect6"
-	SockProgAeGetpeername4 = "ae_getpeername4"
-	SockProgAeGetpeername6 = "ae_getpeername6"
-	SockProgAeGetsockopt   = "ae_getsockopt"
-	SockProgAeNetnsQuery   = "ae_netns_query"
-	SockProgAeRecvmsg4     = "ae_recvmsg4"
-	SockProgAeRecvmsg6     = "ae_recvmsg6"
-	SockProgAeSendmsg4     = "ae_sendmsg4"
-	SockProgAeSendmsg6     = "ae_sendmsg6"
-	SockProgAeSockops      = "ae_sockops"
-	SockVarAeCfg           = "ae_cfg"
-	SockVarAeTracing       = "ae_tracing"
+	SockMapAeDecisions       = "ae_decisions"
+	SockMapAeListeners       = "ae_listeners"
+	SockMapAeLocalFlows      = "ae_local_flows"
+	SockMapAeNetns           = "ae_netns"
+	SockMapAeNodeCfg         = "ae_node_cfg"
+	SockMapAeNsq             = "ae_nsq"
+	SockMapAeOrigDst         = "ae_orig_dst"
+	SockMapAePodMeta         = "ae_pod_meta"
+	SockMapAePods            = "ae_pods"
+	SockMapAeProbeNat        = "ae_probe_nat"
+	SockMapAeSkDst           = "ae_sk_dst"
+	SockMapAeSkProbe         = "ae_sk_probe"
+	SockMapAeStats           = "ae_stats"
+	SockMapAeSteer           = "ae_steer"
+	SockMapAeTrace           = "ae_trace"
+	SockProgAeConnect4       = "ae_connect4"
+	SockProgAeConnect6       = "ae_connect6"
+	SockProgAeGetpeername4   = "ae_getpeername4"
+	SockProgAeGetpeername6   = "ae_getpeername6"
+	SockProgAeGetsockopt     = "ae_getsockopt"
+	SockProgAeNetnsQuery     = "ae_netns_query"
+	SockProgAeRecvmsg4       = "ae_recvmsg4"
+	SockProgAeRecvmsg6       = "ae_recvmsg6"
+	SockProgAeSendmsg4       = "ae_sendmsg4"
+	SockProgAeSendmsg6       = "ae_sendmsg6"
+	SockProgAeSockops        = "ae_sockops"
+	SockVarAeCfg             = "ae_cfg"
+	SockVarAeNodeNetnsCookie = "ae_node_netns_cookie"
+	SockVarAeTracing         = "ae_tracing"
 )
 
 // LoadSock returns the embedded CollectionSpec for Sock.
@@ -277,6 +280,7 @@ type SockMapSpecs struct {
 	AePods       *ebpf.MapSpec `ebpf:"ae_pods"`
 	AeProbeNat   *ebpf.MapSpec `ebpf:"ae_probe_nat"`
 	AeSkDst      *ebpf.MapSpec `ebpf:"ae_sk_dst"`
+	AeSkProbe    *ebpf.MapSpec `ebpf:"ae_sk_probe"`
 	AeStats      *ebpf.MapSpec `ebpf:"ae_stats"`
 	AeSteer      *ebpf.MapSpec `ebpf:"ae_steer"`
 	AeTrace      *ebpf.MapSpec `ebpf:"ae_trace"`
@@ -286,8 +290,9 @@ type SockMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type SockVariableSpecs struct {
-	AeCfg     *ebpf.VariableSpec `ebpf:"ae_cfg"`
-	AeTracing *ebpf.VariableSpec `ebpf:"ae_tracing"`
+	AeCfg             *ebpf.VariableSpec `ebpf:"ae_cfg"`
+	AeNodeNetnsCookie *ebpf.VariableSpec `ebpf:"ae_node_netns_cookie"`
+	AeTracing         *ebpf.VariableSpec `ebpf:"ae_tracing"`
 }
 
 // SockObjects contains all objects after they have been loaded into the kernel.
@@ -321,6 +326,7 @@ type SockMaps struct {
 	AePods       *ebpf.Map `ebpf:"ae_pods"`
 	AeProbeNat   *ebpf.Map `ebpf:"ae_probe_nat"`
 	AeSkDst      *ebpf.Map `ebpf:"ae_sk_dst"`
+	AeSkProbe    *ebpf.Map `ebpf:"ae_sk_probe"`
 	AeStats      *ebpf.Map `ebpf:"ae_stats"`
 	AeSteer      *ebpf.Map `ebpf:"ae_steer"`
 	AeTrace      *ebpf.Map `ebpf:"ae_trace"`
@@ -339,6 +345,7 @@ func (m *SockMaps) Close() error {
 		m.AePods,
 		m.AeProbeNat,
 		m.AeSkDst,
+		m.AeSkProbe,
 		m.AeStats,
 		m.AeSteer,
 		m.AeTrace,
@@ -349,8 +356,9 @@ func (m *SockMaps) Close() error {
 //
 // It can be passed to LoadSockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type SockVariables struct {
-	AeCfg     *ebpf.Variable `ebpf:"ae_cfg"`
-	AeTracing *ebpf.Variable `ebpf:"ae_tracing"`
+	AeCfg             *ebpf.Variable `ebpf:"ae_cfg"`
+	AeNodeNetnsCookie *ebpf.Variable `ebpf:"ae_node_netns_cookie"`
+	AeTracing         *ebpf.Variable `ebpf:"ae_tracing"`
 }
 
 // SockPrograms contains all programs after they have been loaded into the kernel.

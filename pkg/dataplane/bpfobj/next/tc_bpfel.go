@@ -81,7 +81,8 @@ const (
 	TcAeReasonAE_R_ORIG_DST_FULL    TcAeReason = 26
 	TcAeReasonAE_R_LOCAL_FLOW_FULL  TcAeReason = 27
 	TcAeReasonAE_R_LISTENER_FULL    TcAeReason = 28
-	TcAeReasonAE_R_MAX              TcAeReason = 29
+	TcAeReasonAE_R_PROBE_DIRECT     TcAeReason = 29
+	TcAeReasonAE_R_MAX              TcAeReason = 30
 )
 
 type TcListenerKey struct {
