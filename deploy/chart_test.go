@@ -284,6 +284,28 @@ func TestChartRenders(t *testing.T) {
 			},
 		},
 		{
+			name: "host probes direct by default, snat on request",
+			check: func(t *testing.T, r *rendered) {
+				if fl := flags(t, r.agent(t)); !slices.Equal(fl["host-probes"], []string{"direct"}) {
+					t.Errorf("--host-probes=%v, want direct", fl["host-probes"])
+				}
+			},
+		},
+		{
+			name:   "host probes snat",
+			values: "agent: {hostProbes: snat}",
+			check: func(t *testing.T, r *rendered) {
+				if fl := flags(t, r.agent(t)); !slices.Equal(fl["host-probes"], []string{"snat"}) {
+					t.Errorf("--host-probes=%v, want snat", fl["host-probes"])
+				}
+			},
+		},
+		{
+			name:    "unknown host-probe mode fails the schema",
+			values:  "agent: {hostProbes: nat}",
+			wantErr: "/agent/hostProbes",
+		},
+		{
 			name:    "unknown sockmap acceleration mode fails the schema",
 			values:  "agent: {sockmapAccel: true}",
 			wantErr: "/agent/sockmapAccel",

@@ -31,6 +31,7 @@ type Flags struct {
 	nodeName, kubeconfig, standalone            string
 	bpffs, cgroupRoot, nodeNetns                string
 	probeV4, probeV6                            string
+	hostProbes                                  string
 	zdsSocket, cniSocket, procRoot              string
 	inspectSocket                               string
 	healthAddr, metricsAddr                     string
@@ -70,6 +71,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.bpffs, "bpffs-dir", bpfobj.DefaultBPFFSDir, "directory all pins live under (on a bpffs)")
 	fs.StringVar(&f.cgroupRoot, "cgroup-root", "", "cgroup v2 directory the socket hooks attach to; empty: the cgroup2 mount")
 	fs.StringVar(&f.nodeNetns, "node-netns", "", "the node's netns (where pods' veth peers are); empty: the agent's own")
+	fs.StringVar(&f.hostProbes, "host-probes", string(bpfobj.ProbeDirect), "how the node's own connections to enrolled pods (kubelet's probes) reach the app: direct (with the node's address) or snat (from the --probe-snat addresses, as istio-cni)")
 	fs.StringVar(&f.probeV4, "probe-snat-v4", bpfobj.DefaultProbeV4.String(), "host-probe SNAT address (IPv4)")
 	fs.StringVar(&f.probeV6, "probe-snat-v6", bpfobj.DefaultProbeV6.String(), "host-probe SNAT address (IPv6)")
 	fs.StringVar(&f.zdsSocket, "zds-socket", "", "ZDS socket ztunnel connects to (default /var/run/ztunnel/ztunnel.sock)")
@@ -162,6 +164,9 @@ func (f *Flags) Config() (Config, error) {
 	}
 	if c.Dataplane.ProbeV6, err = netip.ParseAddr(f.probeV6); err != nil {
 		return c, fmt.Errorf("--probe-snat-v6: %w", err)
+	}
+	if c.Dataplane.HostProbes, err = bpfobj.ParseProbeMode(f.hostProbes); err != nil {
+		return c, fmt.Errorf("--host-probes: %w", err)
 	}
 	if c.Dataplane.SockmapAccel, err = accel.ParseMode(f.sockmapAccel); err != nil {
 		return c, fmt.Errorf("--sockmap-accel: %w", err)
