@@ -8,13 +8,15 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"slices"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/inspectv1"
-	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/events"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/reconciler"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/takeover"
@@ -68,7 +70,7 @@ func serveInspect(ctx context.Context, path string, srv inspectv1.InspectServer,
 	if err != nil {
 		return nil, fmt.Errorf("inspection socket: %w", err)
 	}
-	g := grpc.NewServer(grpc.ChainUnaryInterceptor(events.RecoverUnary(log)))
+	g := grpc.NewServer(grpc.ChainUnaryInterceptor(recoverUnary(log)))
 	inspectv1.RegisterInspectServer(g, srv)
 	done := make(chan error, 1)
 	go func() {
@@ -81,4 +83,19 @@ func serveInspect(ctx context.Context, path string, srv inspectv1.InspectServer,
 		g.Stop()
 	}()
 	return done, nil
+}
+
+// recoverUnary is a gRPC interceptor that turns a panic in a handler into
+// an Internal error for that call, logged with the stack, so one request
+// cannot take the agent down.
+func recoverUnary(log *slog.Logger) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp any, err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				log.ErrorContext(ctx, "grpc handler panicked", "method", info.FullMethod, "panic", r, "stack", string(debug.Stack()))
+				resp, err = nil, status.Errorf(codes.Internal, "%s panicked: %v", info.FullMethod, r)
+			}
+		}()
+		return handler(ctx, req)
+	}
 }

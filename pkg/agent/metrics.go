@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"google.golang.org/grpc/codes"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
@@ -57,11 +57,11 @@ type metrics struct {
 // for a pod that could not be enrolled.
 var responseCodes = []string{"200", "400", "500"}
 
-func responseCode(c codes.Code) string {
+func responseCode(c cniv1.Code) string {
 	switch c {
-	case codes.OK:
+	case cniv1.CodeOK:
 		return "200"
-	case codes.InvalidArgument:
+	case cniv1.CodeInvalidArgument:
 		return "400"
 	}
 	return "500"
@@ -172,7 +172,7 @@ func (m *metrics) observer() reconciler.Observer {
 }
 
 // observeCNI counts one answer to the CNI plugin (events.WithObserver).
-func (m *metrics) observeCNI(method string, code codes.Code) {
+func (m *metrics) observeCNI(method string, code cniv1.Code) {
 	switch method {
 	case "add":
 		m.pluginRequests.WithLabelValues(responseCode(code)).Inc()

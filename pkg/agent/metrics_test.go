@@ -15,8 +15,8 @@ import (
 	"testing"
 
 	dto "github.com/prometheus/client_model/go"
-	"google.golang.org/grpc/codes"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
 )
@@ -281,10 +281,10 @@ func TestBPFTotalsKeepRemovedPods(t *testing.T) {
 // Answers to the CNI plugin count under istio-cni's response codes.
 func TestCNIAnswersCountAsIstioResponseCodes(t *testing.T) {
 	m := newMetrics(kube.RepairInPlace, false)
-	for _, c := range []codes.Code{codes.OK, codes.InvalidArgument, codes.Internal, codes.FailedPrecondition, codes.Aborted} {
+	for _, c := range []cniv1.Code{cniv1.CodeOK, cniv1.CodeInvalidArgument, cniv1.CodeInternal, cniv1.CodeNoZtunnel, cniv1.CodeDeadlineExceeded} {
 		m.observeCNI("add", c)
 	}
-	m.observeCNI("del", codes.OK)
+	m.observeCNI("del", cniv1.CodeOK)
 	for code, want := range map[string]float64{"200": 1, "400": 1, "500": 3} {
 		if got := sample(t, m, "istio_cni_plugin_requests_total", map[string]string{"response_code": code}); got != want {
 			t.Errorf("istio_cni_plugin_requests_total{response_code=%s} = %v, want %v", code, got, want)

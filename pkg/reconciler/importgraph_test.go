@@ -112,11 +112,7 @@ func directImports(t *testing.T, pkg string) []string {
 // pod file through the leaf pkg/podfile.
 func TestCNIPluginsLinkNoLoader(t *testing.T) {
 	for _, bin := range []string{"cmd/ambient-ebpf-cni", "cmd/ambient-ebpf-cni-fallback"} {
-		out, err := exec.Command("go", "list", "-deps", "-f", "{{.ImportPath}}", module+bin).Output()
-		if err != nil {
-			t.Fatalf("go list -deps %s: %v", bin, err)
-		}
-		for _, p := range strings.Fields(string(out)) {
+		for _, p := range linked(t, bin) {
 			for _, banned := range []string{"github.com/cilium/ebpf", module + "pkg/dataplane", module + "pkg/reconciler", module + "pkg/standalone", module + "pkg/zds"} {
 				if p == banned || strings.HasPrefix(p, banned+"/") {
 					t.Errorf("%s links %s", bin, p)
@@ -124,4 +120,31 @@ func TestCNIPluginsLinkNoLoader(t *testing.T) {
 			}
 		}
 	}
+}
+
+// The chained plugin's start is most of a CNI ADD, so it talks to the agent
+// in pkg/api/cniv1's small frames and links no gRPC, protobuf or HTTP/2
+// (issue 36); only the inspection API, which the plugin never calls, keeps
+// gRPC. The fallback, which runs only while the agent is down, may link
+// more.
+func TestCNIPluginLinksNoGRPC(t *testing.T) {
+	const bin = "cmd/ambient-ebpf-cni"
+	for _, p := range linked(t, bin) {
+		for _, banned := range []string{"google.golang.org/grpc", "google.golang.org/protobuf", "golang.org/x/net/http2"} {
+			if p == banned || strings.HasPrefix(p, banned+"/") {
+				t.Errorf("%s links %s", bin, p)
+			}
+		}
+	}
+}
+
+// linked returns every package the module's main package bin links, the
+// standard library's included.
+func linked(t *testing.T, bin string) []string {
+	t.Helper()
+	out, err := exec.Command("go", "list", "-deps", "-f", "{{.ImportPath}}", module+bin).Output()
+	if err != nil {
+		t.Fatalf("go list -deps %s: %v", bin, err)
+	}
+	return strings.Fields(string(out))
 }

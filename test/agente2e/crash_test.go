@@ -159,17 +159,21 @@ func (n *agentNode) startConnectedAgent(t *testing.T) {
 }
 
 func (n *agentNode) tryPodAdd(p *simnode.Pod) (*cniv1.PodAddResponse, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req := &cniv1.PodAddRequest{
+		Pod: &cniv1.Pod{Name: p.Name, Namespace: p.Namespace, Uid: p.UID, ContainerId: "sandbox-" + p.Name, Netns: p.NetnsPath(), Interface: "eth0"},
+		Ips: []string{p.V4.String(), p.V6.String()},
+	}
+	if n.grpcCNI {
+		return grpcCNIPodAdd(ctx, n.CNI, req)
+	}
 	c, err := events.NewClient(n.CNI)
 	if err != nil {
 		return nil, err
 	}
 	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	return c.PodAdd(ctx, &cniv1.PodAddRequest{
-		Pod: &cniv1.Pod{Name: p.Name, Namespace: p.Namespace, Uid: p.UID, ContainerId: "sandbox-" + p.Name, Netns: p.NetnsPath(), Interface: "eth0"},
-		Ips: []string{p.V4.String(), p.V6.String()},
-	})
+	return c.PodAdd(ctx, req)
 }
 
 func (n *agentNode) tryPodDel(p *simnode.Pod) error {

@@ -32,6 +32,9 @@ func TestMain(m *testing.M) { agentrun.Main(m) }
 type agentNode struct {
 	*agentrun.Node
 	pods map[string]*simnode.Pod
+	// grpcCNI: the agent running is of a release that served the CNI
+	// channel as gRPC (grpccni_test.go), asked as its own plugin did.
+	grpcCNI bool
 }
 
 func newAgentNode(t *testing.T, names ...string) *agentNode {
@@ -68,13 +71,16 @@ func (n *agentNode) del(t *testing.T, p *cniv1.Pod) {
 
 // delPod is the CNI plugin's DEL of a pod sandbox.
 func (n *agentNode) delPod(p *cniv1.Pod) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if n.grpcCNI {
+		return grpcCNIPodDel(ctx, n.CNI, &cniv1.PodDelRequest{Pod: p})
+	}
 	c, err := events.NewClient(n.CNI)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
 	return c.PodDel(ctx, &cniv1.PodDelRequest{Pod: p})
 }
 

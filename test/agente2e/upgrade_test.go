@@ -36,6 +36,9 @@ type build struct {
 	layout int // the pinned layout it writes
 	// recorded: it writes the layout record (v0.1.0 predates it).
 	recorded bool
+	// grpcCNI: it serves the CNI channel as gRPC (v0.1.0 predates
+	// pkg/api/cniv1's frames).
+	grpcCNI bool
 }
 
 // releaseBuild is the agent of the last release of hack/releases, built
@@ -62,7 +65,7 @@ func releaseBuild(t *testing.T) build {
 		t.Fatal(err)
 	}
 	// v0.1.0 is layout 1 and writes no record; a later release writes one.
-	return build{name: rel.Version, bin: bin, layout: 1, recorded: rel.Version != "v0.1.0"}
+	return build{name: rel.Version, bin: bin, layout: 1, recorded: rel.Version != "v0.1.0", grpcCNI: rel.Version == "v0.1.0"}
 }
 
 func headBuild(n *agentNode) build {
@@ -135,7 +138,7 @@ func (n *agentNode) replaceAgent(t *testing.T, builds []build, crashAt ...string
 	t.Helper()
 	a, b, c := n.pods["a"], n.pods["b"], n.pods["c"]
 	zt := n.StartZtunnelFor(n.ZDS)
-	n.Bin = builds[0].bin
+	n.Bin, n.grpcCNI = builds[0].bin, builds[0].grpcCNI
 	n.startConnectedAgent(t)
 	for _, p := range []*simnode.Pod{a, b} {
 		if resp, err := n.podAdd(t, p); err != nil || !resp.GetEnrolled() {
@@ -152,12 +155,12 @@ func (n *agentNode) replaceAgent(t *testing.T, builds []build, crashAt ...string
 		}
 		time.Sleep(200 * time.Millisecond) // no agent at all
 		if i == 0 && len(crashAt) > 0 {
-			n.Bin = next.bin
+			n.Bin, n.grpcCNI = next.bin, next.grpcCNI
 			n.crashAgent(t, crashAt[0])
 			time.Sleep(200 * time.Millisecond)
 			continue
 		}
-		n.Bin = next.bin
+		n.Bin, n.grpcCNI = next.bin, next.grpcCNI
 		n.startConnectedAgent(t)
 		time.Sleep(300 * time.Millisecond)
 		n.checkBuild(t, next, []*simnode.Pod{a, b}, before)

@@ -5,18 +5,19 @@ package events
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
-
-	"google.golang.org/grpc/codes"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/unixsock/unixsocktest"
@@ -288,11 +289,11 @@ func TestPanicInAHandlerFailsOnlyThatCall(t *testing.T) {
 func TestObserverHearsEachAnswer(t *testing.T) {
 	type call struct {
 		method string
-		code   codes.Code
+		code   cniv1.Code
 	}
 	var mu sync.Mutex
 	var got []call
-	observe := WithObserver(func(m string, c codes.Code) {
+	observe := WithObserver(func(m string, c cniv1.Code) {
 		mu.Lock()
 		defer mu.Unlock()
 		got = append(got, call{m, c})
@@ -309,8 +310,229 @@ func TestObserverHearsEachAnswer(t *testing.T) {
 
 	mu.Lock()
 	defer mu.Unlock()
-	want := []call{{"add", codes.OK}, {"add", codes.InvalidArgument}, {"del", codes.OK}, {"add", codes.Internal}}
+	want := []call{{"add", cniv1.CodeOK}, {"add", cniv1.CodeInvalidArgument}, {"del", cniv1.CodeOK}, {"add", cniv1.CodeInternal}}
 	if !slices.Equal(got, want) {
 		t.Errorf("observed %v, want %v", got, want)
 	}
+}
+
+// exchange writes data to the agent at path as it is, then reads its
+// answer.
+func exchange(t *testing.T, path string, data []byte) error {
+	t.Helper()
+	c, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	return cniv1.ReadAnswer(c, nil)
+}
+
+func rawFrame(version byte, kind cniv1.Kind, body string) []byte {
+	b := append([]byte(cniv1.Magic), version, byte(kind))
+	b = binary.BigEndian.AppendUint32(b, uint32(len(body)))
+	return append(b, body...)
+}
+
+// A frame the format refuses is answered with an error that says why,
+// never reaches the handler, and the agent goes on serving.
+func TestBadFramesAreRefusedAndTheServerGoesOn(t *testing.T) {
+	h := &fakeHandler{}
+	var mu sync.Mutex
+	var observed []cniv1.Code
+	path := start(t, h, WithObserver(func(_ string, c cniv1.Code) {
+		mu.Lock()
+		defer mu.Unlock()
+		observed = append(observed, c)
+	}))
+	oversized := binary.BigEndian.AppendUint32([]byte("AECN\x01A"), 1<<30)
+	cases := []struct {
+		name string
+		data []byte
+		code cniv1.Code
+		says string
+	}{
+		{"a gRPC client (HTTP/2 preface)", []byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"), cniv1.CodeInvalidArgument, `starts with "PRI "`},
+		{"oversized", oversized, cniv1.CodeInvalidArgument, "1073741824 bytes, more than the 65536 allowed"},
+		{"other version", rawFrame(9, cniv1.KindAdd, `{}`), cniv1.CodeUnsupportedVersion, "version 9, this end speaks 1"},
+		{"unknown field", rawFrame(1, cniv1.KindAdd, `{"pod":{"name":"web","hostNetwork":true}}`), cniv1.CodeInvalidArgument, "hostNetwork"},
+		{"not json", rawFrame(1, cniv1.KindDel, `{"pod":`), cniv1.CodeInvalidArgument, "del request"},
+		{"answer kind", rawFrame(1, cniv1.KindResult, `{}`), cniv1.CodeInvalidArgument, "result is not a request"},
+	}
+	for _, tc := range cases {
+		err := exchange(t, path, tc.data)
+		if e, ok := errors.AsType[*cniv1.Error](err); !ok || e.Code != tc.code || !strings.Contains(e.Message, tc.says) {
+			t.Errorf("%s: answer %v; want %s saying %q", tc.name, err, tc.code, tc.says)
+		}
+	}
+	// A connection that sends nothing, or half a header, and hangs up.
+	for _, data := range [][]byte{nil, []byte("AE")} {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = c.Write(data)
+		_ = c.Close()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := client(t, path).PodAdd(ctx, addReq()); err != nil {
+		t.Fatalf("PodAdd after the bad frames: %v", err)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if len(h.adds) != 1 || len(h.dels) != 0 {
+		t.Errorf("handler saw adds %v, dels %v; want only the good add", h.adds, h.dels)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	// The refused add, del and version-9 add count as refusals (400).
+	want := []cniv1.Code{cniv1.CodeUnsupportedVersion, cniv1.CodeInvalidArgument, cniv1.CodeInvalidArgument, cniv1.CodeOK}
+	if !slices.Equal(observed, want) {
+		t.Errorf("observed %v, want %v", observed, want)
+	}
+}
+
+// An answer not in this format (an agent of a release that spoke gRPC
+// starts with an HTTP/2 SETTINGS frame) is an unreachable agent: the
+// plugin's fallback then decides, as when no agent runs.
+func TestAnAgentOfAnotherFormatIsUnreachable(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "cni.sock")
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_, _ = c.Write([]byte("\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x05\x00\x00\x40\x00"))
+			_ = c.Close()
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := client(t, path).PodAdd(ctx, addReq()); !errors.Is(err, ErrAgentUnreachable) || !strings.Contains(err.Error(), path) {
+		t.Errorf("PodAdd to an agent of another format: %v; want ErrAgentUnreachable naming %s", err, path)
+	}
+	if err := Probe(ctx, path); !errors.Is(err, ErrAgentUnreachable) {
+		t.Errorf("Probe of an agent of another format: %v", err)
+	}
+}
+
+// ctxHandler reports the context of each ADD on calls, then waits for it to end.
+type ctxHandler struct {
+	fakeHandler
+	calls chan context.Context
+}
+
+func (h *ctxHandler) PodAdd(ctx context.Context, _ *cniv1.PodAddRequest) (AddResult, error) {
+	h.calls <- ctx
+	<-ctx.Done()
+	return AddResult{}, ctx.Err()
+}
+
+// The plugin's deadline travels with the request, and a plugin that hangs
+// up cancels its call, as gRPC did.
+func TestTheCallEndsWithThePlugin(t *testing.T) {
+	h := &ctxHandler{calls: make(chan context.Context, 1)}
+	c := client(t, start(t, h))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	errc := make(chan error, 1)
+	go func() { _, err := c.PodAdd(ctx, addReq()); errc <- err }()
+	call := <-h.calls
+	if dl, ok := call.Deadline(); !ok || time.Until(dl) > 3*time.Second || time.Until(dl) < time.Second {
+		t.Errorf("the handler's deadline is %v away (set: %v); want the plugin's 3s", time.Until(dl), ok)
+	}
+	cancel() // the plugin gives up and hangs up
+	select {
+	case <-call.Done():
+	case <-time.After(2 * time.Second):
+		t.Fatal("the call goes on after the plugin hung up")
+	}
+	if err := <-errc; !errors.Is(err, ErrAgentUnreachable) {
+		t.Errorf("PodAdd cancelled: %v", err)
+	}
+}
+
+// socketpair returns the two ends of a connected unix stream socket.
+func socketpair(t testing.TB) (agent, plugin *net.UnixConn) {
+	t.Helper()
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatalf("socketpair: %v", err)
+	}
+	var ends [2]*net.UnixConn
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), "socketpair")
+		c, err := net.FileConn(f)
+		_ = f.Close()
+		if err != nil {
+			t.Fatalf("socketpair: %v", err)
+		}
+		ends[i] = c.(*net.UnixConn)
+	}
+	return ends[0], ends[1]
+}
+
+// Whatever arrives on a connection, the server answers with one frame the
+// plugin reads (nothing only when nothing arrived), never panics, and the
+// handler sees only requests whose every identity passes pkg/validate.
+func FuzzServeConn(f *testing.F) {
+	good, err := cniv1.AppendFrame(nil, cniv1.KindAdd, &cniv1.Request{Pod: addReq().Pod, Ips: addReq().Ips, TimeoutMillis: 1000})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(good)
+	f.Add(good[:cniv1.HeaderLen+4])
+	f.Add(rawFrame(1, cniv1.KindDel, `{"pod":{"containerId":"c1"}}`))
+	f.Add(rawFrame(1, cniv1.KindDel, `{"pod":{"name":"../x","namespace":"a"}}`))
+	f.Add(rawFrame(1, cniv1.KindProbe, `{}`))
+	f.Add(rawFrame(2, cniv1.KindProbe, `{}`))
+	f.Add([]byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"))
+	f.Add(binary.BigEndian.AppendUint32([]byte("AECN\x01A"), 1<<31))
+	f.Add([]byte("AE"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		h := &fakeHandler{}
+		srv := quietServer(h)
+		agent, plugin := socketpair(t)
+		defer plugin.Close()
+		done := make(chan struct{})
+		go func() { defer close(done); srv.serveConn(context.Background(), agent) }()
+		go func() {
+			_, _ = plugin.Write(data)
+			_ = plugin.CloseWrite()
+		}()
+		_ = plugin.SetReadDeadline(time.Now().Add(5 * time.Second))
+		answer, err := cniv1.ReadFrame(plugin)
+		<-done
+		switch {
+		case len(data) == 0:
+			if !errors.Is(err, io.EOF) {
+				t.Fatalf("answered %v, %v to nothing", answer, err)
+			}
+		case err != nil:
+			t.Fatalf("no answer to %q: %v", data, err)
+		case answer.Version != cniv1.Version || (answer.Kind != cniv1.KindResult && answer.Kind != cniv1.KindError):
+			t.Fatalf("answered a %s frame of version %d", answer.Kind, answer.Version)
+		}
+		for _, r := range h.adds {
+			if validAdd(r) != nil {
+				t.Fatalf("the handler got add %v", r)
+			}
+		}
+		for _, r := range h.dels {
+			if validPod(r.GetPod(), false) != nil {
+				t.Fatalf("the handler got del %v", r)
+			}
+		}
+	})
 }

@@ -9,10 +9,6 @@ import (
 	"strings"
 	"testing"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
-
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/validate"
 )
@@ -22,9 +18,9 @@ func quietServer(h Handler) *server { return &server{h: h, log: slog.New(slog.Di
 
 // withPod returns addReq's pod changed by edit.
 func withPod(edit func(p *cniv1.Pod)) *cniv1.Pod {
-	p := proto.Clone(addReq().GetPod()).(*cniv1.Pod)
-	edit(p)
-	return p
+	p := *addReq().GetPod()
+	edit(&p)
+	return &p
 }
 
 // Every identity in a request is checked before the handler sees it; a bad
@@ -56,7 +52,7 @@ func TestRequestsWithInvalidIdentitiesAreRefused(t *testing.T) {
 			_, addErr := srv.PodAdd(context.Background(), &cniv1.PodAddRequest{Pod: tc.pod, Ips: []string{"198.18.0.5"}})
 			_, delErr := srv.PodDel(context.Background(), &cniv1.PodDelRequest{Pod: tc.pod})
 			for op, err := range map[string]error{"add": addErr, "del": delErr} {
-				if st, _ := status.FromError(err); st.Code() != codes.InvalidArgument || !strings.Contains(st.Message(), tc.field) {
+				if codeOf(err) != cniv1.CodeInvalidArgument || !strings.Contains(err.Error(), tc.field) {
 					t.Errorf("%s = %v; want InvalidArgument naming %s", op, err, tc.field)
 				}
 			}
@@ -65,7 +61,7 @@ func TestRequestsWithInvalidIdentitiesAreRefused(t *testing.T) {
 			}
 		})
 	}
-	if _, err := quietServer(&fakeHandler{}).PodAdd(context.Background(), &cniv1.PodAddRequest{Pod: addReq().GetPod(), Ips: []string{"fe80::1%eth0"}}); status.Code(err) != codes.InvalidArgument {
+	if _, err := quietServer(&fakeHandler{}).PodAdd(context.Background(), &cniv1.PodAddRequest{Pod: addReq().GetPod(), Ips: []string{"fe80::1%eth0"}}); codeOf(err) != cniv1.CodeInvalidArgument {
 		t.Errorf("add with a zoned ip = %v; want InvalidArgument", err)
 	}
 }
@@ -102,7 +98,7 @@ func FuzzServerPodAddDel(f *testing.F) {
 		_, addErr := srv.PodAdd(context.Background(), &cniv1.PodAddRequest{Pod: pod, Ips: []string{ip}})
 		_, delErr := srv.PodDel(context.Background(), &cniv1.PodDelRequest{Pod: pod})
 		for _, err := range []error{addErr, delErr} {
-			if err != nil && status.Code(err) != codes.InvalidArgument {
+			if err != nil && codeOf(err) != cniv1.CodeInvalidArgument {
 				t.Fatalf("error %v; want InvalidArgument (the fake handler never fails)", err)
 			}
 		}
