@@ -27,6 +27,10 @@ func (e *env) enrollment(res *Results) {
 	dist := map[string][]float64{} // every enroll_cni latency, for the chart
 	var agentSide []float64
 	late := 0
+	// The floor: an empty static program exec'd the same way, after each
+	// repetition's ebpf ADDs with the same pods' environment.
+	floorBin := e.buildExecFloor()
+	floor50, floor99, overFloor := map[string][]float64{}, map[string][]float64{}, []float64{}
 	for rep := range e.s.reps {
 		for _, name := range []string{pathIptables, pathEBPF} {
 			pods, err := e.light.add(fmt.Sprintf("e%d%s", rep, name[:1]), e.s.enrollPods)
@@ -74,6 +78,14 @@ func (e *env) enrollment(res *Results) {
 			}
 			cni50[name] = append(cni50[name], ms(percentile(lat, 50)))
 			cni99[name] = append(cni99[name], ms(percentile(lat, 99)))
+			if name == pathEBPF {
+				f := slices.Sorted(slices.Values(e.execFloor(floorBin, pods).Latencies))
+				floor50[pathEBPF] = append(floor50[pathEBPF], ms(percentile(f, 50)))
+				floor99[pathEBPF] = append(floor99[pathEBPF], ms(percentile(f, 99)))
+				if p := ms(percentile(f, 99)); p > 0 {
+					overFloor = append(overFloor, ms(percentile(lat, 99))/p)
+				}
+			}
 		}
 	}
 	// One more batch per path, profiled: the sampling would weigh on the
@@ -88,6 +100,12 @@ func (e *env) enrollment(res *Results) {
 		lat := slices.Sorted(slices.Values(v.Latencies))
 		res.Notes["enroll_cni: the plugin's start alone (exec of CNI VERSION to its exit), "+name] = fmt.Sprintf("p50 %.2f ms, p99 %.2f ms; %.2f ms CPU per exec",
 			ms(percentile(lat, 50)), ms(percentile(lat, 99)), ms(v.PluginCPU)/float64(len(pods)))
+		if name == pathEBPF {
+			f := e.execFloor(floorBin, pods)
+			fl := slices.Sorted(slices.Values(f.Latencies))
+			res.Notes["enroll_cni: the empty program's exec right after (exec_floor_ms, the same pods)"] = fmt.Sprintf("p50 %.2f ms, p99 %.2f ms; %.2f ms CPU per exec",
+				ms(percentile(fl, 50)), ms(percentile(fl, 99)), ms(f.PluginCPU)/float64(len(pods)))
+		}
 		dir := e.t.TempDir()
 		machine := startMachineProfiler(dir)
 		var agent *profiler
@@ -112,9 +130,15 @@ func (e *env) enrollment(res *Results) {
 		"after the batch). iptables: test/reference/iptables-cni doing istio-cni's work in the plugin process (ipset add by netlink in the " +
 		"node netns, iptables-restore per family in the pod netns, ip rule/route by netlink; no agent hop, no ZDS); in place = its exit 0 " +
 		"after iptables-restore committed, with iptables-save and the ipsets checked after the batch"
+	const floorNote = "the floor under any plugin's start on this machine: per repetition, right after the ebpf path's ADDs and with " +
+		"the same pods' environment, the exec of an empty static Go program (func main(){}, CGO_ENABLED=0, built as the plugins are) " +
+		"to its exit, one at a time, through the same runtime helper and exec as the plugins (timed as their start alone, CNI VERSION, is); " +
+		"in the ebpf column, the path whose exec it bounds"
 	res.Figures = append(res.Figures,
 		newFigure("enroll_cni_p50", "ms", "lower", "", cni50).WithNote(cniNote),
 		newFigure("enroll_cni_p99", "ms", "lower", "ebpf <= 5 ms and <= 0.2x iptables", cni99).WithNote("as enroll_cni_p50"),
+		newFigure("exec_floor_ms_p50", "ms", "lower", "", floor50).WithNote(floorNote),
+		newFigure("exec_floor_ms_p99", "ms", "lower", "", floor99).WithNote("as exec_floor_ms_p50"),
 		newFigure("enroll_latency_p50", "ms", "lower", "", p50).WithNote("kept for comparison: ebpf is dataplane.Enroll in a process of its own "+
 			"(the CNI plugin and the agent are not included); iptables is the reference's eight commands (nsenter iptables-restore, ip, ipset)"),
 		newFigure("enroll_latency_p99", "ms", "lower", "", p99).WithNote("as enroll_latency_p50"),
@@ -126,6 +150,10 @@ func (e *env) enrollment(res *Results) {
 	for _, name := range []string{pathIptables, pathEBPF} {
 		res.Notes["enroll_cni: plugin process CPU per ADD, "+name] = fmt.Sprintf("%.2f ms (user+system of the plugin and what it runs, median of the repetitions)",
 			ms(medianDuration(cniCPU[name])))
+	}
+	if r := summarize(overFloor); r != nil {
+		res.Notes["enroll_cni: enroll_cni_p99 over exec_floor_ms_p99, ebpf"] = fmt.Sprintf("%.2fx (median of the repetitions' ratios, %.2fx to %.2fx; target <= 3x)",
+			r.Median, r.Min, r.Max)
 	}
 	if len(agentSide) > 0 {
 		res.Notes["enroll_cni: agent-side time per ADD, ebpf"] = fmt.Sprintf("%.2f ms (median of the repetitions' means of ambient_ebpf_enroll_duration_seconds: dataplane enrollment plus the ZDS ack)",
