@@ -87,6 +87,9 @@ const (
 	// maxMessage bounds an error's message in an answer, so that any
 	// error fits a frame.
 	maxMessage = 8 << 10
+	// maxCallTimeout bounds the deadline a request may ask for (its
+	// milliseconds would overflow a time.Duration long before int64).
+	maxCallTimeout = time.Hour
 )
 
 // ServeListener serves h on ln until ctx is cancelled, then lets in-flight
@@ -232,7 +235,8 @@ func (s *server) serveConn(calls context.Context, c net.Conn) {
 	defer cancel()
 	if req.TimeoutMillis > 0 {
 		var cancelT context.CancelFunc
-		ctx, cancelT = context.WithTimeout(ctx, time.Duration(req.TimeoutMillis)*time.Millisecond)
+		ms := min(req.TimeoutMillis, maxCallTimeout.Milliseconds())
+		ctx, cancelT = context.WithTimeout(ctx, time.Duration(ms)*time.Millisecond)
 		defer cancelT()
 	}
 	// One request per connection: anything the plugin does next, hanging

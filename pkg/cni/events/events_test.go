@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -460,6 +461,21 @@ func TestTheCallEndsWithThePlugin(t *testing.T) {
 	}
 	if err := <-errc; !errors.Is(err, ErrAgentUnreachable) {
 		t.Errorf("PodAdd cancelled: %v", err)
+	}
+
+	// A deadline too far to be a time.Duration is capped, not wrapped
+	// into the past.
+	conn, err := net.Dial("unix", c.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if err := cniv1.WriteFrame(conn, cniv1.KindAdd, &cniv1.Request{TimeoutMillis: math.MaxInt64, Pod: addReq().Pod, Ips: addReq().Ips}); err != nil {
+		t.Fatal(err)
+	}
+	call = <-h.calls
+	if dl, ok := call.Deadline(); !ok || time.Until(dl) < 59*time.Minute || call.Err() != nil {
+		t.Errorf("a request asking for the longest deadline got one %v away (set: %v, err %v)", time.Until(dl), ok, call.Err())
 	}
 }
 
