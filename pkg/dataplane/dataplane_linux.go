@@ -14,6 +14,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
+	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
@@ -413,7 +414,7 @@ func (d *Dataplane) attachNodeHooks(cgroupID uint64) error {
 			l, err = link.AttachCgroup(link.CgroupOptions{Path: d.cfg.CgroupRoot, Attach: h.attach, Program: h.prog})
 			if err != nil {
 				rollback()
-				return fmt.Errorf("attach %s to cgroup %s: %w", h.name, d.cfg.CgroupRoot, err)
+				return fmt.Errorf("attach %s to cgroup %s: %w%s", h.name, d.cfg.CgroupRoot, err, exclusiveHolder(d.cfg.CgroupRoot, err))
 			}
 			if err := l.Pin(pin); err != nil {
 				l.Close()
@@ -428,6 +429,21 @@ func (d *Dataplane) attachNodeHooks(cgroupID uint64) error {
 		d.nodeLinks = append(d.nodeLinks, l)
 	}
 	return nil
+}
+
+// exclusiveHolder names, for an attach the kernel refused with EPERM, the
+// program that holds the hook alone (attached without BPF_F_ALLOW_MULTI),
+// and what to do about it; "" when there is none to name.
+func exclusiveHolder(cgroup string, err error) string {
+	if !errors.Is(err, unix.EPERM) {
+		return ""
+	}
+	mount, _ := hostfs.Cgroup2Root()
+	holders, _ := inspect.ExclusiveHolders(mount, cgroup)
+	if len(holders) == 0 {
+		return ""
+	}
+	return fmt.Sprintf(": %s, which keeps every other program off the hook; ambient-ebpf cannot run beside it: have its owner attach with BPF_F_ALLOW_MULTI or a bpf_link (Cilium's socket load balancer does from 1.14), or detach it", holders[0])
 }
 
 // Close releases the agent's handles and leaves every pin in place, so

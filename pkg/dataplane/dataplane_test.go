@@ -425,3 +425,23 @@ func TestNewRefusesAChangedCgroupRoot(t *testing.T) {
 	// The original root still works, and takes the pins back.
 	newDataplane(t, n)
 }
+
+// A socket load balancer attached the old way (BPF_PROG_ATTACH without
+// BPF_F_ALLOW_MULTI, as older Cilium releases do) holds its hook alone:
+// the start is refused with an error naming the program, the hook and
+// what to do, and nothing is left pinned. Once it is gone, the start works.
+func TestNewNamesAProgramThatHoldsAHookAlone(t *testing.T) {
+	n := simnode.New(t)
+	detach := n.AttachExclusive(ebpf.AttachCGroupInet4Connect, "lb_sock4_conn")
+	_, err := New(Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	for _, want := range []string{"attach connect4 to cgroup " + n.CgroupRoot, "program lb_sock4_conn (id ", "holds connect4 of cgroup " + n.CgroupRoot + " exclusively", "BPF_F_ALLOW_MULTI"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Fatalf("New beside an exclusive program: %v, want an error with %q", err, want)
+		}
+	}
+	if _, err := os.Stat(n.BPFFSDir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("pins left after a refused start: %v", err)
+	}
+	detach()
+	newDataplane(t, n)
+}

@@ -237,6 +237,16 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 			out = append(out, Finding{Check: "cgroup-hooks", Status: OK, Summary: fmt.Sprintf("our %d socket hooks are attached to %s", len(inspect.SocketHooks()), n.cgroup2)})
 		}
 	}
+	// A program holding a hook alone keeps ours off it: the agent cannot
+	// start (before install) or a restarted one cannot attach again.
+	mount, _ := hostfs.Cgroup2Root()
+	if holders, err := inspect.ExclusiveHolders(mount, n.cgroup2); err == nil {
+		for _, h := range holders {
+			out = append(out, Finding{Check: "cgroup-hooks", Status: Fail, Summary: h.String(),
+				Meaning: "the kernel refuses every other program on that hook (EPERM): the agent cannot attach its socket programs and refuses to start",
+				Action:  fmt.Sprintf("have its owner attach with BPF_F_ALLOW_MULTI or a bpf_link (Cilium's socket load balancer does from 1.14), or detach it: bpftool cgroup detach %s %s id %d", h.Cgroup, bpftoolHook(h.Hook), h.ID)})
+		}
+	}
 	// One finding per foreign program and cgroup, naming its hooks.
 	type owner struct {
 		cgroup, name string
@@ -281,6 +291,14 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 		out = append(out, Finding{Check: "cgroup-hooks", Status: Info, Summary: fmt.Sprintf("only the first %d cgroups below %s were checked", n.cfg.MaxCgroups, n.cgroup2)})
 	}
 	return out
+}
+
+// bpftoolHook is bpftool's name of one of our socket hooks.
+func bpftoolHook(hook string) string {
+	if hook == "sockops" {
+		return "sock_ops"
+	}
+	return hook
 }
 
 // hookRows names what each per-pod hook does (pin name prefix).

@@ -316,3 +316,18 @@ func deleteOurFilter(t *testing.T, ns, iface string) {
 func skLookupInbound() bool {
 	return features.HasSkLookupIfindex() && features.HasNetnsCookieSockops()
 }
+
+// A program that holds a socket hook alone (attached without
+// BPF_F_ALLOW_MULTI) fails the doctor before install, naming it and the
+// bpftool command that detaches it: the agent could not start.
+func TestDoctorNamesAProgramThatHoldsAHookAlone(t *testing.T) {
+	n := simnode.New(t)
+	n.AttachExclusive(ebpf.AttachCGroupInet4Connect, "lb_sock4_conn")
+	r := Run(context.Background(), Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), CNIConfDir: t.TempDir()})
+	requireFindings(t, r, want{"cgroup-hooks", Fail, []string{"program lb_sock4_conn (id ", "holds connect4 of cgroup " + n.CgroupRoot + " exclusively"}})
+	for _, f := range r.Findings {
+		if f.Status == Fail && f.Check == "cgroup-hooks" && !strings.Contains(f.Action, "bpftool cgroup detach "+n.CgroupRoot+" connect4 id ") {
+			t.Errorf("the finding's action names no detach command: %+v", f)
+		}
+	}
+}

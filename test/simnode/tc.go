@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
+	"sync"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -141,4 +143,43 @@ func destinationKeys(pfx netip.Prefix) []destinationKey {
 		keys = append(keys, destinationKey{mask: mask, val: binary.BigEndian.Uint32(addr[i:]) & mask})
 	}
 	return keys
+}
+
+// AttachExclusive attaches a pass-through program named name to one of
+// the node cgroup's socket hooks the old way, BPF_PROG_ATTACH without
+// BPF_F_ALLOW_MULTI (older Cilium releases attach their socket load
+// balancer so): no other program can attach there while it is. The
+// returned func detaches it; cleanup does too.
+func (n *Node) AttachExclusive(attach ebpf.AttachType, name string) (detach func()) {
+	n.t.Helper()
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Name: name, Type: ebpf.CGroupSockAddr, AttachType: attach, License: "Dual BSD/GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
+	})
+	if err != nil {
+		n.t.Fatalf("load %s: %v", name, err)
+	}
+	cg, err := os.Open(n.CgroupRoot)
+	if err != nil {
+		prog.Close()
+		n.t.Fatal(err)
+	}
+	opts := link.RawAttachProgramOptions{Target: int(cg.Fd()), Program: prog, Attach: attach}
+	if err := link.RawAttachProgram(opts); err != nil {
+		cg.Close()
+		prog.Close()
+		n.t.Fatalf("attach %s to %s: %v", name, n.CgroupRoot, err)
+	}
+	var once sync.Once
+	detach = func() {
+		once.Do(func() {
+			if err := link.RawDetachProgram(link.RawDetachProgramOptions{Target: opts.Target, Program: prog, Attach: attach}); err != nil {
+				n.t.Errorf("detach %s: %v", name, err)
+			}
+			cg.Close()
+			prog.Close()
+		})
+	}
+	n.t.Cleanup(detach)
+	return detach
 }
