@@ -12,6 +12,7 @@ package buildinfo
 
 import (
 	"fmt"
+	"runtime"
 	"runtime/debug"
 	"strings"
 )
@@ -30,6 +31,9 @@ type Info struct {
 	Modified bool `json:"modified"`
 	// GoVersion is the toolchain that built the binary.
 	GoVersion string `json:"goVersion"`
+	// Platform is the OS and architecture it was built for (linux/amd64,
+	// linux/arm64).
+	Platform string `json:"platform"`
 }
 
 // Set by the linker only (LDFlags), never at run time.
@@ -52,6 +56,7 @@ func Read() Info {
 	if ok {
 		info = FromBuildInfo(bi)
 	}
+	info.Platform = runtime.GOOS + "/" + runtime.GOARCH
 	return info.stamped(stampedVersion, stampedRevision)
 }
 
@@ -87,7 +92,8 @@ func FromBuildInfo(bi *debug.BuildInfo) Info {
 }
 
 // String is the one line `--version` prints after the program's name:
-// version, short revision (+modified), commit time and Go version.
+// version, short revision (+modified), commit time, Go version and
+// platform.
 func (i Info) String() string {
 	var b strings.Builder
 	b.WriteString(i.Version)
@@ -106,6 +112,9 @@ func (i Info) String() string {
 	}
 	if i.GoVersion != "" {
 		fmt.Fprintf(&b, " %s", i.GoVersion)
+	}
+	if i.Platform != "" {
+		fmt.Fprintf(&b, " %s", i.Platform)
 	}
 	return b.String()
 }

@@ -22,7 +22,7 @@ func setVersion(root *cobra.Command) {
 func versionCommand(o *options) *cobra.Command {
 	return &cobra.Command{
 		Use:   "version",
-		Short: "The CLI's version, revision and Go version, from its build information",
+		Short: "The CLI's version, revision, Go version and platform, from its build information",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			info := buildinfo.Read()
@@ -32,6 +32,7 @@ func versionCommand(o *options) *cobra.Command {
 				fmt.Fprintf(w, "modified\t%v\n", info.Modified)
 				fmt.Fprintf(w, "commit time\t%s\n", dashIfEmpty(info.Time))
 				fmt.Fprintf(w, "go\t%s\n", info.GoVersion)
+				fmt.Fprintf(w, "platform\t%s\n", dashIfEmpty(info.Platform))
 			})
 		},
 	}

@@ -5,6 +5,7 @@ package cli
 
 import (
 	"encoding/json"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -17,8 +18,8 @@ func TestVersion(t *testing.T) {
 	if out := run(t, "--version"); out != "ambient-ebpf "+want.String()+"\n" {
 		t.Errorf("--version printed %q, want ambient-ebpf %s", out, want)
 	}
-	if out := run(t, "version"); !strings.Contains(out, want.Version) || !strings.Contains(out, want.GoVersion) {
-		t.Errorf("version printed %q, want %s and %s in it", out, want.Version, want.GoVersion)
+	if out := run(t, "version"); !strings.Contains(out, want.Version) || !strings.Contains(out, want.GoVersion) || !strings.Contains(out, runtime.GOOS+"/"+runtime.GOARCH) {
+		t.Errorf("version printed %q, want %s, %s and the platform in it", out, want.Version, want.GoVersion)
 	}
 	var got buildinfo.Info
 	if err := json.Unmarshal([]byte(run(t, "-o", "json", "version")), &got); err != nil || got != want {
