@@ -95,11 +95,15 @@ static __always_inline struct netns_info *pod_netns(struct bpf_sock_addr *ctx, _
 	return bpf_map_lookup_elem(&ae_netns, cookie);
 }
 
-/* Whether a connect in the netns of cookie may be a host probe (direct
- * mode): only the node's own sockets are. */
+/* Whether connect marks a socket of the netns of cookie as a possible host
+ * probe: only the node's own sockets are, and sockops needs the mark in
+ * the direct mode (to file the flow) and in the node-wide half of a split
+ * attach (to know the socket is the node's at all). */
 static __always_inline bool node_probe_netns(__u64 cookie, bool connect)
 {
-	return (ae_cfg.flags & AE_CFG_PROBE_DIRECT) && connect && cookie && cookie == ae_node_netns_cookie;
+	if (!connect || !cookie || cookie != ae_node_netns_cookie)
+		return false;
+	return ae_cfg.flags & (AE_CFG_PROBE_DIRECT | AE_CFG_NODE_SCOPE);
 }
 
 /*
@@ -160,6 +164,34 @@ static __always_inline void count(struct netns_info *ns, __u8 reason)
 		st->dns_redirects++;
 	else
 		st->outbound_redirects++;
+}
+
+/*
+ * The node-wide half of a split attach (AE_CFG_NODE_SCOPE): attached to the
+ * cgroup root while the full set is on the cgroup that holds the pods, so
+ * that the pods' sockets meet ours before any program at the root (a socket
+ * load balancer, issue 35). Here only the node's own sockets matter: a TCP
+ * connect to an enrolled pod is marked for sockops (host probes, H1). A
+ * pod's socket costs one netns cookie read.
+ */
+static __always_inline int node_scope_connect(struct bpf_sock_addr *ctx, bool connect, bool v6)
+{
+	struct ae_addr dst;
+	__u32 ip6[4];
+
+	if (!ctx->sk || !node_probe_netns(bpf_get_netns_cookie(ctx), connect))
+		return SYS_PROCEED;
+	if (v6) {
+		ip6[0] = ctx->user_ip6[0];
+		ip6[1] = ctx->user_ip6[1];
+		ip6[2] = ctx->user_ip6[2];
+		ip6[3] = ctx->user_ip6[3];
+		addr_set_v6(&dst, ip6);
+	} else {
+		addr_set_v4(&dst, ctx->user_ip4);
+	}
+	mark_node_probe(ctx, &dst);
+	return SYS_PROCEED;
 }
 
 /*
@@ -268,6 +300,8 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, bool connect)
 	__be16 dport;
 	__u8 reason;
 
+	if (ae_cfg.flags & AE_CFG_NODE_SCOPE)
+		return node_scope_connect(ctx, connect, false);
 	ns = pod_netns(ctx, &cookie);
 	if (!ns) {
 		bool probe = node_probe_netns(cookie, connect);
@@ -343,6 +377,8 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, bool connect)
 	__u8 reason;
 	bool v4;
 
+	if (ae_cfg.flags & AE_CFG_NODE_SCOPE)
+		return node_scope_connect(ctx, connect, true);
 	ns = pod_netns(ctx, &cookie);
 	if (!ns && !ae_tracing && !node_probe_netns(cookie, connect))
 		return SYS_PROCEED;
@@ -800,6 +836,15 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops)
 SEC("sockops")
 int ae_sockops(struct bpf_sock_ops *skops)
 {
+	/* The node-wide half of a split attach: only the node's sockets
+	 * connect marked (node_scope_connect); the pods' cgroup runs the
+	 * full program for everyone else. */
+	if (ae_cfg.flags & AE_CFG_NODE_SCOPE) {
+		struct bpf_sock *sk = skops->sk;
+
+		if (!sk || !bpf_sk_storage_get(&ae_sk_probe, sk, 0, 0))
+			return 1;
+	}
 	switch (skops->op) {
 	case BPF_SOCK_OPS_TCP_CONNECT_CB:
 		on_connect(skops);

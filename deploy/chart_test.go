@@ -286,8 +286,17 @@ func TestChartRenders(t *testing.T) {
 		{
 			name: "host probes direct by default, snat on request",
 			check: func(t *testing.T, r *rendered) {
-				if fl := flags(t, r.agent(t)); !slices.Equal(fl["host-probes"], []string{"direct"}) {
-					t.Errorf("--host-probes=%v, want direct", fl["host-probes"])
+				if fl := flags(t, r.agent(t)); !slices.Equal(fl["host-probes"], []string{"direct"}) || !slices.Equal(fl["pods-cgroup"], []string{"auto"}) {
+					t.Errorf("--host-probes=%v --pods-cgroup=%v, want direct and auto", fl["host-probes"], fl["pods-cgroup"])
+				}
+			},
+		},
+		{
+			name:   "pods cgroup auto by default, a directory on request",
+			values: "agent: {podsCgroup: kubepods.slice}",
+			check: func(t *testing.T, r *rendered) {
+				if fl := flags(t, r.agent(t)); !slices.Equal(fl["pods-cgroup"], []string{"kubepods.slice"}) {
+					t.Errorf("--pods-cgroup=%v, want kubepods.slice", fl["pods-cgroup"])
 				}
 			},
 		},

@@ -29,6 +29,10 @@
                                                 * interface, so it alone captures inbound */
 #define AE_CFG_PROBE_DIRECT         (1U << 4) /* host probes reach the app with the node's
                                                 * address, untranslated (H1 direct) */
+#define AE_CFG_NODE_SCOPE           (1U << 5) /* these socket programs are the node-wide half
+                                                * of a split attach: the node's own sockets
+                                                * only (host probes); the pods' cgroup has
+                                                * the rest */
 
 /* struct pod_meta.state: the enrolment journal. A pod's slot is written
  * ENROLLING (with what must be restored) before the node is touched and

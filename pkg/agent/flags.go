@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -30,6 +31,7 @@ type Flags struct {
 
 	nodeName, kubeconfig, standalone            string
 	bpffs, cgroupRoot, nodeNetns                string
+	podsCgroup                                  string
 	probeV4, probeV6                            string
 	hostProbes                                  string
 	zdsSocket, cniSocket, procRoot              string
@@ -70,6 +72,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.standalone, "standalone-pods", "", "read pods and namespaces from this file instead of the Kubernetes API")
 	fs.StringVar(&f.bpffs, "bpffs-dir", bpfobj.DefaultBPFFSDir, "directory all pins live under (on a bpffs)")
 	fs.StringVar(&f.cgroupRoot, "cgroup-root", "", "cgroup v2 directory the socket hooks attach to; empty: the cgroup2 mount")
+	fs.StringVar(&f.podsCgroup, "pods-cgroup", "auto", "the cgroup v2 directory below --cgroup-root that holds every pod, ztunnel's included: the socket programs attach there, so pods' sockets meet them before any program at the root (a socket load balancer), and a node-wide half for the node's own sockets attaches to the root; auto: kubepods.slice or kubepods right below the root when there, else none; none: every program at the root")
 	fs.StringVar(&f.nodeNetns, "node-netns", "", "the node's netns (where pods' veth peers are); empty: the agent's own")
 	fs.StringVar(&f.hostProbes, "host-probes", string(bpfobj.ProbeDirect), "how the node's own connections to enrolled pods (kubelet's probes) reach the app: direct (with the node's address) or snat (from the --probe-snat addresses, as istio-cni)")
 	fs.StringVar(&f.probeV4, "probe-snat-v4", bpfobj.DefaultProbeV4.String(), "host-probe SNAT address (IPv4)")
@@ -174,6 +177,16 @@ func (f *Flags) Config() (Config, error) {
 	if c.Dataplane.CgroupRoot == "" {
 		if c.Dataplane.CgroupRoot, err = hostfs.Cgroup2Root(); err != nil {
 			return c, fmt.Errorf("find the cgroup v2 hierarchy (set --cgroup-root): %w", err)
+		}
+	}
+	switch f.podsCgroup {
+	case "none", "":
+	case "auto":
+		c.Dataplane.PodsCgroup = hostfs.PodsCgroup(c.Dataplane.CgroupRoot)
+	default:
+		c.Dataplane.PodsCgroup = f.podsCgroup
+		if !filepath.IsAbs(f.podsCgroup) {
+			c.Dataplane.PodsCgroup = filepath.Join(c.Dataplane.CgroupRoot, f.podsCgroup)
 		}
 	}
 	c.Enrollment = enrollment.DefaultConfig()

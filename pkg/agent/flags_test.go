@@ -5,6 +5,8 @@ package agent
 
 import (
 	"flag"
+	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"testing"
@@ -102,5 +104,49 @@ func TestEnablementSelectorsReachThePlugin(t *testing.T) {
 	got, err := enrollment.ParseSelectors(c.Install.Plugin.EnablementSelectors)
 	if err != nil || !reflect.DeepEqual(got, c.Enrollment.Selectors) {
 		t.Errorf("plugin settings carry %s (%v), want %+v", c.Install.Plugin.EnablementSelectors, err, c.Enrollment.Selectors)
+	}
+}
+
+// --pods-cgroup: auto finds kubelet's cgroup below the root (either
+// driver's name), none and an absent one attach at the root, and a
+// relative directory is below the root.
+func TestPodsCgroupFlag(t *testing.T) {
+	for _, c := range []struct {
+		dirs []string
+		arg  string
+		want string // below the root; "": none
+	}{
+		{nil, "", ""},
+		{[]string{"kubepods"}, "", "kubepods"},
+		{[]string{"kubepods.slice", "kubepods"}, "", "kubepods.slice"},
+		{[]string{"kubepods"}, "none", ""},
+		{nil, "pods", "pods"},
+	} {
+		root := t.TempDir()
+		for _, d := range c.dirs {
+			if err := os.Mkdir(filepath.Join(root, d), 0o755); err != nil {
+				t.Fatal(err)
+			}
+		}
+		fs := flag.NewFlagSet("agent", flag.ContinueOnError)
+		f := NewFlags(fs)
+		args := []string{"--cgroup-root", root, "--node-name", "n1"}
+		if c.arg != "" {
+			args = append(args, "--pods-cgroup", c.arg)
+		}
+		if err := fs.Parse(args); err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := f.Config()
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := ""
+		if c.want != "" {
+			want = filepath.Join(root, c.want)
+		}
+		if cfg.Dataplane.PodsCgroup != want {
+			t.Errorf("dirs %v, --pods-cgroup %q: %q, want %q", c.dirs, c.arg, cfg.Dataplane.PodsCgroup, want)
+		}
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"path/filepath"
+	"strings"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
@@ -19,6 +21,16 @@ type Config struct {
 	// CgroupRoot is the cgroup v2 directory the socket hooks attach to. Every
 	// pod and ztunnel must be below it (on a node: the hierarchy's root).
 	CgroupRoot string
+	// PodsCgroup, when set, is the cgroup v2 directory below CgroupRoot that
+	// holds every pod, ztunnel's included (kubelet's kubepods.slice or
+	// kubepods). The socket programs then attach there, so that enrolled
+	// pods' sockets meet them before any program at CgroupRoot, whichever
+	// attached first (a socket load balancer: Cilium's rewrites a Service
+	// address to a backend's, and ztunnel would be handed the backend);
+	// a node-wide half (connect and sockops, for the node's own sockets:
+	// host probes) attaches to CgroupRoot. Empty: every program at
+	// CgroupRoot. Changed between two agents, the second moves the links.
+	PodsCgroup string
 	// NodeNetns is the node's network namespace, where the node side of
 	// each pod's veth is (default: the agent's own, /proc/self/ns/net).
 	NodeNetns string
@@ -93,6 +105,13 @@ func (c *Config) setDefaults() error {
 	}
 	if c.CgroupRoot == "" {
 		return fmt.Errorf("no cgroup root configured")
+	}
+	if c.PodsCgroup != "" {
+		root, pods := filepath.Clean(c.CgroupRoot), filepath.Clean(c.PodsCgroup)
+		if !strings.HasPrefix(pods, root+"/") {
+			return fmt.Errorf("pods cgroup %s is not below the cgroup root %s", c.PodsCgroup, c.CgroupRoot)
+		}
+		c.PodsCgroup = pods
 	}
 	if c.ProcRoot == "" {
 		c.ProcRoot = "/proc"

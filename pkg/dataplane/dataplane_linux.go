@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 
 	"github.com/cilium/ebpf"
@@ -25,6 +27,44 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 )
+
+// cgroupTarget is a cgroup v2 directory the socket programs attach to.
+type cgroupTarget struct {
+	path string
+	id   uint64
+}
+
+// nodeScopePrograms are the node-wide half of a split attach: bpf/sock.c
+// loaded a second time with AE_CFG_NODE_SCOPE, only the programs of
+// bpfobj.NodeScopeHooks (the others are never loaded).
+type nodeScopePrograms struct {
+	Connect4 *ebpf.Program `ebpf:"ae_connect4"`
+	Connect6 *ebpf.Program `ebpf:"ae_connect6"`
+	Sockops  *ebpf.Program `ebpf:"ae_sockops"`
+	// NodeNetnsCookie is its own copy of ae_node_netns_cookie.
+	NodeNetnsCookie *ebpf.Variable `ebpf:"ae_node_netns_cookie"`
+}
+
+func (p *nodeScopePrograms) program(name string) *ebpf.Program {
+	switch strings.TrimPrefix(name, bpfobj.NodeScopePrefix) {
+	case "connect4":
+		return p.Connect4
+	case "connect6":
+		return p.Connect6
+	}
+	return p.Sockops
+}
+
+func (p *nodeScopePrograms) Close() {
+	if p == nil {
+		return
+	}
+	for _, prog := range []*ebpf.Program{p.Connect4, p.Connect6, p.Sockops} {
+		if prog != nil {
+			prog.Close()
+		}
+	}
+}
 
 // Dataplane is the loaded data path. All methods are safe for concurrent
 // use; mutations run one at a time.
@@ -47,8 +87,14 @@ type Dataplane struct {
 	// used from load until the links run the new programs, nil afterwards.
 	upgrade *upgrade.Plan
 
+	// Where the socket programs attach: all of them to hooksAt (the
+	// pods' cgroup when Config.PodsCgroup is set, else the root), and
+	// with a pods' cgroup, the node-wide half (nodeScope) to root.
+	root, hooksAt cgroupTarget
+
 	mu        sync.Mutex
 	sock      bpfobj.SockObjects
+	nodeScope *nodeScopePrograms // nil without a pods' cgroup
 	tc        bpfobj.TcObjects
 	nodeLinks []link.Link
 	pods      map[string]*podState // by UID
@@ -85,9 +131,18 @@ func New(cfg Config) (*Dataplane, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
-	cgroupID, err := hostfs.CgroupID(cfg.CgroupRoot)
+	rootID, err := hostfs.CgroupID(cfg.CgroupRoot)
 	if err != nil {
 		return nil, fmt.Errorf("cgroup root: %w", err)
+	}
+	root := cgroupTarget{cfg.CgroupRoot, rootID}
+	hooksAt := root
+	if cfg.PodsCgroup != "" {
+		id, err := hostfs.CgroupID(cfg.PodsCgroup)
+		if err != nil {
+			return nil, fmt.Errorf("pods cgroup: %w", err)
+		}
+		hooksAt = cgroupTarget{cfg.PodsCgroup, id}
 	}
 	if mounted, err := hostfs.EnsureBPFFS(filepath.Dir(cfg.BPFFSDir)); err != nil {
 		return nil, err
@@ -108,14 +163,14 @@ func New(cfg Config) (*Dataplane, error) {
 	}
 	_, statErr := os.Stat(cfg.BPFFSDir)
 	fresh := errors.Is(statErr, os.ErrNotExist)
-	d, err := load(cfg, cgroupID)
+	d, err := load(cfg, root, hooksAt)
 	if err != nil && fresh {
 		_ = os.RemoveAll(cfg.BPFFSDir)
 	}
 	return d, fdlimit.Annotate(err)
 }
 
-func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
+func load(cfg Config, root, hooksAt cgroupTarget) (*Dataplane, error) {
 	// Pins this build cannot take over are refused before anything
 	// is created.
 	if err := upgrade.Check(cfg.BPFFSDir); err != nil {
@@ -130,7 +185,7 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Dataplane{cfg: cfg, log: cfg.Logger, pods: map[string]*podState{}, nodeNetns: nodeNetns}
+	d := &Dataplane{cfg: cfg, log: cfg.Logger, pods: map[string]*podState{}, nodeNetns: nodeNetns, root: root, hooksAt: hooksAt}
 	d.pickMechanisms()
 	if err := d.load(); err != nil {
 		return nil, err
@@ -147,12 +202,12 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 		d.closeObjects()
 		return nil, err
 	}
-	if err := d.attachNodeHooks(cgroupID); err != nil {
+	if err := d.attachNodeHooks(); err != nil {
 		d.closeObjects()
 		return nil, err
 	}
 	d.accel, d.accelStatus = accel.Setup(accel.Options{
-		Mode: d.cfg.SockmapAccel, BPFFSDir: d.cfg.BPFFSDir, CgroupRoot: d.cfg.CgroupRoot, CgroupID: cgroupID,
+		Mode: d.cfg.SockmapAccel, BPFFSDir: d.cfg.BPFFSDir, CgroupRoot: d.hooksAt.path, CgroupID: d.hooksAt.id,
 		Config: d.loadConfig(), Log: d.log,
 	})
 	if err := d.adoptPods(); err != nil {
@@ -169,10 +224,12 @@ func load(cfg Config, cgroupID uint64) (*Dataplane, error) {
 	return d, nil
 }
 
+// nodeHookNames are the pins of every node-wide link this build may keep,
+// the split attach's node half included.
 func (d *Dataplane) nodeHookNames() []string {
 	var out []string
-	for _, h := range d.nodeHooks() {
-		out = append(out, h.name)
+	for _, h := range slices.Concat(bpfobj.NodeHooks(), bpfobj.NodeScopeHooks()) {
+		out = append(out, h.Name)
 	}
 	return out
 }
@@ -237,6 +294,11 @@ func (d *Dataplane) setNodeNetns() error {
 	}
 	if err := d.sock.AeNodeNetnsCookie.Set(cookie); err != nil {
 		return fmt.Errorf("write ae_node_netns_cookie: %w", err)
+	}
+	if d.nodeScope != nil {
+		if err := d.nodeScope.NodeNetnsCookie.Set(cookie); err != nil {
+			return fmt.Errorf("write the node-wide programs' ae_node_netns_cookie: %w", err)
+		}
 	}
 	return nil
 }
@@ -338,12 +400,46 @@ func (d *Dataplane) load() error {
 		up.Close()
 		return fmt.Errorf("write ae_node_cfg: %w", err)
 	}
+	if d.cfg.PodsCgroup != "" {
+		if err := d.loadNodeScope(bpfCfg, tracing, opts); err != nil {
+			d.sock.Close()
+			up.Close()
+			return err
+		}
+	}
 	if err := tcSpec.LoadAndAssign(&d.tc, opts(tcSpec)); err != nil {
 		d.sock.Close()
 		up.Close()
 		d.logVerifier(err)
 		return fmt.Errorf("load tc programs: %w", err)
 	}
+	return nil
+}
+
+// loadNodeScope loads the node-wide half of a split attach: the socket
+// programs again, with AE_CFG_NODE_SCOPE, on the same pinned maps.
+func (d *Dataplane) loadNodeScope(bpfCfg bpfobj.SockAeConfig, tracing uint32, opts func(*ebpf.CollectionSpec) *ebpf.CollectionOptions) error {
+	spec, err := bpfobj.LoadSock()
+	if err != nil {
+		return fmt.Errorf("read socket programs: %w", err)
+	}
+	var ss bpfobj.SockSpecs
+	if err := spec.Assign(&ss); err != nil {
+		return fmt.Errorf("read socket programs: %w", err)
+	}
+	bpfCfg.Flags |= bpfobj.CfgNodeScope
+	if err := ss.AeCfg.Set(bpfCfg); err != nil {
+		return fmt.Errorf("configure the node-wide socket programs: %w", err)
+	}
+	if err := pinTraceFlag(spec, ss.AeTracing, tracing); err != nil {
+		return fmt.Errorf("read socket programs: %w", err)
+	}
+	var p nodeScopePrograms
+	if err := spec.LoadAndAssign(&p, opts(spec)); err != nil {
+		d.logVerifier(err)
+		return fmt.Errorf("load the node-wide socket programs: %w", err)
+	}
+	d.nodeScope = &p
 	return nil
 }
 
@@ -370,6 +466,8 @@ func (d *Dataplane) closeObjects() {
 		d.listenerIter = nil
 	}
 	d.sock.Close()
+	d.nodeScope.Close()
+	d.nodeScope = nil
 	d.tc.Close()
 }
 
@@ -381,54 +479,170 @@ func (d *Dataplane) nodeHooks() []nodeHook {
 	return hooks
 }
 
-// attachNodeHooks attaches the socket programs to the cgroup root, or
-// swaps the new programs into links pinned by an earlier agent: an atomic
-// replace, so no connect() runs without a program.
-func (d *Dataplane) attachNodeHooks(cgroupID uint64) error {
-	var created []link.Link
-	rollback := func() {
-		for _, l := range created {
-			_ = l.Unpin()
-		}
-		for _, l := range d.nodeLinks {
-			l.Close()
-		}
-		d.nodeLinks = nil
+// attachNodeHooks attaches the socket programs to their cgroup (hooksAt),
+// and with a pods' cgroup the node-wide half to the root, or swaps the new
+// programs into links pinned by an earlier agent: an atomic replace, so no
+// connect() runs without a program. A link an earlier agent pinned on the
+// other of the two cgroups (the pods' cgroup was set or unset since) is
+// moved: the new link is attached first, then takes the old one's pin,
+// which detaches the old one. Node-wide links a split attach no longer
+// needs are removed. Nothing changes unless every link could be made.
+func (d *Dataplane) attachNodeHooks() error {
+	// A pinned link elsewhere is the earlier agent's pods' cgroup, or the
+	// root it attached to before it had one; any other is refused.
+	_, err := os.Stat(filepath.Join(linksDir(d.cfg), bpfobj.NodeScopeHooks()[0].Name))
+	wasSplit := err == nil
+	movable := func(l link.Link) bool {
+		return wasSplit || d.hooksAt != d.root && bpfobj.SameCgroup(l, d.root.id) == nil
 	}
-	for _, h := range d.nodeHooks() {
+	var staged []stagedHook
+	rollback := func() {
+		for _, h := range staged {
+			h.abandon()
+		}
+	}
+	full, err := d.stageHooks(d.nodeHooks(), d.hooksAt, movable)
+	staged = append(staged, full...)
+	if err != nil {
+		rollback()
+		return err
+	}
+	if d.nodeScope != nil {
+		var hooks []nodeHook
+		for _, h := range bpfobj.NodeScopeHooks() {
+			hooks = append(hooks, nodeHook{h.Name, h.Attach, d.nodeScope.program(h.Name)})
+		}
+		half, err := d.stageHooks(hooks, d.root, func(link.Link) bool { return false })
+		staged = append(staged, half...)
+		if err != nil {
+			rollback()
+			return err
+		}
+	}
+	for _, h := range staged {
+		if err := h.commit(); err != nil {
+			// The links committed so far run the new programs; the
+			// rest still run the old ones where they were.
+			rollback()
+			return err
+		}
+		d.nodeLinks = append(d.nodeLinks, h.link)
+	}
+	if d.nodeScope == nil {
+		for _, h := range bpfobj.NodeScopeHooks() {
+			pin := filepath.Join(linksDir(d.cfg), h.Name)
+			if _, err := os.Stat(pin); err == nil {
+				d.log.Info("removing a node-wide link of a split attach: no pods cgroup is configured", "link", h.Name)
+				if err := pinnedLink(pin).detach(); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// stagedHook is a socket program's link made ready by stageHooks and
+// made the pinned one by commit.
+type stagedHook struct {
+	pin  string
+	link link.Link
+	// next is the temporary pin of a new link that replaces old, a pinned
+	// one of the other cgroup; "" when link is the pinned one already.
+	next  string
+	old   link.Link
+	fresh bool // link was attached (and pinned) by this agent
+}
+
+// commit makes the staged link the pinned one: a moved link's pin
+// replaces the old pin in one rename, and the old link is detached.
+func (h stagedHook) commit() error {
+	if h.next == "" {
+		return nil
+	}
+	if err := os.Rename(h.next, h.pin); err != nil {
+		return fmt.Errorf("move the %s link to its pin: %w", filepath.Base(h.pin), err)
+	}
+	_ = h.old.Detach() // BPF_LINK_DETACH (5.9+): gone even if someone holds it
+	h.old.Close()
+	return nil
+}
+
+// abandon undoes what stageHooks did for the hook: a link it attached
+// goes, with its pin; an adopted one is only closed.
+func (h stagedHook) abandon() {
+	switch {
+	case h.next != "":
+		_ = os.Remove(h.next)
+		h.old.Close()
+	case h.fresh:
+		_ = h.link.Unpin()
+	}
+	h.link.Close()
+}
+
+// stageHooks attaches or adopts each of hooks at cgroup at. A pinned link
+// elsewhere that movable accepts gets a new link at at, pinned aside.
+func (d *Dataplane) stageHooks(hooks []nodeHook, at cgroupTarget, movable func(link.Link) bool) ([]stagedHook, error) {
+	var out []stagedHook
+	for _, h := range hooks {
 		pin := filepath.Join(linksDir(d.cfg), h.name)
 		l, err := link.LoadPinnedLink(pin, nil)
 		switch {
 		case err == nil:
-			if err := bpfobj.SameCgroup(l, cgroupID); err != nil {
-				l.Close()
-				rollback()
-				return fmt.Errorf("pinned %s hook %w: the cgroup root changed since the data path was installed; start with the earlier root or uninstall first", h.name, err)
+			if bpfobj.SameCgroup(l, at.id) == nil {
+				if err := l.Update(h.prog); err != nil {
+					l.Close()
+					return out, fmt.Errorf("update pinned %s link: %w", h.name, err)
+				}
+				out = append(out, stagedHook{pin: pin, link: l})
+				continue
 			}
-			if err := l.Update(h.prog); err != nil {
+			if !movable(l) {
+				err := bpfobj.SameCgroup(l, at.id)
 				l.Close()
-				rollback()
-				return fmt.Errorf("update pinned %s link: %w", h.name, err)
+				return out, fmt.Errorf("pinned %s hook %w: the cgroup root changed since the data path was installed; start with the earlier root or uninstall first", h.name, err)
 			}
-		case errors.Is(err, os.ErrNotExist):
-			l, err = link.AttachCgroup(link.CgroupOptions{Path: d.cfg.CgroupRoot, Attach: h.attach, Program: h.prog})
+			d.log.Info("moving a socket program's link: the pods' cgroup changed", "hook", h.name, "to", at.path)
+			nl, err := d.attachHook(h, at)
 			if err != nil {
-				rollback()
-				return fmt.Errorf("attach %s to cgroup %s: %w%s", h.name, d.cfg.CgroupRoot, err, exclusiveHolder(d.cfg.CgroupRoot, err))
-			}
-			if err := l.Pin(pin); err != nil {
 				l.Close()
-				rollback()
-				return fmt.Errorf("pin %s link: %w", h.name, err)
+				return out, err
 			}
-			created = append(created, l)
+			// bpffs refuses a '.' in a name.
+			next := filepath.Join(filepath.Dir(pin), "moving_"+h.name)
+			_ = os.Remove(next)
+			if err := nl.Pin(next); err != nil {
+				nl.Close()
+				l.Close()
+				return out, fmt.Errorf("pin %s link: %w", h.name, err)
+			}
+			out = append(out, stagedHook{pin: pin, link: nl, next: next, old: l, fresh: true})
+		case errors.Is(err, os.ErrNotExist):
+			nl, err := d.attachHook(h, at)
+			if err != nil {
+				return out, err
+			}
+			if err := nl.Pin(pin); err != nil {
+				nl.Close()
+				return out, fmt.Errorf("pin %s link: %w", h.name, err)
+			}
+			out = append(out, stagedHook{pin: pin, link: nl, fresh: true})
 		default:
-			rollback()
-			return fmt.Errorf("load pinned %s link: %w", h.name, err)
+			return out, fmt.Errorf("load pinned %s link: %w", h.name, err)
 		}
-		d.nodeLinks = append(d.nodeLinks, l)
 	}
-	return nil
+	return out, nil
+}
+
+// attachHook attaches one socket program to a cgroup, naming whatever
+// holds the hook alone when the kernel refuses.
+func (d *Dataplane) attachHook(h nodeHook, at cgroupTarget) (link.Link, error) {
+	l, err := link.AttachCgroup(link.CgroupOptions{Path: at.path, Attach: h.attach, Program: h.prog})
+	if err != nil {
+		return nil, fmt.Errorf("attach %s to cgroup %s: %w%s", h.name, at.path, err, exclusiveHolder(at.path, err))
+	}
+	return l, nil
 }
 
 // exclusiveHolder names, for an attach the kernel refused with EPERM, the

@@ -83,7 +83,10 @@
 //	maps/ae_tracing     the flag that switches the events on (bpf/include/trace.h)
 //	links/<hook>        node-wide cgroup links: connect4, connect6,
 //	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
-//	                    getpeername4, getpeername6, sockops, getsockopt
+//	                    getpeername4, getpeername6, sockops, getsockopt;
+//	                    on Config.PodsCgroup when set, else on the root
+//	links/node_<hook>   with Config.PodsCgroup, the node-wide half on the
+//	                    root: connect4, connect6, sockops (host probes)
 //	maps/ae_accel*, links/accel_*  the sockmap acceleration, when
 //	                    Config.SockmapAccel asks for it (package accel)
 //	pods/<uid>/sk_lookup     sk_lookup link in the pod netns (R5)

@@ -224,17 +224,23 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 	var out []Finding
 	if n.pinned != nil {
 		var missing []string
+		// At the root, or at the pods' cgroup below it (--pods-cgroup),
+		// with the node-wide half at the root.
+		var where []string
 		for _, hook := range inspect.SocketHooks() {
-			if !slices.ContainsFunc(progs, func(p inspect.CgroupProgram) bool { return p.Ours && p.Hook == hook && p.Cgroup == n.cgroup2 }) {
+			i := slices.IndexFunc(progs, func(p inspect.CgroupProgram) bool { return p.Ours && p.Hook == hook })
+			if i < 0 {
 				missing = append(missing, hook)
+			} else if !slices.Contains(where, progs[i].Cgroup) {
+				where = append(where, progs[i].Cgroup)
 			}
 		}
 		if len(missing) > 0 {
-			out = append(out, Finding{Check: "cgroup-hooks", Status: Fail, Summary: fmt.Sprintf("our programs are not attached to %s on %s", n.cgroup2, strings.Join(missing, ", ")),
+			out = append(out, Finding{Check: "cgroup-hooks", Status: Fail, Summary: fmt.Sprintf("our programs are not attached below %s on %s", n.cgroup2, strings.Join(missing, ", ")),
 				Meaning: "outbound capture (R1), DNS (R9) and SO_ORIGINAL_DST need every one of them; the pins belong to another cgroup root or were detached",
 				Action:  "start the agent with the cgroup root it was installed with, or uninstall and install again"})
 		} else {
-			out = append(out, Finding{Check: "cgroup-hooks", Status: OK, Summary: fmt.Sprintf("our %d socket hooks are attached to %s", len(inspect.SocketHooks()), n.cgroup2)})
+			out = append(out, Finding{Check: "cgroup-hooks", Status: OK, Summary: fmt.Sprintf("our %d socket hooks are attached to %s", len(inspect.SocketHooks()), strings.Join(where, ", "))})
 		}
 	}
 	// A program holding a hook alone keeps ours off it: the agent cannot
@@ -264,10 +270,21 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 		}
 		hooks[o] = append(hooks[o], p.Hook)
 	}
+	// Ours on a pods' cgroup below the root (--pods-cgroup): the pods'
+	// sockets meet them before anything at the root.
+	podsCgroup := ""
+	if i := slices.IndexFunc(progs, func(p inspect.CgroupProgram) bool { return p.Ours && p.Hook == "getsockopt" }); i >= 0 && progs[i].Cgroup != n.cgroup2 {
+		podsCgroup = progs[i].Cgroup
+	}
 	for _, o := range order {
 		f := Finding{Check: "cgroup-hooks", Status: Info, Summary: fmt.Sprintf("program %s (id %d) on %s of %s", o.name, o.id, strings.Join(hooks[o], ", "), o.cgroup)}
 		where := "runs beside ours for every socket below the root"
-		if o.cgroup != n.cgroup2 {
+		switch {
+		case podsCgroup != "" && !strings.HasPrefix(o.cgroup+"/", podsCgroup+"/"):
+			f.Meaning = "runs after ours for the pods' sockets (ours are attached to " + podsCgroup + "): it sees an enrolled pod's connection already sent to ztunnel, and load-balances the rest"
+			out = append(out, f)
+			continue
+		case o.cgroup != n.cgroup2:
 			where = "runs before ours for the sockets of that cgroup"
 		}
 		if slices.ContainsFunc(hooks[o], func(h string) bool { return slices.Contains(rewriting, h) }) {

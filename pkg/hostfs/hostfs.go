@@ -8,6 +8,8 @@ package hostfs
 import (
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 
 	"github.com/moby/sys/mountinfo"
 )
@@ -50,4 +52,16 @@ func firstOfType(fstype string) (string, error) {
 // (/sys/fs/cgroup on most nodes, /sys/fs/cgroup/unified on hybrid ones).
 func Cgroup2Root() (string, error) {
 	return firstOfType("cgroup2")
+}
+
+// PodsCgroup is the cgroup kubelet puts every pod in, right below the
+// cgroup v2 directory root: kubepods.slice (the systemd driver) or
+// kubepods (cgroupfs); "" when neither is there.
+func PodsCgroup(root string) string {
+	for _, name := range []string{"kubepods.slice", "kubepods"} {
+		if fi, err := os.Stat(filepath.Join(root, name)); err == nil && fi.IsDir() {
+			return filepath.Join(root, name)
+		}
+	}
+	return ""
 }

@@ -152,9 +152,9 @@ func TestAgentKilledDuringABurstConverges(t *testing.T) {
 
 // startConnectedAgent starts the agent and waits until ztunnel (started
 // by the test) is connected to it.
-func (n *agentNode) startConnectedAgent(t *testing.T) {
+func (n *agentNode) startConnectedAgent(t *testing.T, extra ...string) {
 	t.Helper()
-	n.StartReadyAgent(t)
+	n.StartReadyAgent(t, extra...)
 	n.WaitZtunnel(t)
 }
 

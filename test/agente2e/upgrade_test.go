@@ -39,6 +39,8 @@ type build struct {
 	// grpcCNI: it serves the CNI channel as gRPC (v0.1.0 predates
 	// pkg/api/cniv1's frames).
 	grpcCNI bool
+	// args are the agent's flags besides the harness's.
+	args []string
 }
 
 // releaseBuild is the agent of the last release of hack/releases, built
@@ -92,9 +94,15 @@ func TestUpgradeFromTheLastRelease(t *testing.T) {
 	n.replaceAgent(t, []build{release, head})
 }
 
+// v0.1.0 attaches every socket program to the cgroup root and refuses
+// links elsewhere: as the README says, HEAD runs with --pods-cgroup=none
+// (and the SNAT host probes v0.1.0 knows) before the rollback.
 func TestDowngradeToTheLastRelease(t *testing.T) {
 	n := newAgentNode(t, "a", "b", "c")
 	release, head := releaseBuild(t), headBuild(n)
+	if release.name == "v0.1.0" {
+		head.args = []string{"--pods-cgroup=none", "--host-probes=snat"}
+	}
 	n.replaceAgent(t, []build{head, release})
 }
 
@@ -139,7 +147,7 @@ func (n *agentNode) replaceAgent(t *testing.T, builds []build, crashAt ...string
 	a, b, c := n.pods["a"], n.pods["b"], n.pods["c"]
 	zt := n.StartZtunnelFor(n.ZDS)
 	n.Bin, n.grpcCNI = builds[0].bin, builds[0].grpcCNI
-	n.startConnectedAgent(t)
+	n.startConnectedAgent(t, builds[0].args...)
 	for _, p := range []*simnode.Pod{a, b} {
 		if resp, err := n.podAdd(t, p); err != nil || !resp.GetEnrolled() {
 			t.Fatalf("ADD %s with %s: %+v, %v\n%s", p.Name, builds[0].name, resp, err, n.Agent.Output.String())
@@ -161,7 +169,7 @@ func (n *agentNode) replaceAgent(t *testing.T, builds []build, crashAt ...string
 			continue
 		}
 		n.Bin, n.grpcCNI = next.bin, next.grpcCNI
-		n.startConnectedAgent(t)
+		n.startConnectedAgent(t, next.args...)
 		time.Sleep(300 * time.Millisecond)
 		n.checkBuild(t, next, []*simnode.Pod{a, b}, before)
 		if prev := builds[i]; prev.layout != next.layout || len(crashAt) > 0 {
@@ -255,15 +263,27 @@ func (n *agentNode) checkBuild(t *testing.T, b build, pods []*simnode.Pod, befor
 			}
 		}
 	}
-	for _, attach := range []ebpf.AttachType{ebpf.AttachCGroupInet4Connect, ebpf.AttachCGroupInet6Connect, ebpf.AttachCGroupSockOps, ebpf.AttachCGroupGetsockopt} {
-		res, err := link.QueryPrograms(link.QueryOptions{Target: cgroupFD(t, n.CgroupRoot), Attach: attach})
-		if err != nil {
-			t.Fatalf("query %s: %v", attach, err)
+	// Each hook runs one program of ours for a pod's socket: on the root,
+	// or on the pods' cgroup with the node-wide half (links/node_<hook>)
+	// on the root.
+	for hook, attach := range map[string]ebpf.AttachType{"connect4": ebpf.AttachCGroupInet4Connect, "connect6": ebpf.AttachCGroupInet6Connect,
+		"sockops": ebpf.AttachCGroupSockOps, "getsockopt": ebpf.AttachCGroupGetsockopt} {
+		want := 1
+		if _, err := os.Stat(filepath.Join(n.BPFFSDir, "links", bpfobj.NodeScopePrefix+hook)); err == nil {
+			want = 2
 		}
-		if len(res.Programs) != 1 {
-			t.Errorf("after %s: %d programs on %s of the cgroup root, want 1", b.name, len(res.Programs), attach)
+		var found []link.AttachedProgram
+		for _, cg := range []string{n.CgroupRoot, n.PodsCgroup} {
+			res, err := link.QueryPrograms(link.QueryOptions{Target: cgroupFD(t, cg), Attach: attach})
+			if err != nil {
+				t.Fatalf("query %s of %s: %v", attach, cg, err)
+			}
+			found = append(found, res.Programs...)
 		}
-		for _, p := range res.Programs {
+		if len(found) != want {
+			t.Errorf("after %s: %d programs on %s of the cgroup root and the pods' cgroup, want %d", b.name, len(found), attach, want)
+		}
+		for _, p := range found {
 			if _, ok := progs[p.ID]; !ok {
 				t.Errorf("after %s: program %d on %s is no pinned link's", b.name, p.ID, attach)
 			}

@@ -94,7 +94,7 @@ func (lp *lightPods) create(pods []*simnode.Pod, pause bool) error {
 			return err
 		}
 		if pause {
-			p.Cgroup = filepath.Join(lp.node.CgroupRoot, "pod"+p.UID)
+			p.Cgroup = filepath.Join(lp.node.PodsCgroup, "pod"+p.UID)
 			if err := os.Mkdir(p.Cgroup, 0o755); err != nil {
 				return fmt.Errorf("cgroup of %s: %w", p.Name, err)
 			}

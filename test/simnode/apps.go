@@ -41,9 +41,15 @@ func (n *Node) StartOutsideApp() *App {
 
 // cgroup makes (once) a cgroup below the node's root for helpers that are
 // not in a pod, so cleanup can end them however a test fails.
-func (n *Node) cgroup(name string) string {
+func (n *Node) cgroup(name string) string { return n.cgroupIn(n.CgroupRoot, name) }
+
+// podsCgroup makes (once) a cgroup beside the pods', for a helper that is
+// a pod on a real node (ztunnel).
+func (n *Node) podsCgroup(name string) string { return n.cgroupIn(n.PodsCgroup, name) }
+
+func (n *Node) cgroupIn(parent, name string) string {
 	n.t.Helper()
-	cg := filepath.Join(n.CgroupRoot, name)
+	cg := filepath.Join(parent, name)
 	if err := os.Mkdir(cg, 0o755); err != nil && !os.IsExist(err) {
 		n.t.Fatal(err)
 	}
@@ -205,7 +211,7 @@ func (z *Ztunnel) Transcript() ([]zdsclient.Observed, error) {
 
 func (n *Node) startZtunnelProc(records, socket string, extraEnv ...string) *Proc {
 	env := append([]string{RecordsEnv + "=" + records, ZDSSocketEnv + "=" + socket}, extraEnv...)
-	return StartHelper(n.t, RoleZtunnel, n.NodeNS, n.cgroup("ztunnel"), env...)
+	return StartHelper(n.t, RoleZtunnel, n.NodeNS, n.podsCgroup("ztunnel"), env...)
 }
 
 func (z *Ztunnel) snapshot() []zds.Workload {

@@ -24,6 +24,7 @@ import (
 	"golang.org/x/net/icmp"
 	"golang.org/x/net/ipv4"
 	"golang.org/x/net/ipv6"
+	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -118,6 +119,8 @@ type AppResponse struct {
 	Err   string         `json:"err,omitempty"`
 	Reply *standin.Reply `json:"reply,omitempty"`
 	Local netip.AddrPort `json:"local,omitzero"`
+	// Remote is the peer a dial's socket names (getpeername(2)).
+	Remote netip.AddrPort `json:"remote,omitzero"`
 	// Start is when a dial began (ops dial-tcp and dial-udp): the
 	// stand-in's record of that connection is made after it, while client
 	// ports come back over a run (Ztunnel.RecordSince).
@@ -311,7 +314,17 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 				return AppResponse{}, fmt.Errorf("waiting for the server to close: %w", err)
 			}
 		}
-		return AppResponse{Reply: reply, Local: sockutil.AddrPort(c.LocalAddr()), Start: start}, nil
+		resp := AppResponse{Reply: reply, Local: sockutil.AddrPort(c.LocalAddr()), Start: start}
+		if tc, ok := c.(*net.TCPConn); ok {
+			if sc, err := tc.SyscallConn(); err == nil {
+				_ = sc.Control(func(fd uintptr) {
+					if sa, err := unix.Getpeername(int(fd)); err == nil {
+						resp.Remote = sockutil.SockaddrAddrPort(sa)
+					}
+				})
+			}
+		}
+		return resp, nil
 	}
 	return AppResponse{}, fmt.Errorf("unknown op %q", req.Op)
 }

@@ -56,6 +56,10 @@ type Node struct {
 	NodeNS     string // netns names (under /run/netns)
 	OutsideNS  string
 	CgroupRoot string // cgroup v2 directory owned by this node
+	// PodsCgroup holds every pod's cgroup and the ztunnel stand-in's, as
+	// kubelet's kubepods does; the node's own processes (the kubelet-like
+	// app, agents) are beside it, under CgroupRoot.
+	PodsCgroup string
 	BPFFSDir   string // a private bpffs mount; pins go below it
 
 	mu     sync.Mutex
@@ -86,6 +90,10 @@ func New(t TB) *Node {
 		t.Fatalf("create cgroup: %v", err)
 	}
 	t.Cleanup(func() { removeCgroupTree(t, n.CgroupRoot) })
+	n.PodsCgroup = filepath.Join(n.CgroupRoot, "kubepods")
+	if err := os.Mkdir(n.PodsCgroup, 0o755); err != nil {
+		t.Fatalf("create cgroup: %v", err)
+	}
 
 	mnt := filepath.Join(t.TempDir(), "bpffs")
 	if err := os.MkdirAll(mnt, 0o700); err != nil {
@@ -244,7 +252,7 @@ func (n *Node) AddPodWith(name, namespace, uid string, v4, v6 netip.Addr) *Pod {
 func (n *Node) AddBarePod(name, namespace, uid string) *Pod {
 	n.t.Helper()
 	p := &Pod{Name: name, Namespace: namespace, UID: uid, NS: "ae" + n.ID + "-" + name,
-		Cgroup: filepath.Join(n.CgroupRoot, "pod"+uid)}
+		Cgroup: filepath.Join(n.PodsCgroup, "pod"+uid)}
 	n.addNetns(p.NS)
 	n.Sysctl(p.NS, "net/ipv6/conf/all/accept_dad", "0")
 	n.Sysctl(p.NS, "net/ipv6/conf/default/accept_dad", "0")

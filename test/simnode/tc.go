@@ -183,3 +183,51 @@ func (n *Node) AttachExclusive(attach ebpf.AttachType, name string) (detach func
 	n.t.Cleanup(detach)
 	return detach
 }
+
+// AttachSocketLB attaches a socket load balancer to the node's cgroup
+// root, as Cilium's kube-proxy replacement does: connect4 turns vip into
+// backend, getpeername4 turns backend back into vip (for every socket, as a
+// test's stand-in for the connection tracking a real one keeps). Shared
+// hooks (BPF_F_ALLOW_MULTI), so it runs where its attach order puts it;
+// the links go at cleanup.
+func (n *Node) AttachSocketLB(vip, backend netip.AddrPort) {
+	n.t.Helper()
+	translate := func(name string, attach ebpf.AttachType, from, to netip.AddrPort) {
+		const userIP4, userPort = 4, 24 // offsets in struct bpf_sock_addr
+		prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+			Name: name, Type: ebpf.CGroupSockAddr, AttachType: attach, License: "Dual BSD/GPL",
+			Instructions: asm.Instructions{
+				asm.Mov.Reg(asm.R6, asm.R1),
+				asm.LoadMem(asm.R2, asm.R6, userIP4, asm.Word),
+				asm.JNE.Imm32(asm.R2, wireIP4(from.Addr()), "out"),
+				asm.LoadMem(asm.R2, asm.R6, userPort, asm.Word),
+				asm.JNE.Imm32(asm.R2, wirePort(from.Port()), "out"),
+				asm.Mov.Imm32(asm.R2, wireIP4(to.Addr())),
+				asm.StoreMem(asm.R6, userIP4, asm.R2, asm.Word),
+				asm.Mov.Imm32(asm.R2, wirePort(to.Port())),
+				asm.StoreMem(asm.R6, userPort, asm.R2, asm.Word),
+				asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
+				asm.Return(),
+			},
+		})
+		if err != nil {
+			n.t.Fatalf("load %s: %v", name, err)
+		}
+		l, err := link.AttachCgroup(link.CgroupOptions{Path: n.CgroupRoot, Attach: attach, Program: prog})
+		prog.Close()
+		if err != nil {
+			n.t.Fatalf("attach %s to %s: %v", name, n.CgroupRoot, err)
+		}
+		n.t.Cleanup(func() { l.Close() })
+	}
+	translate("lb_connect4", ebpf.AttachCGroupInet4Connect, vip, backend)
+	translate("lb_getpeername4", ebpf.AttachCgroupInet4GetPeername, backend, vip)
+}
+
+// wireIP4 and wirePort are an address and a port as the programs load
+// them from struct bpf_sock_addr: network byte order, read as a
+// little-endian word.
+func wireIP4(a netip.Addr) int32 { b := a.As4(); return int32(binary.LittleEndian.Uint32(b[:])) }
+func wirePort(p uint16) int32 {
+	return int32(binary.LittleEndian.Uint16(binary.BigEndian.AppendUint16(nil, p)))
+}

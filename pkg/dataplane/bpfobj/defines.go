@@ -24,6 +24,7 @@ const (
 	CfgSkAssignReuseport  = 1 << 2
 	CfgSkLookupIfindex    = 1 << 3
 	CfgProbeDirect        = 1 << 4
+	CfgNodeScope          = 1 << 5
 
 	// ListenerSlots is AE_LISTENER_SLOTS: ae_listeners' slots per pod and
 	// port.

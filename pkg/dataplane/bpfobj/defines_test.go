@@ -28,6 +28,7 @@ func TestConstantsMatchCommonH(t *testing.T) {
 		"AE_CFG_SK_ASSIGN_REUSEPORT":  CfgSkAssignReuseport,
 		"AE_CFG_SK_LOOKUP_IFINDEX":    CfgSkLookupIfindex,
 		"AE_CFG_PROBE_DIRECT":         CfgProbeDirect,
+		"AE_CFG_NODE_SCOPE":           CfgNodeScope,
 		"AE_META_FREE":                MetaFree,
 		"AE_META_ENROLLED":            MetaEnrolled,
 		"AE_META_ENROLLING":           MetaEnrolling,

@@ -34,6 +34,24 @@ func NodeHooks() []NodeHook {
 	}
 }
 
+// NodeScopeHooks are the hooks of the node-wide half of a split attach
+// (dataplane.Config.PodsCgroup): the node's own sockets' connects and
+// sockops (host probes), at the cgroup root, pinned as links/node_<name>.
+func NodeScopeHooks() []NodeHook {
+	var out []NodeHook
+	for _, h := range NodeHooks() {
+		switch h.Name {
+		case "connect4", "connect6", "sockops":
+			h.Name = NodeScopePrefix + h.Name
+			out = append(out, h)
+		}
+	}
+	return out
+}
+
+// NodeScopePrefix starts the pin names of NodeScopeHooks.
+const NodeScopePrefix = "node_"
+
 // PodHook is where one of a pod's programs goes, pinned as
 // pods/<uid>/<Pin>.
 type PodHook struct {

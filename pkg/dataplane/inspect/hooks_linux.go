@@ -53,7 +53,7 @@ func CgroupPrograms(root, bpffsDir string, maxCgroups int) (progs []CgroupProgra
 	ours := map[ebpf.ProgramID]bool{}
 	hooks := bpfobj.NodeHooks()
 	pins := []string{accel.SockopsPin} // the sockmap acceleration's sockops, beside ours
-	for _, h := range hooks {
+	for _, h := range slices.Concat(hooks, bpfobj.NodeScopeHooks()) {
 		pins = append(pins, h.Name)
 	}
 	for _, name := range pins {
