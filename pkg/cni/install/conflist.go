@@ -151,12 +151,7 @@ func withPlugin(data []byte, entry map[string]any, convertedFrom string) ([]byte
 		return nil, err
 	}
 	if !d.isList() {
-		d = &document{fields: map[string]json.RawMessage{}, plugins: []json.RawMessage{data}}
-		for _, k := range []string{"cniVersion", "name"} {
-			if v, ok := parseFieldsOrNil(data)[k]; ok {
-				d.fields[k] = v
-			}
-		}
+		d = asList(data)
 		entry = withField(entry, convertedFromKey, convertedFrom)
 	}
 	typ, _ := entry["type"].(string)
@@ -178,6 +173,52 @@ func withPlugin(data []byte, entry map[string]any, convertedFrom string) ([]byte
 			func(p json.RawMessage) bool { return pluginType(p) == typ }))
 	} else {
 		d.plugins = append(d.plugins, raw)
+	}
+	return d.marshal()
+}
+
+// asList wraps the lone plugin conf data as the only plugin of a conflist
+// with the conf's name and cniVersion, as libcni's ConfListFromConf does.
+func asList(data []byte) *document {
+	d := &document{fields: map[string]json.RawMessage{}, plugins: []json.RawMessage{data}}
+	for _, k := range []string{"cniVersion", "name"} {
+		if v, ok := parseFieldsOrNil(data)[k]; ok {
+			d.fields[k] = v
+		}
+	}
+	return d
+}
+
+// ownedKey marks a conflist the installer owns (Config.OwnedConflist); its
+// value names the primary CNI's file the other plugins were copied from.
+// libcni ignores top-level fields it does not know.
+const ownedKey = "ambientEbpfOwnedFrom"
+
+// isOwned reports whether d is a conflist the installer owns.
+func (d *document) isOwned() bool {
+	_, ok := d.fields[ownedKey]
+	return ok
+}
+
+// ownedList builds the owned conflist from the primary CNI's file (named
+// from): the primary's plugins without any entry of ours, then entry.
+func ownedList(primary []byte, entry map[string]any, from string) ([]byte, error) {
+	d, err := parseDocument(primary)
+	if err != nil {
+		return nil, err
+	}
+	if !d.isList() {
+		d = asList(primary)
+	}
+	typ, _ := entry["type"].(string)
+	d.plugins = slices.DeleteFunc(d.plugins, func(p json.RawMessage) bool { return pluginType(p) == typ })
+	raw, err := json.Marshal(entry)
+	if err != nil {
+		return nil, err
+	}
+	d.plugins = append(d.plugins, raw)
+	if d.fields[ownedKey], err = json.Marshal(from); err != nil {
+		return nil, err
 	}
 	return d.marshal()
 }

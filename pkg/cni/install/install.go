@@ -3,8 +3,9 @@
 
 // Package install puts the ambient-ebpf CNI plugin on the node and keeps it
 // there: it copies the plugin binary into the host CNI bin directories,
-// chains the plugin into the highest-priority CNI configuration (or writes a
-// conflist of its own), writes the plugin's narrow kubeconfig, repairs drift
+// chains the plugin into the highest-priority CNI configuration in place or
+// into an owned copy of it that runtimes select first (or writes a conflist
+// holding only the plugin), writes the plugin's narrow kubeconfig, repairs drift
 // it sees through fsnotify, and on uninstall removes exactly what it added.
 package install
 
@@ -49,6 +50,14 @@ type Config struct {
 	// OwnConflist, when set, is the file name of a conflist holding only our
 	// plugin, written instead of chaining into the primary CNI's conflist.
 	OwnConflist string
+	// OwnedConflist, when set (and OwnConflist is not), is the file name of
+	// a conflist the installer owns: the primary CNI's configuration (the
+	// first other file that parses) with our plugin appended. Runtimes pick
+	// the first file by name, so it must sort before the primary's; it stays
+	// on disk across a reboot, so pods that start before the agent still
+	// run our plugin, and the primary rewriting its own file never
+	// unchains it. Empty: chain into the primary's file in place.
+	OwnedConflist string
 	// CNIVersion of the own conflist. Default 1.0.0.
 	CNIVersion string
 	// Plugin holds the plugin's settings in its conflist entry. Its
@@ -194,7 +203,9 @@ func (i *Installer) installBinaries(ctx context.Context) error {
 			if err := ctx.Err(); err != nil {
 				return err
 			}
-			removeTempFiles(dir, name, i.log)
+			// A younger temp file may be another agent's copy in
+			// progress (two pods of the DaemonSet overlapping).
+			removeTempFilesOlder(dir, name, time.Minute, i.log)
 			if err := writeIfChanged(filepath.Join(dir, name), bin, 0o755); err != nil {
 				return fmt.Errorf("install %s binary: %w", name, err)
 			}
@@ -238,26 +249,16 @@ func (i *Installer) installConf() error {
 		}
 		return nil
 	}
+	if i.cfg.OwnedConflist != "" {
+		return i.installOwned(entry, true)
+	}
 	files, err := confFiles(i.cfg.ConfDir)
 	if err != nil {
 		return err
 	}
-	var target string
-	var data []byte
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return fmt.Errorf("read cni conf %s: %w", f, err)
-		}
-		if _, err := parseDocument(b); err != nil {
-			i.log.Warn("skipping unparsable cni conf", "file", f, "error", err)
-			continue
-		}
-		target, data = f, b
-		break
-	}
-	if target == "" {
-		return fmt.Errorf("%s: %w", i.cfg.ConfDir, ErrNoPrimaryConfig)
+	target, data, err := i.primary(files, "")
+	if err != nil {
+		return err
 	}
 	written, err := i.chainInto(target, data, entry)
 	if err != nil {
@@ -267,10 +268,101 @@ func (i *Installer) installConf() error {
 	// other file an earlier pass chained into, after the new one has it.
 	for _, f := range files {
 		if f != target && f != written {
-			if err := i.removeFrom(f); err != nil {
+			if _, err := i.removeFrom(f); err != nil {
 				return err
 			}
 		}
+	}
+	return nil
+}
+
+// primary finds the primary CNI's configuration: the first file by name,
+// other than skip, that parses and is not an owned conflist. Unparsable
+// files are skipped as CRI-O and libcni skip them (a primary caught
+// mid-write is re-read on its next write); when nothing is left the error
+// names them.
+func (i *Installer) primary(files []string, skip string) (string, []byte, error) {
+	var skipped []string
+	for _, f := range files {
+		if f == skip {
+			continue
+		}
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return "", nil, fmt.Errorf("read cni conf %s: %w", f, err)
+		}
+		d, err := parseDocument(b)
+		if err != nil {
+			i.log.Warn("skipping unparsable cni conf", "file", f, "error", err)
+			skipped = append(skipped, fmt.Sprintf("%s (%v)", f, err))
+			continue
+		}
+		if d.isOwned() {
+			continue // an owned conflist of another name: removed once ours is written
+		}
+		return f, b, nil
+	}
+	if len(skipped) > 0 {
+		return "", nil, fmt.Errorf("%s: %w; unparsable: %s", i.cfg.ConfDir, ErrNoPrimaryConfig, strings.Join(skipped, ", "))
+	}
+	return "", nil, fmt.Errorf("%s: %w", i.cfg.ConfDir, ErrNoPrimaryConfig)
+}
+
+// installOwned writes the owned conflist from the primary's file, then
+// removes every other trace of us (owned conflists of other names, entries
+// chained in place) so exactly one file names our plugin. The owned file
+// is written first: at no point does the file runtimes select lack us.
+// Unchaining in place can turn the primary's file back into a lone conf;
+// again re-syncs from it once.
+func (i *Installer) installOwned(entry map[string]any, again bool) error {
+	files, err := confFiles(i.cfg.ConfDir)
+	if err != nil {
+		return err
+	}
+	owned := filepath.Join(i.cfg.ConfDir, i.cfg.OwnedConflist)
+	// Runtimes ignore temp files (no .conf/.conflist/.json suffix); one
+	// left by a write a reboot cut short is removed once surely stale.
+	removeTempFilesOlder(i.cfg.ConfDir, i.cfg.OwnedConflist, time.Minute, i.log)
+	if old, err := os.ReadFile(owned); err == nil {
+		// An unparsable file of that name is ours caught mid-write (the
+		// rename is atomic, but a foreign writer or a disk error is
+		// not): repaired below. One that parses but is not marked ours
+		// is another's, never overwritten.
+		if d, err := parseDocument(old); err == nil && !d.isOwned() {
+			return fmt.Errorf("owned cni conflist %s: the file exists and is not ours", owned)
+		} else if err != nil {
+			i.log.Warn("repairing unparsable owned cni conflist", "file", owned, "error", err)
+		}
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("read owned cni conflist %s: %w", owned, err)
+	}
+	target, data, err := i.primary(files, owned)
+	if err != nil {
+		return err
+	}
+	if target < owned {
+		return fmt.Errorf("owned cni conflist %s does not sort before the primary's %s, which runtimes would select: name it to sort first", owned, target)
+	}
+	out, err := ownedList(data, entry, filepath.Base(target))
+	if err != nil {
+		return fmt.Errorf("build owned cni conflist from %s: %w", target, err)
+	}
+	if err := writeIfChanged(owned, out, 0o644); err != nil {
+		return fmt.Errorf("write owned cni conflist: %w", err)
+	}
+	changed := false
+	for _, f := range files {
+		if f == owned {
+			continue
+		}
+		c, err := i.removeFrom(f)
+		if err != nil {
+			return err
+		}
+		changed = changed || c
+	}
+	if changed && again {
+		return i.installOwned(entry, false)
 	}
 	return nil
 }
@@ -312,33 +404,42 @@ func (i *Installer) chainInto(target string, data []byte, entry map[string]any) 
 }
 
 // removeFrom takes our entry out of one conf file, restoring a lone .conf the
-// installer had converted. Files without our entry are left alone.
-func (i *Installer) removeFrom(path string) error {
+// installer had converted, and removes an owned conflist (of any name: a
+// configuration that named another). Files without our entry are left
+// alone. It reports whether it changed anything.
+func (i *Installer) removeFrom(path string) (bool, error) {
 	data, err := os.ReadFile(path)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil
+		return false, nil
 	}
 	if err != nil {
-		return fmt.Errorf("read cni conf %s: %w", path, err)
+		return false, fmt.Errorf("read cni conf %s: %w", path, err)
+	}
+	if d, err := parseDocument(data); err == nil && d.isOwned() {
+		if err := removeFile(path); err != nil {
+			return false, fmt.Errorf("remove owned cni conflist: %w", err)
+		}
+		i.log.Info("removed an owned cni conflist", "file", path)
+		return true, nil
 	}
 	out, restoreAs, changed, err := withoutPlugin(data, PluginType, filepath.Base(path))
 	if err != nil || !changed {
-		return nil // not ours to fix
+		return false, nil // not ours to fix
 	}
 	if restoreAs != "" {
 		orig := filepath.Join(filepath.Dir(path), restoreAs)
 		if err := writeIfChanged(orig, out, 0o644); err != nil {
-			return fmt.Errorf("restore %s: %w", orig, err)
+			return false, fmt.Errorf("restore %s: %w", orig, err)
 		}
 		if err := os.Remove(path); err != nil {
-			return fmt.Errorf("remove converted %s: %w", path, err)
+			return false, fmt.Errorf("remove converted %s: %w", path, err)
 		}
-		return nil
+		return true, nil
 	}
 	if err := writeIfChanged(path, out, 0o644); err != nil {
-		return fmt.Errorf("unchain from %s: %w", path, err)
+		return false, fmt.Errorf("unchain from %s: %w", path, err)
 	}
-	return nil
+	return true, nil
 }
 
 // kubeconfig builds the plugin's kubeconfig from the service-account token.
@@ -368,7 +469,7 @@ func (i *Installer) kubeconfig() ([]byte, error) {
 }
 
 // Cleanup removes what the installer adds and nothing else: our conflist
-// entry (restoring a converted .conf), the own conflist, the plugin binaries
+// entry (restoring a converted .conf), the own or owned conflist, the plugin binaries
 // and the kubeconfig. Errors are collected; every step is tried.
 func (i *Installer) Cleanup() error {
 	i.mu.Lock()
@@ -377,11 +478,20 @@ func (i *Installer) Cleanup() error {
 	var errs []error
 	if i.cfg.OwnConflist != "" {
 		errs = append(errs, removeFile(filepath.Join(i.cfg.ConfDir, i.cfg.OwnConflist)))
-	} else if files, err := confFiles(i.cfg.ConfDir); err != nil {
-		errs = append(errs, err)
 	} else {
-		for _, f := range files {
-			errs = append(errs, i.removeFrom(f))
+		if i.cfg.OwnedConflist != "" {
+			// First, so the primary's own file is selected again; by
+			// name, as a corrupt one is ours too.
+			errs = append(errs, removeFile(filepath.Join(i.cfg.ConfDir, i.cfg.OwnedConflist)))
+			removeTempFiles(i.cfg.ConfDir, i.cfg.OwnedConflist, i.log)
+		}
+		if files, err := confFiles(i.cfg.ConfDir); err != nil {
+			errs = append(errs, err)
+		} else {
+			for _, f := range files {
+				_, err := i.removeFrom(f)
+				errs = append(errs, err)
+			}
 		}
 	}
 	for _, dir := range i.cfg.BinDirs {
@@ -488,9 +598,16 @@ func atomicWrite(path string, r io.Reader, mode os.FileMode) error {
 
 // removeTempFiles deletes temp files an interrupted atomicWrite of the
 // binary name left behind.
-func removeTempFiles(dir, name string, log *slog.Logger) {
+func removeTempFiles(dir, name string, log *slog.Logger) { removeTempFilesOlder(dir, name, 0, log) }
+
+// removeTempFilesOlder deletes those last modified more than age ago: a
+// younger one may be another installer's write in progress.
+func removeTempFilesOlder(dir, name string, age time.Duration, log *slog.Logger) {
 	matches, _ := filepath.Glob(filepath.Join(dir, "."+name+".tmp.*"))
 	for _, m := range matches {
+		if fi, err := os.Stat(m); age > 0 && (err != nil || time.Since(fi.ModTime()) < age) {
+			continue
+		}
 		if err := os.Remove(m); err != nil {
 			log.Warn("remove leftover temp file", "file", m, "error", err)
 		}

@@ -197,13 +197,7 @@ func TestInstallEachConflistShapeAndUninstall(t *testing.T) {
 						t.Errorf("fallback binary in %s: %q, %v", d, b, err)
 					}
 				}
-				// A second pass is a no-op.
-				if err := inst.Install(context.Background()); err != nil {
-					t.Fatalf("second Install: %v", err)
-				}
-				if again := snapshot(t, n.confDir); !maps.Equal(again, after) {
-					t.Errorf("second install changed files:\n%v\n%v", after, again)
-				}
+				assertSecondPassNoop(t, inst, n.confDir, after)
 			}
 
 			if err := inst.Cleanup(); err != nil {
@@ -229,6 +223,18 @@ func TestInstallEachConflistShapeAndUninstall(t *testing.T) {
 				t.Errorf("second bin dir after cleanup = %v", bins)
 			}
 		})
+	}
+}
+
+// assertSecondPassNoop checks that another pass rewrites nothing in dir,
+// which held after.
+func assertSecondPassNoop(t *testing.T, inst *Installer, dir string, after map[string]string) {
+	t.Helper()
+	if err := inst.Install(context.Background()); err != nil {
+		t.Fatalf("second Install: %v", err)
+	}
+	if again := snapshot(t, dir); !maps.Equal(again, after) {
+		t.Errorf("second install changed files:\n%v\n%v", after, again)
 	}
 }
 
