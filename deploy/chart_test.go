@@ -284,6 +284,15 @@ func TestChartRenders(t *testing.T) {
 			},
 		},
 		{
+			name:   "cni chained in place on request",
+			values: `cni: {ownedConflist: ""}`,
+			check: func(t *testing.T, r *rendered) {
+				if fl := flags(t, r.agent(t)); !slices.Equal(fl["cni-owned-conflist"], []string{""}) {
+					t.Errorf("--cni-owned-conflist=%v, want empty (in place)", fl["cni-owned-conflist"])
+				}
+			},
+		},
+		{
 			name: "host probes direct by default, snat on request",
 			check: func(t *testing.T, r *rendered) {
 				if fl := flags(t, r.agent(t)); !slices.Equal(fl["host-probes"], []string{"direct"}) || !slices.Equal(fl["pods-cgroup"], []string{"auto"}) {
@@ -898,6 +907,7 @@ func checkDefaults(t *testing.T, r *rendered) {
 		"inspect-socket":      "/var/run/ambient-ebpf/inspect.sock",
 		"cni-bin-dir":         "/host/opt/cni/bin",
 		"cni-conf-dir":        "/host/etc/cni/net.d",
+		"cni-owned-conflist":  "00-ambient-ebpf.conflist",
 		"excluded-namespaces": "kube-system",
 		"dns-capture":         "true",
 		"repair-mode":         "repair",

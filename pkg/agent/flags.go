@@ -39,6 +39,7 @@ type Flags struct {
 	healthAddr, metricsAddr                     string
 	cniBinDirs                                  listFlag
 	cniConfDir, cniConfName, pluginBinary       string
+	cniOwnedConflist                            string
 	cniKubeconfig, tokenPath, caPath, apiServer string
 	hostRoot                                    string
 	installCNI                                  bool
@@ -63,6 +64,10 @@ func (l *listFlag) Set(v string) error {
 	*l = append(*l, v)
 	return nil
 }
+
+// DefaultOwnedConflist is the owned conflist's name: "00-" sorts it before
+// the primaries' (Cilium 05-, Calico 10-, flannel 10-, Multus 00-multus).
+const DefaultOwnedConflist = "00-ambient-ebpf.conflist"
 
 // NewFlags registers the agent's flags on fs.
 func NewFlags(fs *flag.FlagSet) *Flags {
@@ -89,6 +94,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.Var(&f.cniBinDirs, "cni-bin-dir", "host CNI bin directory (repeatable; default /host/opt/cni/bin)")
 	fs.StringVar(&f.cniConfDir, "cni-conf-dir", "/host/etc/cni/net.d", "host CNI configuration directory")
 	fs.StringVar(&f.cniConfName, "cni-conf-name", "", "write this own conflist instead of chaining into the primary CNI's")
+	fs.StringVar(&f.cniOwnedConflist, "cni-owned-conflist", DefaultOwnedConflist, "chain into an owned copy of the primary CNI's configuration with this file name, which must sort before the primary's: it survives a reboot and the primary rewriting its own file (empty: chain into the primary's file in place; --cni-conf-name wins)")
 	fs.StringVar(&f.pluginBinary, "cni-plugin-binary", "/usr/local/bin/ambient-ebpf-cni", "the plugin binary to install")
 	fs.StringVar(&f.cniKubeconfig, "cni-kubeconfig", "", "where the agent writes the plugin's kubeconfig (default <cni-conf-dir>/ambient-ebpf-cni.kubeconfig)")
 	fs.StringVar(&f.hostRoot, "host-root", "/host", "where host directories are mounted; stripped from paths the plugin reads on the host")
@@ -219,7 +225,11 @@ func (f *Flags) Config() (Config, error) {
 		if len(bins) == 0 {
 			bins = []string{"/host/opt/cni/bin"}
 		}
-		ic := &install.Config{PluginBinary: f.pluginBinary, BinDirs: bins, ConfDir: f.cniConfDir, OwnConflist: f.cniConfName}
+		if n := f.cniOwnedConflist; n != "" && (filepath.Base(n) != n || filepath.Ext(n) != ".conflist") {
+			return c, fmt.Errorf("--cni-owned-conflist %q: want a file name ending in .conflist", n)
+		}
+		ic := &install.Config{PluginBinary: f.pluginBinary, BinDirs: bins, ConfDir: f.cniConfDir, OwnConflist: f.cniConfName,
+			OwnedConflist: f.cniOwnedConflist}
 		ic.Plugin.AgentSocket = f.cniSocket
 		ic.Plugin.ExcludeNamespaces = c.Enrollment.ExcludedNamespaces
 		if len(c.Enrollment.Selectors) > 0 {

@@ -44,6 +44,33 @@ func TestFlagsBuildTheConfig(t *testing.T) {
 	}
 }
 
+// The installer chains into an owned conflist unless told to chain in
+// place; a name runtimes would not read, or a path, is refused.
+func TestOwnedConflistFlag(t *testing.T) {
+	for _, tc := range []struct {
+		args    []string
+		want    string
+		wantErr bool
+	}{
+		{nil, DefaultOwnedConflist, false},
+		{[]string{"--cni-owned-conflist="}, "", false},
+		{[]string{"--cni-owned-conflist=01-mesh.conflist"}, "01-mesh.conflist", false},
+		{[]string{"--cni-owned-conflist=01-mesh.conf"}, "", true},
+		{[]string{"--cni-owned-conflist=../01-mesh.conflist"}, "", true},
+	} {
+		c, err := parse(t, tc.args...)
+		if tc.wantErr {
+			if err == nil {
+				t.Errorf("%v accepted", tc.args)
+			}
+			continue
+		}
+		if err != nil || c.Install == nil || c.Install.OwnedConflist != tc.want {
+			t.Errorf("%v: owned conflist %+v (%v), want %q", tc.args, c.Install, err, tc.want)
+		}
+	}
+}
+
 // --sockmap-accel is off unless given, from the environment too (the
 // benchmark starts agents that way).
 func TestSockmapAccelFlag(t *testing.T) {

@@ -81,6 +81,10 @@ type Options struct {
 	// primary conflist the caller writes in CNIConfDir and copy it to
 	// CNIBinDir; without, --install-cni=false.
 	InstallCNI bool
+	// OwnedConflist is --cni-owned-conflist with InstallCNI; empty: the
+	// plugin is chained into the primary conflist in place, where the
+	// tests on this harness look for it.
+	OwnedConflist string
 	// CallerNetns runs the agent in the caller's netns (to reach an API
 	// server on loopback), working on the node through --node-netns; its
 	// health and metrics then listen on free loopback ports.
@@ -223,7 +227,8 @@ func (n *Node) Args(extra ...string) []string {
 		args = append(args, "--standalone-pods", n.PodFile)
 	}
 	if o.InstallCNI {
-		args = append(args, "--cni-bin-dir", n.CNIBinDir, "--cni-conf-dir", n.CNIConfDir, "--cni-plugin-binary", n.Plugin)
+		args = append(args, "--cni-bin-dir", n.CNIBinDir, "--cni-conf-dir", n.CNIConfDir, "--cni-plugin-binary", n.Plugin,
+			"--cni-owned-conflist="+o.OwnedConflist)
 	} else {
 		args = append(args, "--install-cni=false")
 	}

@@ -50,7 +50,9 @@ func RenderChart(dir, values string) (*Chart, error) {
 }
 
 // ChartValues are the chart values that put the agent on this node: its
-// host paths are the node's per-run ones, the image is the one built here.
+// host paths are the node's per-run ones, the image is the one built here,
+// and the plugin is chained into the primary conflist in place, where
+// TestNode looks for it (not the chart's default owned conflist).
 func (n *Node) ChartValues(extra string) string {
 	return fmt.Sprintf(`image: {repository: %q, tag: %q, pullPolicy: Never}
 hostPaths:
@@ -62,6 +64,7 @@ hostPaths:
 cni:
   binDirs: [%q]
   confDir: %q
+  ownedConflist: ""
 `, strings.Split(ProjectImage, ":")[0], strings.Split(ProjectImage, ":")[1], n.BPFFS, n.Cgroup2, n.NetnsDir,
 		n.ZtunnelSocketDir(), filepath.Join(n.Dir, "ambient-ebpf"), n.CNIBin, n.CNIConf) + extra
 }
