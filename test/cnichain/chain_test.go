@@ -214,30 +214,48 @@ kind: Pod
 metadata: {name: app, namespace: plain, uid: uid-app}
 `
 
-func TestConflistThroughLibcni(t *testing.T) {
+// env is what a chain test runs on: the plugin built into tmp/build, the
+// reference plugins, the pod file, a fake agent on its socket, a node netns
+// and the libcni runtime that execs plugins from binDir then the
+// reference directory.
+type env struct {
+	tmp, binDir, podFile, sock, ipamDir string
+	agent                               *recorder
+	stopAgent                           func()
+	n                                   *node
+	cni                                 *libcni.CNIConfig
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
 	testenv.RequireRoot(t)
 	root := repoRoot(t)
 	refDir := referencePlugins(t, root)
 	tmp := t.TempDir()
-	binDir := filepath.Join(tmp, "bin")
+	e := &env{tmp: tmp, binDir: filepath.Join(tmp, "bin"), podFile: filepath.Join(tmp, "pods.yaml"),
+		sock: filepath.Join(tmp, "agent", "cni.sock"), ipamDir: filepath.Join(tmp, "host-local"), agent: &recorder{}}
 	buildPlugin(t, root, filepath.Join(tmp, "build"))
-
-	podFilePath := filepath.Join(tmp, "pods.yaml")
-	if err := os.WriteFile(podFilePath, []byte(podFile), 0o600); err != nil {
+	if err := os.WriteFile(e.podFile, []byte(podFile), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	sock := filepath.Join(tmp, "agent", "cni.sock")
-	agent := &recorder{}
-	stopAgent := serveAgent(t, sock, agent)
+	if err := os.MkdirAll(e.binDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	e.stopAgent = serveAgent(t, e.sock, e.agent)
+	e.n = newNode(t)
+	e.cni = libcni.NewCNIConfigWithCacheDir([]string{e.binDir, refDir}, filepath.Join(tmp, "cache"), nil)
+	return e
+}
 
-	n := newNode(t)
-	ipamDir := filepath.Join(tmp, "host-local")
+func TestConflistThroughLibcni(t *testing.T) {
+	e := newEnv(t)
+	tmp, binDir, sock, podFilePath, ipamDir := e.tmp, e.binDir, e.sock, e.podFile, e.ipamDir
+	agent, stopAgent, n, cni := e.agent, e.stopAgent, e.n, e.cni
 	list := installChain(t, tmp, n.id, ipamDir, sock, podFilePath, binDir)
 	lo, err := libcni.ConfFromBytes([]byte(`{"cniVersion": "1.1.0", "name": "lo", "type": "loopback"}`))
 	if err != nil {
 		t.Fatal(err)
 	}
-	cni := libcni.NewCNIConfigWithCacheDir([]string{binDir, refDir}, filepath.Join(tmp, "cache"), nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	inNode := func(f func() error) error { return n.inNS(n.ns, f) }
@@ -340,15 +358,7 @@ func installChain(t *testing.T, tmp, id, ipamDir, sock, podFilePath, binDir stri
 	if err := os.MkdirAll(binDir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	primary := fmt.Sprintf(`{"cniVersion": "1.1.0", "name": "aeb-%[1]s", "type": "bridge", "bridge": "aeb%[1]s",
-  "ipam": {"type": "host-local", "dataDir": %[2]q,
-           "ranges": [[{"subnet": "198.18.7.0/24"}], [{"subnet": "fd00:198:18:7::/64"}]]}}`, id, ipamDir)
-	if err := os.MkdirAll(confDir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(confDir, "10-aeb.conf"), []byte(primary), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	writePrimary(t, confDir, id, ipamDir, "")
 	inst := install.New(install.Config{
 		PluginBinary: filepath.Join(tmp, "build", "ambient-ebpf-cni"),
 		BinDirs:      []string{binDir},
@@ -375,6 +385,22 @@ func installChain(t *testing.T, tmp, id, ipamDir, sock, podFilePath, binDir stri
 		t.Fatalf("installed chain = %s", list.Bytes)
 	}
 	return list
+}
+
+// writePrimary plays the primary CNI writing its lone bridge conf,
+// 10-aeb.conf, with extra fields (`, "k": v`) as a rewrite at its start
+// may change them.
+func writePrimary(t *testing.T, confDir, id, ipamDir, extra string) {
+	t.Helper()
+	primary := fmt.Sprintf(`{"cniVersion": "1.1.0", "name": "aeb-%[1]s", "type": "bridge", "bridge": "aeb%[1]s",
+  "ipam": {"type": "host-local", "dataDir": %[2]q,
+           "ranges": [[{"subnet": "198.18.7.0/24"}], [{"subnet": "fd00:198:18:7::/64"}]]}%[3]s}`, id, ipamDir, extra)
+	if err := os.MkdirAll(confDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(confDir, "10-aeb.conf"), []byte(primary), 0o644); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func serveAgent(t *testing.T, sock string, h events.Handler) (stop func()) {

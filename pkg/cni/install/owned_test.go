@@ -17,39 +17,23 @@ import (
 	"testing"
 	"time"
 
-	"github.com/containernetworking/cni/libcni"
-
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 )
 
 const ownedName = "00-ambient-ebpf.conflist"
 
-// selected is the conflist a runtime loads from dir: the first file by name
-// that parses (libcni's order), with its plugin types.
+// selected is the file a runtime loads from dir, the first by name that
+// parses, with its plugin types.
 func selected(t *testing.T, dir string) (string, []string) {
 	t.Helper()
-	files, err := libcni.ConfFiles(dir, []string{".conf", ".conflist", ".json"})
+	files, err := ReadConfDir(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	slices.Sort(files)
 	for _, f := range files {
-		if strings.HasSuffix(f, ".conflist") {
-			l, err := libcni.ConfListFromFile(f)
-			if err != nil {
-				continue
-			}
-			var types []string
-			for _, p := range l.Plugins {
-				types = append(types, p.Network.Type)
-			}
-			return filepath.Base(f), types
+		if f.Err == "" {
+			return filepath.Base(f.Path), f.Plugins
 		}
-		c, err := libcni.ConfFromFile(f)
-		if err != nil {
-			continue
-		}
-		return filepath.Base(f), []string{c.Network.Type}
 	}
 	return "", nil
 }

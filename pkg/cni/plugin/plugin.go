@@ -121,7 +121,10 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return failClosed(pod, agentErr)
 	}
 	// The agent was not there to decide: decide from the fallback read
-	// whether this pod may start without it.
+	// whether this pod may start without it. A pod whose membership cannot
+	// be decided (the pod or its namespace unreadable: a namespace label
+	// alone makes a pod ambient) fails closed, in whatever namespace; only
+	// excluded namespaces and the agent's own pods pass without a read.
 	d, err := p.decideWithoutAgent(conf, pod)
 	if err != nil {
 		return failClosed(pod, fmt.Errorf("%w; fallback: %w", agentErr, err))
