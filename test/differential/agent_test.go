@@ -19,17 +19,6 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
-// cniPluginsDir is where make cni-plugins put the primary network's
-// plugins.
-func cniPluginsDir(t *testing.T) string {
-	t.Helper()
-	dir := os.Getenv("CNI_PLUGINS_DIR")
-	if dir == "" {
-		t.Fatal("CNI_PLUGINS_DIR is not set: run make test-istio-cni (it builds them with make cni-plugins)")
-	}
-	return dir
-}
-
 // The binaries under test are those of go.mod's istio.io/istio: a build of
 // another version is refused, naming both.
 func TestRealBinariesAreGoModsVersion(t *testing.T) {
@@ -55,7 +44,7 @@ func TestInstallCNIBecomesReadyAndServesZtunnel(t *testing.T) {
 	c := requireCluster(t)
 	bins := istiocnireal.Require(t)
 	n := simnode.New(t)
-	r := istiocnireal.NewRuntime(t, n, "", "", cniPluginsDir(t))
+	r := istiocnireal.NewRuntime(t, n, "", "", istiocnireal.PluginsDir(t))
 	a := istiocnireal.Start(t, r, bins, istiocnireal.Options{Cluster: c, NodeName: "node-" + n.ID})
 	took, err := a.WaitReady()
 	if err != nil {
@@ -112,7 +101,7 @@ func TestInstallCNIThatExitsIsReportedAndCleanedUp(t *testing.T) {
 	var pid int
 	t.Run("run", func(t *testing.T) {
 		n := simnode.New(t)
-		r := istiocnireal.NewRuntime(t, n, "", "", cniPluginsDir(t))
+		r := istiocnireal.NewRuntime(t, n, "", "", istiocnireal.PluginsDir(t))
 		a := istiocnireal.Start(t, r, bins, istiocnireal.Options{Cluster: c, NodeName: "node-" + n.ID,
 			Env: map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": "- podSelector: ["}})
 		dir, pid = r.NetnsDir, a.Process.PID()

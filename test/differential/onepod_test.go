@@ -66,18 +66,9 @@ type observed struct {
 
 // istioCNISide starts the real install-cni on a fresh node.
 func istioCNISide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
-	bins := istiocnireal.Require(t)
-	n := simnode.New(t)
-	r := istiocnireal.NewRuntime(t, n, "", "", cniPluginsDir(t))
-	a := istiocnireal.Start(t, r, bins, istiocnireal.Options{Cluster: c, NodeName: nodeName})
-	if _, err := a.WaitReady(); err != nil {
-		t.Fatal(err)
-	}
-	zt := n.StartZtunnelFor(a.ZDS)
-	if err := a.WaitZtunnel(); err != nil {
-		t.Fatal(err)
-	}
-	return &side{name: "istio-cni", node: n, runtime: r, zt: zt, output: a.Process.Output.String}
+	var zt *simnode.Ztunnel
+	n := istiocnireal.StartNode(t, c, nodeName, func(n *simnode.Node, zds string) { zt = n.StartZtunnelFor(zds) })
+	return &side{name: "istio-cni", node: n.Node, runtime: n.Runtime, zt: zt, output: n.Agent.Process.Output.String}
 }
 
 // ambientEBPFSide starts the real ambient-ebpf agent on a fresh node,
@@ -86,7 +77,7 @@ func ambientEBPFSide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
 	n := simnode.New(t)
 	a := agentrun.New(t, n, agentrun.Options{NodeName: nodeName, InstallCNI: true, CallerNetns: true,
 		Kube: &agentrun.Kube{Server: c.Config.Host, Token: c.Config.BearerToken, DaemonSetNamespace: "istio-system", DaemonSetName: "ambient-ebpf"}})
-	r := istiocnireal.NewRuntime(t, n, a.CNIBinDir, a.CNIConfDir, cniPluginsDir(t))
+	r := istiocnireal.NewRuntime(t, n, a.CNIBinDir, a.CNIConfDir, istiocnireal.PluginsDir(t))
 	a.StartReadyAgent(t)
 	zt := n.StartZtunnelFor(a.ZDS)
 	a.WaitZtunnel(t)

@@ -17,5 +17,7 @@
 // DaemonSet's /host mounts of the runtime's folders, in-cluster
 // credentials of test/kubeapi's API server relayed into the node netns);
 // its ZDS socket is where the caller's ztunnel stand-in connects. It is
-// stopped by PID, and everything it made goes with t's cleanup.
+// stopped by PID, and everything it made goes with t's cleanup. StartNode
+// does all of that on a fresh node, up to the caller's ZDS peer connected
+// (test/differential, and test/bench's enrolment figures).
 package istiocnireal
