@@ -50,9 +50,10 @@ KUBE_LDFLAGS := -X k8s.io/component-base/version.gitVersion=$(KUBE_VERSION) -X k
 export AMBIENT_EBPF_KUBE_BINS := $(KUBE_BINS)
 # The real istio-cni (issue 32): its node agent install-cni and its chained
 # plugin istio-cni, built once per version of istio.io/istio in go.mod from
-# the wrapper module hack/tools/istio-cni, for the differential tests only
-# (nothing shipped links Istio's cni packages). The wrapper must require the
-# same version as go.mod; test/istiocnireal refuses binaries of another.
+# the wrapper module hack/tools/istio-cni, for the differential tests and the
+# benchmark's enrolment figures only (nothing shipped links Istio's cni
+# packages). The wrapper must require the same version as go.mod;
+# test/istiocnireal refuses binaries of another.
 ISTIO_VERSION  := $(shell awk '$$1 == "istio.io/istio" { print $$2 }' go.mod)
 ISTIO_WRAPPER_VERSION := $(shell awk '$$1 == "istio.io/istio" { print $$2 }' hack/tools/istio-cni/go.mod)
 ISTIO_CNI_BINS := $(CACHE)/istio-cni/$(ISTIO_VERSION)
@@ -146,6 +147,7 @@ vet: ## go vet and gofmt
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt needed"; exit 1; }
 	$(GO) vet ./...
 	$(GO) vet -tags bench ./test/bench
+	$(GO) vet -tags bench,istiocnireal ./test/bench
 	$(GO) vet -tags istiocnireal ./test/differential
 
 .PHONY: kube-bins
@@ -249,17 +251,20 @@ test-istio-cni: hooks istio-cni-bins kube-bins cni-plugins ## run the differenti
 		$(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
 
 # Knobs: BENCH_REPS, BENCH_DURATION, BENCH_CONC, BENCH_RTTS, BENCH_ENROLL_PODS,
-# BENCH_SCALE_PODS (see test/bench/bench_test.go). bench/results.json is
+# BENCH_SCALE_PODS, BENCH_PARTS (see test/bench/bench_test.go). bench/results.json is
 # committed with the docs/BENCHMARKS.md that quotes it; it names its commit.
+# The enrolment figures include the real istio-cni (enroll_cni_istiocni_*,
+# the istiocnireal tag): its binaries, the API server's and the primary
+# network's plugins are built first.
 .PHONY: test-takeover-crash
 test-takeover-crash: deps ## the takeover's crash tests alone (test/takeover; make test runs them too)
 	$(GO) test $(GOTESTFLAGS) -run '^TestTakeoverKilledMidwayFinishesOnRestart$$' -v ./test/takeover
 
 .PHONY: bench
-bench: deps ## benchmarks as root: direct vs iptables vs eBPF; writes bench/results.json, bench/chart.svg, docs/BENCHMARKS.md and the README's table
+bench: deps istio-cni-bins kube-bins cni-plugins ## benchmarks as root: direct vs iptables vs eBPF (and the real istio-cni's enrolment); writes bench/results.json, bench/chart.svg, docs/BENCHMARKS.md and the README's table
 	@mkdir -p bench
 	AMBIENT_EBPF_BENCH=1 BENCH_RESULTS=$(CURDIR)/bench/results.json BENCH_DOC=$(CURDIR)/docs/BENCHMARKS.md BENCH_README=$(CURDIR)/README.md BENCH_CHART=$(CURDIR)/bench/chart.svg \
-		$(GO) test -tags bench -count=1 -timeout 40m -run '^TestBench$$' -v ./test/bench
+		CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test -tags bench,istiocnireal -count=1 -timeout 40m -run '^TestBench$$' -v ./test/bench
 
 # The sockmap acceleration's figures (--sockmap-accel off, ztunnel, both) on
 # the eBPF path through the stand-in; same knobs as bench. Writes

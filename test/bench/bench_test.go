@@ -153,7 +153,7 @@ func TestBench(t *testing.T) {
 		"parts":             s.partList(),
 		"connection close":  map[bool]string{false: "client first; tcp_tw_reuse=1 in the pods, no TIME_WAIT in server pods (tcp_max_tw_buckets=0); ephemeral ports 32768-46999 in client pods, 47000-60999 in server pods (see below)", true: "server first, shared ephemeral port range (BENCH_EXPOSE_COLLISIONS=1)"}[s.exposeCollisions],
 		"ztunnel stand-in":  "test/ztunnel/standin (Go, a read/write relay per direction: splice would miss bytes the sockmap acceleration redirects), one process serving both meshed paths",
-		"enrollment timing": "enroll_cni: exec of the CNI plugin (ebpf: cmd/ambient-ebpf-cni through the node agent; iptables: test/reference/iptables-cni) to its exit 0 and redirection in place; enroll_latency: ebpf: dataplane.Enroll in a process of its own, iptables: istio-cni's rules applied with iptables-restore, ip rule/route and ipset commands (test/reference)",
+		"enrollment timing": "enroll_cni: exec of the CNI plugin (ebpf: cmd/ambient-ebpf-cni through the node agent; iptables: test/reference/iptables-cni; enroll_cni_istiocni: the real istio-cni's plugin through its node agent) to its exit 0 and redirection in place; enroll_latency: ebpf: dataplane.Enroll in a process of its own, iptables: istio-cni's rules applied with iptables-restore, ip rule/route and ipset commands (test/reference)",
 		"node agent":        "cmd/ambient-ebpf-agent, standalone (pod file), its ZDS peer a client that acks every request at once",
 		"scale concurrency": fmt.Sprintf("%d CNI calls in flight", scaleConc),
 	}}
@@ -221,6 +221,9 @@ type env struct {
 	// figures count.
 	softirqd []int
 	light    *lightPods // pods without apps, for enrollment and scale
+	// istio is the real istio-cni's node, for the enrolment figures
+	// (started by enrollment; nil without the istiocnireal tag).
+	istio *istioCNI
 	// cniPods (per repetition, and one batch more) and scalePods are the
 	// pods the node agent enrolls through the CNI plugin: its pod file
 	// names them.
@@ -397,6 +400,8 @@ func (e *env) cni(path, command string, pods []*simnode.Pod, conc int) (cniResul
 		req.Conflist, req.Plugin, req.Check, req.BPFFS = e.ebpfList, plugin.PluginType, checkNetns, e.node.BPFFSDir
 	case pathIptables:
 		req.Conflist, req.Plugin, req.Check = e.iptablesList, iptablesPlugin, checkIptables
+	case pathIstioCNI:
+		return e.istio.cni(command, pods, conc)
 	}
 	var res cniResult
 	if err := call(e.runtime, req, &res); err != nil {

@@ -35,6 +35,7 @@ var (
 	colDirect   = color.RGBA{R: 0x56, G: 0xb4, B: 0xe9, A: 0xff}
 	colVariant  = color.RGBA{R: 0x00, G: 0x9e, B: 0x73, A: 0xff}
 	colEBPF     = color.RGBA{R: 0x00, G: 0x72, B: 0xb2, A: 0xff}
+	colIstioCNI = color.RGBA{R: 0xe6, G: 0x9f, B: 0x00, A: 0xff} // the real istio-cni
 )
 
 // countFigures are drawn as counts per path rather than as ratios (ebpf's
@@ -283,7 +284,7 @@ func distributionPlot(r *Results) (*plot.Plot, error) {
 	p.Y.Label.Text = "ms"
 	dist := r.Distributions["enroll_cni_ms"]
 	var names []string
-	for i, name := range []string{pathIptables, pathEBPF} {
+	for i, name := range []string{pathIptables, pathEBPF, pathIstioCNI} {
 		vals := dist[name]
 		if len(vals) == 0 {
 			continue
@@ -292,7 +293,7 @@ func distributionPlot(r *Results) (*plot.Plot, error) {
 		if err != nil {
 			return nil, err
 		}
-		bp.FillColor = []color.Color{colIptables, colEBPF}[i]
+		bp.FillColor = []color.Color{colIptables, colEBPF, colIstioCNI}[i]
 		p.Add(bp)
 		names = append(names, fmt.Sprintf("%s (%d ADDs)", name, len(vals)))
 	}

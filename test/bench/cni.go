@@ -24,7 +24,9 @@ import (
 	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/google/nftables"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
@@ -71,6 +73,12 @@ const (
 	// iptables-restore committed the rules); after the batch iptables-save
 	// must show the rules in every pod and the ipsets its addresses.
 	checkIptables = "iptables"
+	// checkInpod: the real istio-cni's agent commits the pod's rules
+	// before its plugin exits; in the timed window right after the exit,
+	// nf_tables (over netlink, in the pod's netns) must hold its
+	// ISTIO_OUTPUT chain in the nat table of both families. After the
+	// batch, as checkIptables.
+	checkInpod = "inpod"
 )
 
 type cniRequest struct {
@@ -138,6 +146,8 @@ func runCNI(req cniRequest) (cniResult, error) {
 	case req.Command == "VERSION":
 	case req.Check == checkIptables:
 		chk = iptablesCheck{}
+	case req.Check == checkInpod:
+		chk = inpodCheck{pods: req.Pods}
 	case req.Check == checkNetns:
 		nc, err := newNetnsCheck(req.BPFFS, req.Pods)
 		if err != nil {
@@ -433,4 +443,41 @@ func (iptablesCheck) verify(cmd string, pods []cniPod) error {
 		}
 	}
 	return nil
+}
+
+// inpodCheck proves the real istio-cni's in-pod rules: in the timed
+// window, its nat chain in the pod's netns in both families, listed over
+// netlink (iptables-nft's tables; iptables-restore commits a family's
+// rules in one transaction); after the batch, as iptablesCheck.
+type inpodCheck struct {
+	iptablesCheck
+	pods []cniPod
+}
+
+// inpodChain is the chain istio-cni's in-pod rules jump to from OUTPUT.
+const inpodChain = "ISTIO_OUTPUT"
+
+func (c inpodCheck) holds(cmd string, i int) (bool, error) {
+	if cmd != "ADD" {
+		return true, nil
+	}
+	ns, err := netns.GetFromPath(c.pods[i].Netns)
+	if err != nil {
+		return false, fmt.Errorf("open netns %s: %w", c.pods[i].Netns, err)
+	}
+	defer ns.Close()
+	conn, err := nftables.New(nftables.WithNetNSFd(int(ns)))
+	if err != nil {
+		return false, fmt.Errorf("nftables in %s: %w", c.pods[i].Netns, err)
+	}
+	for _, family := range []nftables.TableFamily{nftables.TableFamilyIPv4, nftables.TableFamilyIPv6} {
+		chains, err := conn.ListChainsOfTableFamily(family)
+		if err != nil {
+			return false, fmt.Errorf("list nftables chains in %s: %w", c.pods[i].Netns, err)
+		}
+		if !slices.ContainsFunc(chains, func(ch *nftables.Chain) bool { return ch.Table.Name == "nat" && ch.Name == inpodChain }) {
+			return false, nil
+		}
+	}
+	return true, nil
 }

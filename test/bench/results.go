@@ -29,6 +29,9 @@ const (
 	pathEBPF         = "ebpf"
 	pathIptablesLean = "iptables-lean"
 	pathEBPFLean     = "ebpf-lean"
+	// pathIstioCNI is the real istio-cni, a column of the enrolment
+	// figures only (istioCNI).
+	pathIstioCNI = "istio-cni"
 )
 
 var (
