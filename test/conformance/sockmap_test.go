@@ -174,9 +174,12 @@ func TestAccelCarriesBulk(t *testing.T) {
 					}
 					// TCP over lo adds headers (a few per cent at 64 KiB
 					// segments) and the handshake; redirected bytes add
-					// nothing.
+					// nothing. Under load the segments shrink and the ACKs
+					// multiply (18% over was seen with the kernel legs
+					// running beside make test): half of size still tells
+					// one direction on TCP from two.
 					onLo := loAfter - lo
-					if want := (2 - redirected) * size; onLo < want || onLo > want+want/8+64<<10 {
+					if want := (2 - redirected) * size; onLo < want || onLo > want+size/2 {
 						t.Errorf("pod lo carried %d bytes, want %d plus TCP's overhead (%d of 2 directions on TCP)", onLo, want, 2-redirected)
 					}
 				})
