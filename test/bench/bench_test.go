@@ -282,7 +282,9 @@ func newEnv(t *testing.T, s settings) *env {
 		}
 	}
 	e.ipt.Setup(t, n)
-	e.zt = simnode.StartHelper(t, roleZtunnel, n.NodeNS, e.cgroup("ztunnel"))
+	// ztunnel and the lean proxy standing in for it are pods on a node:
+	// below the pods' cgroup, where the agent attaches (--pods-cgroup).
+	e.zt = simnode.StartHelper(t, roleZtunnel, n.NodeNS, e.cgroupIn(n.PodsCgroup, "ztunnel"))
 	e.light = newLightPods(t, n)
 
 	// The node agent, its pod file naming every pod it will be asked
@@ -314,7 +316,7 @@ func newEnv(t *testing.T, s settings) *env {
 	e.tracerCG = e.cgroup("tracer")
 	e.tracer = simnode.StartHelper(t, roleTracer, n.NodeNS, e.tracerCG)
 	e.softirqd = softirqThreads()
-	e.leanCG = e.cgroup("lean")
+	e.leanCG = e.cgroupIn(n.PodsCgroup, "lean")
 	e.leanpx = simnode.StartHelper(t, roleLean, n.NodeNS, e.leanCG, "GOMAXPROCS=1")
 	for _, name := range slices.Concat(allPaths, leanPaths[1:]) {
 		p := e.paths[name]
@@ -354,8 +356,10 @@ func newEnv(t *testing.T, s settings) *env {
 
 // cgroup makes a cgroup below the node's root for a helper outside the
 // pods; the node's cleanup removes it and ends what runs in it.
-func (e *env) cgroup(name string) string {
-	cg := filepath.Join(e.node.CgroupRoot, name)
+func (e *env) cgroup(name string) string { return e.cgroupIn(e.node.CgroupRoot, name) }
+
+func (e *env) cgroupIn(parent, name string) string {
+	cg := filepath.Join(parent, name)
 	if err := os.Mkdir(cg, 0o755); err != nil {
 		e.t.Fatal(err)
 	}
