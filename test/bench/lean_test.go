@@ -55,6 +55,10 @@ var agentVariants = []struct {
 	name  string
 	flags []string
 }{
+	// ebpf+root attaches every socket program to the cgroup root, as
+	// before --pods-cgroup: the cost of the node-wide half the pods'
+	// sockets meet there besides the programs on their own cgroup.
+	{"ebpf+root", []string{"--pods-cgroup=none"}},
 	// ebpf+sockmap (--sockmap-accel=ztunnel) is left out: through the
 	// lean proxy a bulk sender's write(2) failed with ENOMEM (the sk_msg
 	// redirect into a proxy socket whose receive queue is full fails the
