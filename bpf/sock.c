@@ -837,11 +837,15 @@ SEC("sockops")
 int ae_sockops(struct bpf_sock_ops *skops)
 {
 	/* The node-wide half of a split attach: only the node's sockets
-	 * connect marked (node_scope_connect); the pods' cgroup runs the
-	 * full program for everyone else. */
+	 * connect marked (node_scope_connect), and only their connect and
+	 * state callbacks matter; the pods' cgroup runs the full program for
+	 * everyone else. Every pod socket's callbacks meet this program too,
+	 * so the op is tested before the socket's storage is looked up. */
 	if (ae_cfg.flags & AE_CFG_NODE_SCOPE) {
 		struct bpf_sock *sk = skops->sk;
 
+		if (skops->op != BPF_SOCK_OPS_TCP_CONNECT_CB && skops->op != BPF_SOCK_OPS_STATE_CB)
+			return 1;
 		if (!sk || !bpf_sk_storage_get(&ae_sk_probe, sk, 0, 0))
 			return 1;
 	}
