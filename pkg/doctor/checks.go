@@ -226,13 +226,9 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 		var missing []string
 		// At the root, or at the pods' cgroup below it (--pods-cgroup),
 		// with the node-wide half at the root.
-		var where []string
 		for _, hook := range inspect.SocketHooks() {
-			i := slices.IndexFunc(progs, func(p inspect.CgroupProgram) bool { return p.Ours && p.Hook == hook })
-			if i < 0 {
+			if !slices.ContainsFunc(progs, func(p inspect.CgroupProgram) bool { return p.Ours && p.Hook == hook }) {
 				missing = append(missing, hook)
-			} else if !slices.Contains(where, progs[i].Cgroup) {
-				where = append(where, progs[i].Cgroup)
 			}
 		}
 		if len(missing) > 0 {
@@ -240,7 +236,11 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 				Meaning: "outbound capture (R1), DNS (R9) and SO_ORIGINAL_DST need every one of them; the pins belong to another cgroup root or were detached",
 				Action:  "start the agent with the cgroup root it was installed with, or uninstall and install again"})
 		} else {
-			out = append(out, Finding{Check: "cgroup-hooks", Status: OK, Summary: fmt.Sprintf("our %d socket hooks are attached to %s", len(inspect.SocketHooks()), strings.Join(where, ", "))})
+			where := n.cgroup2
+			if pods := podsCgroupOf(progs, n.cgroup2); pods != "" {
+				where = pods + ", their node-wide half (connect4, connect6, sockops) to " + n.cgroup2
+			}
+			out = append(out, Finding{Check: "cgroup-hooks", Status: OK, Summary: fmt.Sprintf("our %d socket hooks are attached to %s", len(inspect.SocketHooks()), where)})
 		}
 	}
 	// A program holding a hook alone keeps ours off it: the agent cannot
@@ -272,10 +272,7 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 	}
 	// Ours on a pods' cgroup below the root (--pods-cgroup): the pods'
 	// sockets meet them before anything at the root.
-	podsCgroup := ""
-	if i := slices.IndexFunc(progs, func(p inspect.CgroupProgram) bool { return p.Ours && p.Hook == "getsockopt" }); i >= 0 && progs[i].Cgroup != n.cgroup2 {
-		podsCgroup = progs[i].Cgroup
-	}
+	podsCgroup := podsCgroupOf(progs, n.cgroup2)
 	for _, o := range order {
 		f := Finding{Check: "cgroup-hooks", Status: Info, Summary: fmt.Sprintf("program %s (id %d) on %s of %s", o.name, o.id, strings.Join(hooks[o], ", "), o.cgroup)}
 		where := "runs beside ours for every socket below the root"
@@ -308,6 +305,17 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 		out = append(out, Finding{Check: "cgroup-hooks", Status: Info, Summary: fmt.Sprintf("only the first %d cgroups below %s were checked", n.cfg.MaxCgroups, n.cgroup2)})
 	}
 	return out
+}
+
+// podsCgroupOf is the pods' cgroup our socket programs are attached to
+// below root (--pods-cgroup: where our getsockopt is, which the node-wide
+// half lacks), or "" when they are on root.
+func podsCgroupOf(progs []inspect.CgroupProgram, root string) string {
+	i := slices.IndexFunc(progs, func(p inspect.CgroupProgram) bool { return p.Ours && p.Hook == "getsockopt" })
+	if i < 0 || progs[i].Cgroup == root {
+		return ""
+	}
+	return progs[i].Cgroup
 }
 
 // bpftoolHook is bpftool's name of one of our socket hooks.

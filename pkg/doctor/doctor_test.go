@@ -7,6 +7,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -328,6 +329,28 @@ func TestDoctorNamesAProgramThatHoldsAHookAlone(t *testing.T) {
 	for _, f := range r.Findings {
 		if f.Status == Fail && f.Check == "cgroup-hooks" && !strings.Contains(f.Action, "bpftool cgroup detach "+n.CgroupRoot+" connect4 id ") {
 			t.Errorf("the finding's action names no detach command: %+v", f)
+		}
+	}
+}
+
+// With the socket programs on the pods' cgroup, a socket load balancer at
+// the root runs after ours for the pods' sockets: doctor says so and does
+// not warn about it.
+func TestDoctorSaysALoadBalancerAtTheRootRunsAfterOurs(t *testing.T) {
+	n := simnode.New(t)
+	n.AttachSocketLB(netip.MustParseAddrPort("198.18.255.10:80"), netip.MustParseAddrPort("198.18.0.20:8080"))
+	dp, err := dataplane.New(dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, PodsCgroup: n.PodsCgroup, NodeNetns: simnode.NetnsPath(n.NodeNS)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dp.Uninstall() })
+	r := Run(context.Background(), Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), CNIConfDir: t.TempDir()})
+	requireFindings(t, r,
+		want{"cgroup-hooks", OK, []string{"our 10 socket hooks are attached to " + n.PodsCgroup}},
+		want{"cgroup-hooks", Info, []string{"program lb_connect4 (id ", "on connect4 of " + n.CgroupRoot}})
+	for _, f := range r.Findings {
+		if f.Check == "cgroup-hooks" && strings.Contains(f.Summary, "lb_connect4") && !strings.Contains(f.Meaning, "runs after ours for the pods' sockets") {
+			t.Errorf("the load balancer's finding does not say it runs after ours: %+v", f)
 		}
 	}
 }
