@@ -6,6 +6,11 @@
 // "testreport: N passed, N failed, N skipped". With -fail-on-skip (set by
 // the Makefile when CI=true) a skipped test fails the run: a kernel suite that
 // could not run what it claims to test must not look green.
+//
+// A failing test's message lines (those that start with a test file's
+// position, as t.Errorf and t.Fatalf print them) are repeated above the
+// summary: CI shows the end of a run, and a long agent log printed after
+// the failure would otherwise hide why it failed.
 package main
 
 import (
@@ -15,7 +20,18 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"sort"
+	"strings"
+)
+
+// located matches the first line of a message printed by t.Errorf, t.Fatalf
+// or t.Logf: indented, then "file_test.go:123: ".
+var locatedLine = regexp.MustCompile(`^\s+[\w.-]+_test\.go:\d+: `)
+
+const (
+	maxLocated   = 12  // message lines repeated per failing test
+	maxLocatedLn = 300 // characters kept of each
 )
 
 type event struct {
@@ -35,6 +51,8 @@ func run(in io.Reader, out io.Writer, failOnSkip bool) int {
 	var passed, failed int
 	var skipped, failures []string
 	pkgFailed := false
+	messages := map[string][]string{} // package+" "+test -> located lines
+	var located []string              // failing tests' lines, in order
 	sc := bufio.NewScanner(in)
 	sc.Buffer(make([]byte, 1024*1024), 16*1024*1024)
 	for sc.Scan() {
@@ -48,6 +66,12 @@ func run(in io.Reader, out io.Writer, failOnSkip bool) int {
 		switch ev.Action {
 		case "output":
 			fmt.Fprint(out, ev.Output)
+			if ev.Test != "" && locatedLine.MatchString(ev.Output) {
+				k := ev.Package + " " + ev.Test
+				if len(messages[k]) < maxLocated {
+					messages[k] = append(messages[k], truncate(strings.TrimSpace(ev.Output), maxLocatedLn))
+				}
+			}
 		case "pass":
 			if ev.Test != "" {
 				passed++
@@ -55,7 +79,11 @@ func run(in io.Reader, out io.Writer, failOnSkip bool) int {
 		case "fail":
 			if ev.Test != "" {
 				failed++
-				failures = append(failures, ev.Package+" "+ev.Test)
+				k := ev.Package + " " + ev.Test
+				failures = append(failures, k)
+				for _, m := range messages[k] {
+					located = append(located, ev.Test+": "+m)
+				}
 			} else {
 				pkgFailed = true
 				failures = append(failures, ev.Package+" (package)")
@@ -74,6 +102,9 @@ func run(in io.Reader, out io.Writer, failOnSkip bool) int {
 	for _, s := range skipped {
 		fmt.Fprintf(out, "testreport: skipped %s\n", s)
 	}
+	for _, m := range located {
+		fmt.Fprintf(out, "testreport: %s\n", m)
+	}
 	for _, f := range failures {
 		fmt.Fprintf(out, "testreport: FAILED %s\n", f)
 	}
@@ -89,4 +120,11 @@ func run(in io.Reader, out io.Writer, failOnSkip bool) int {
 		return 1
 	}
 	return 0
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
 }

@@ -36,3 +36,24 @@ func TestRunSummarizes(t *testing.T) {
 		})
 	}
 }
+
+func TestRunRepeatsTheFailureMessagesLast(t *testing.T) {
+	in := strings.Join([]string{
+		`{"Action":"output","Package":"p","Test":"TestA","Output":"    a_test.go:12: the drain table is left\n"}`,
+		`{"Action":"output","Package":"p","Test":"TestA","Output":"        time=x level=INFO msg=long agent log\n"}`,
+		`{"Action":"output","Package":"p","Test":"TestB","Output":"    b_test.go:3: only logged\n"}`,
+		`{"Action":"fail","Package":"p","Test":"TestA"}`,
+		`{"Action":"pass","Package":"p","Test":"TestB"}`,
+	}, "\n")
+	var out strings.Builder
+	if code := run(strings.NewReader(in), &out, false); code != 1 {
+		t.Fatalf("exit code %d, want 1", code)
+	}
+	tail := out.String()[strings.Index(out.String(), "level=INFO"):]
+	if !strings.Contains(tail, "testreport: TestA: a_test.go:12: the drain table is left") {
+		t.Errorf("the failure is not repeated after the log:\n%s", out.String())
+	}
+	if strings.Contains(tail, "testreport: TestB") {
+		t.Errorf("a passing test's lines are repeated:\n%s", out.String())
+	}
+}
