@@ -9,8 +9,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
-	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,15 +19,13 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/containernetworking/cni/libcni"
-	"github.com/containernetworking/cni/pkg/invoke"
-	"github.com/containernetworking/cni/pkg/types"
-	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/google/nftables"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/test/cniexec"
 	"github.com/ambient-ebpf/ambient-ebpf/test/reference/rules"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
@@ -43,24 +39,10 @@ import (
 // exit 0 and the check that redirection is in place (or gone, after DEL).
 type cniRuntime struct{}
 
-// cniPod is a pod as the runtime knows it: its sandbox and what the primary
-// CNI gave it.
-type cniPod struct {
-	Name      string       `json:"name"`
-	Namespace string       `json:"namespace"`
-	UID       string       `json:"uid"`
-	Netns     string       `json:"netns"`
-	HostVeth  string       `json:"hostVeth"`
-	IPs       []netip.Addr `json:"ips"`
-}
+// cniPod is a pod as the runtime knows it.
+type cniPod = cniexec.Pod
 
-func toCNIPods(pods []*simnode.Pod) []cniPod {
-	out := make([]cniPod, len(pods))
-	for i, p := range pods {
-		out[i] = cniPod{Name: p.Name, Namespace: p.Namespace, UID: p.UID, Netns: p.NetnsPath(), HostVeth: p.HostVeth, IPs: p.IPs()}
-	}
-	return out
-}
+func toCNIPods(pods []*simnode.Pod) []cniPod { return cniexec.FromSimnode(pods...) }
 
 // How a call proves redirection.
 const (
@@ -133,14 +115,6 @@ func runCNI(req cniRequest) (cniResult, error) {
 	if err != nil {
 		return res, fmt.Errorf("parse conflist: %w", err)
 	}
-	i := slices.IndexFunc(list.Plugins, func(p *libcni.PluginConfig) bool { return p.Network.Type == req.Plugin })
-	if i < 0 {
-		return res, fmt.Errorf("no plugin %s in the conflist %s", req.Plugin, list.Bytes)
-	}
-	path, err := invoke.FindInPath(req.Plugin, []string{req.BinDir})
-	if err != nil {
-		return res, err
-	}
 	var chk checker = noCheck{}
 	switch {
 	case req.Command == "VERSION":
@@ -158,9 +132,11 @@ func runCNI(req cniRequest) (cniResult, error) {
 	}
 	calls := make([]*cniCall, len(req.Pods))
 	for j, p := range req.Pods {
-		if calls[j], err = newCNICall(list, list.Plugins[i], path, req.BinDir, p); err != nil {
+		c, err := cniexec.NewCall(list, req.Plugin, req.BinDir, p)
+		if err != nil {
 			return res, err
 		}
+		calls[j] = &cniCall{c}
 	}
 
 	res.Latencies = make([]time.Duration, len(calls))
@@ -206,53 +182,7 @@ func runCNI(req cniRequest) (cniResult, error) {
 }
 
 // cniCall is one pod's exec, prepared before the clock runs.
-type cniCall struct {
-	pod   cniPod
-	path  string
-	stdin []byte
-	env   map[string]invoke.CNIArgs // by command
-}
-
-// newCNICall builds the plugin's stdin as libcni does for a chained plugin
-// (buildOneConfig): its conflist entry with the list's name and
-// cniVersion and the primary plugin's result as prevResult.
-func newCNICall(list *libcni.NetworkConfigList, plugin *libcni.PluginConfig, path, binDir string, p cniPod) (*cniCall, error) {
-	conf, err := libcni.InjectConf(plugin, map[string]any{"name": list.Name, "cniVersion": list.CNIVersion, "prevResult": prevResult(p, list.CNIVersion)})
-	if err != nil {
-		return nil, fmt.Errorf("plugin config for %s: %w", p.Name, err)
-	}
-	c := &cniCall{pod: p, path: path, stdin: conf.Bytes, env: map[string]invoke.CNIArgs{}}
-	id := "sandbox-" + p.Name
-	for _, cmd := range []string{"ADD", "DEL", "VERSION"} {
-		args := &invoke.Args{Command: cmd, ContainerID: id, NetNS: p.Netns, IfName: "eth0", Path: binDir,
-			PluginArgs: [][2]string{{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", p.Namespace}, {"K8S_POD_NAME", p.Name},
-				{"K8S_POD_INFRA_CONTAINER_ID", id}, {"K8S_POD_UID", p.UID}}}
-		// The runtime's environment, without this helper's role.
-		c.env[cmd] = environ(slices.DeleteFunc(args.AsEnv(), func(kv string) bool { return strings.HasPrefix(kv, simnode.HelperEnv+"=") }))
-	}
-	return c, nil
-}
-
-// prevResult is what a ptp-style primary plugin returns for the pod: the
-// host-side veth, eth0 in the sandbox, one address per family on eth0 with
-// the node as gateway.
-func prevResult(p cniPod, version string) *current.Result {
-	r := &current.Result{CNIVersion: version, Interfaces: []*current.Interface{{Name: p.HostVeth}, {Name: "eth0", Sandbox: p.Netns}}}
-	for _, a := range p.IPs {
-		gw := simnode.GatewayV4
-		if a.Is6() {
-			gw = simnode.GatewayV6
-		}
-		r.IPs = append(r.IPs, &current.IPConfig{Interface: current.Int(1), Address: *prefixNet(a), Gateway: gw.AsSlice()})
-		r.Routes = append(r.Routes, &types.Route{Dst: net.IPNet{IP: make(net.IP, a.BitLen()/8), Mask: net.CIDRMask(0, a.BitLen())}, GW: gw.AsSlice()})
-	}
-	return r
-}
-
-// environ is a ready environment for invoke.
-type environ []string
-
-func (e environ) AsEnv() []string { return e }
+type cniCall struct{ *cniexec.Call }
 
 // run execs the plugin and waits for holds; an ADD that fails is undone
 // with a DEL and tried again after a backoff, up to addAttempts times.
@@ -265,18 +195,18 @@ func (c *cniCall) run(cmd string, holds func() (bool, error)) (d time.Duration, 
 		}
 		retried = append(retried, err)
 		if derr := c.exec("DEL"); derr != nil {
-			return time.Since(t0), false, retried, fmt.Errorf("%s: DEL after a failed ADD: %w", c.pod.Name, derr)
+			return time.Since(t0), false, retried, fmt.Errorf("%s: DEL after a failed ADD: %w", c.Pod.Name, derr)
 		}
 		time.Sleep(backoff)
 	}
 	if err != nil {
-		return time.Since(t0), false, retried, fmt.Errorf("%s %s: %w", cmd, c.pod.Name, err)
+		return time.Since(t0), false, retried, fmt.Errorf("%s %s: %w", cmd, c.Pod.Name, err)
 	}
 	ok, err := holds()
 	for deadline := time.Now().Add(5 * time.Second); err == nil && !ok; ok, err = holds() {
 		late = true
 		if time.Now().After(deadline) {
-			return time.Since(t0), late, retried, fmt.Errorf("%s %s: the plugin exited 0, but redirection did not follow within 5 s", cmd, c.pod.Name)
+			return time.Since(t0), late, retried, fmt.Errorf("%s %s: the plugin exited 0, but redirection did not follow within 5 s", cmd, c.Pod.Name)
 		}
 		time.Sleep(100 * time.Microsecond)
 	}
@@ -286,18 +216,7 @@ func (c *cniCall) run(cmd string, holds func() (bool, error)) (d time.Duration, 
 func (c *cniCall) exec(cmd string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	// A failed plugin's error carries its stderr.
-	ex := &invoke.DefaultExec{RawExec: &invoke.RawExec{}}
-	var err error
-	switch cmd {
-	case "ADD":
-		_, err = invoke.ExecPluginWithResult(ctx, c.path, c.stdin, c.env[cmd], ex)
-	case "DEL":
-		err = invoke.ExecPluginWithoutResult(ctx, c.path, c.stdin, c.env[cmd], ex)
-	default:
-		_, err = ex.ExecPlugin(ctx, c.path, c.stdin, c.env[cmd].AsEnv())
-	}
-	return err
+	return c.Exec(ctx, cmd)
 }
 
 // childrenCPU is the user and system time of this process's ended children.

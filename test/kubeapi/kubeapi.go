@@ -27,6 +27,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"syscall"
 	"testing"
@@ -62,12 +63,17 @@ type Cluster struct {
 	// Client is a clientset over Config.
 	Client kubernetes.Interface
 
-	dir   string
-	procs []*process // started order: etcd, then kube-apiserver
+	dir     string
+	procs   []*process // started order: etcd, then kube-apiserver
+	stopped *process   // kube-apiserver after KillAPIServer
 }
+
+const apiServer = "kube-apiserver"
 
 type process struct {
 	name string
+	bin  string
+	args []string
 	cmd  *exec.Cmd
 	done chan struct{}
 	err  error
@@ -152,7 +158,7 @@ func (c *Cluster) start(ctx context.Context, bins string) error {
 		return err
 	}
 	apiPort := strconv.Itoa(ports[2])
-	if err := c.spawn("kube-apiserver", filepath.Join(bins, "kube-apiserver"),
+	if err := c.spawn(apiServer, filepath.Join(bins, apiServer),
 		"--etcd-servers="+clientURL,
 		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
 		"--secure-port="+apiPort,
@@ -228,7 +234,8 @@ func freePorts(n int) ([]int, error) {
 }
 
 func (c *Cluster) spawn(name, bin string, args ...string) error {
-	logf, err := os.Create(filepath.Join(c.dir, name+".log"))
+	// Appended to: a restarted server's log follows its predecessor's.
+	logf, err := os.OpenFile(filepath.Join(c.dir, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return fmt.Errorf("%s log: %w", name, err)
 	}
@@ -242,7 +249,7 @@ func (c *Cluster) spawn(name, bin string, args ...string) error {
 		logf.Close()
 		return fmt.Errorf("start %s: %w", name, err)
 	}
-	p := &process{name: name, cmd: cmd, done: make(chan struct{})}
+	p := &process{name: name, bin: bin, args: args, cmd: cmd, done: make(chan struct{})}
 	go func() {
 		p.err = cmd.Wait()
 		logf.Close()
@@ -300,6 +307,39 @@ func (c *Cluster) logTail(name string) string {
 		b = b[len(b)-keep:]
 	}
 	return string(b)
+}
+
+// KillAPIServer ends kube-apiserver with SIGKILL, as a crash or a
+// control-plane node's reboot does; etcd runs on, and StartAPIServer
+// brings it back on the same address. Clients see connections refused
+// meanwhile.
+func (c *Cluster) KillAPIServer() error {
+	i := slices.IndexFunc(c.procs, func(p *process) bool { return p.name == apiServer })
+	if i < 0 {
+		return errors.New("kube-apiserver is not running")
+	}
+	p := c.procs[i]
+	if err := p.cmd.Process.Kill(); err != nil {
+		return fmt.Errorf("kill kube-apiserver (pid %d): %w", p.cmd.Process.Pid, err)
+	}
+	<-p.done
+	c.procs = slices.Delete(c.procs, i, i+1)
+	c.stopped = p
+	return nil
+}
+
+// StartAPIServer starts kube-apiserver again after KillAPIServer, with the
+// same command line, and waits until it is ready.
+func (c *Cluster) StartAPIServer(ctx context.Context) error {
+	p := c.stopped
+	if p == nil {
+		return errors.New("kube-apiserver was not killed")
+	}
+	if err := c.spawn(p.name, p.bin, p.args...); err != nil {
+		return err
+	}
+	c.stopped = nil
+	return c.waitReady(ctx, 90*time.Second)
 }
 
 // ServingCert returns the API server's self-signed serving certificate
