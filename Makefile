@@ -183,7 +183,7 @@ $(ISTIO_CNI_BINS)/install-cni $(ISTIO_CNI_BINS)/istio-cni &: hack/tools/istio-cn
 
 # The suites make test-unit leaves out: they build binaries and images,
 # start API servers, nodes and the demo, and most of them need root.
-E2E_PKGS := ./demo ./test/agente2e ./test/cnichain ./test/conformance ./test/kubee2e ./test/node ./test/takeover
+E2E_PKGS := ./demo ./test/agente2e ./test/cnichain ./test/conformance ./test/kubee2e ./test/node ./test/soak ./test/takeover
 UNIT_GOTESTFLAGS ?= -race -count=1 -short -timeout 5m
 
 # -short: tests that need root, the kernel or kube-apiserver skip
@@ -274,6 +274,16 @@ bench-sockmap: deps ## the sockmap acceleration's figures as root: off vs ztunne
 	@mkdir -p bench
 	AMBIENT_EBPF_BENCH=1 BENCH_SOCKMAP_RESULTS=$(CURDIR)/bench/sockmap.json \
 		$(GO) test -tags bench -count=1 -timeout 20m -run '^TestBenchSockmap$$' -v ./test/bench
+
+# The chaos soak (test/soak) for SOAK_DURATION with faults drawn from
+# SOAK_SEED (default: the clock's; a failing run prints its seed). make test
+# runs it for 100 s. The report goes to .cache/soak/.
+SOAK_DURATION ?= 10m
+.PHONY: soak
+soak: deps kube-bins ## the chaos soak as root for SOAK_DURATION (default 10m; SOAK_SEED replays a run); report in .cache/soak/
+	@mkdir -p $(CACHE)/soak
+	SOAK_DURATION=$(SOAK_DURATION) SOAK_REPORT=$(CACHE)/soak/report-$$(date +%Y%m%dT%H%M%S).json \
+		$(GO) test -race -count=1 -timeout 0 -run '^TestSoak$$' -v ./test/soak
 
 .PHONY: test-kernels
 test-kernels: deps ## run the kernel suites on the host kernel and, under qemu, on Debian's 5.10, 6.1 and 6.12; the upgrade suites on 5.10, the takeover suite on 5.10, 6.1 and 6.12

@@ -1,0 +1,623 @@
+// Copyright ambient-ebpf authors
+// SPDX-License-Identifier: Apache-2.0
+
+package soak
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
+	"github.com/ambient-ebpf/ambient-ebpf/test/cniexec"
+	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
+	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
+)
+
+// The soak's shape.
+const (
+	stableMesh = 2  // pods in the mesh from start to end, never churned
+	maxChurn   = 6  // churn pods alive at once at most
+	addrPool   = 10 // churn addresses, reused by new pods
+	appPort    = 8080
+	echoPort   = 9090
+	// converge bounds how long every pod may take, after the last fault,
+	// to reach its desired state in the pins and the API server.
+	converge = time.Minute
+	// pluginRetry bounds a pod's CNI ADD retries, as kubelet retries a
+	// sandbox; the agent or the API server may be away meanwhile.
+	pluginRetry = 90 * time.Second
+	leakEvery   = 10 * time.Second
+)
+
+// The states a pod is in, as the soak observed them.
+const (
+	meshed = "meshed" // pinned and annotated enabled: every connection passes ztunnel
+	plain  = "plain"  // neither: no connection is captured
+	moving = "moving" // on its way: connections are counted, not judged
+)
+
+type pod struct {
+	name   string
+	kp     *corev1.Pod
+	sp     *simnode.Pod
+	app    *simnode.App
+	addr   int  // index in the churn address pool; -1: a fixed pod
+	stable bool // never churned
+
+	// Under soak.mu.
+	wantIn bool
+	gone   bool
+	state  string
+	epoch  int // counts state changes: a sample across one is not judged
+}
+
+type soak struct {
+	t     *testing.T
+	set   settings
+	sch   *schedule
+	c     *kubeapi.Cluster
+	r     *agentrun.Node
+	mesh  string // namespaces
+	other string
+	out   *simnode.App // the outside host: inbound client, outbound server
+	rep   *report
+
+	mu      sync.Mutex
+	pods    []*pod
+	zts     []*ztRun
+	free    []int
+	apiDown bool
+	active  fault // the fault under way; empty between faults
+	churned int   // churn pods made so far (names)
+}
+
+// ztRun is one ztunnel stand-in's life.
+type ztRun struct {
+	z             *simnode.Ztunnel
+	started, gone time.Time
+}
+
+// TestSoak is the chaos soak: faults drawn from a seed, together, while
+// the sampler checks that no connection to or from a meshed pod bypasses
+// ztunnel, that no connection of a pod outside the mesh is captured, that
+// no stream through ztunnel breaks unless its ztunnel went, that every pod
+// converges after the last fault, and that nothing leaks.
+func TestSoak(t *testing.T) {
+	set, err := readSettings()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := kubeapi.Require(t, cluster, clusterErr)
+	s := &soak{t: t, set: set, sch: newSchedule(set.seed), c: c, rep: newReport(set)}
+	t.Logf("soak: seed %d, %s; replay with SOAK_SEED=%d SOAK_DURATION=%s", set.seed, set.duration, set.seed, set.duration)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("soak failed: replay with SOAK_SEED=%d SOAK_DURATION=%s", set.seed, set.duration)
+		}
+	})
+	s.setUp()
+	sm := s.startSampler()
+
+	end := time.Now().Add(set.duration)
+	nextLeak := time.Now()
+	for time.Now().Before(end) {
+		s.idle(s.sch.pause(500*time.Millisecond, 3*time.Second), &nextLeak)
+		f := s.sch.next()
+		start := time.Now()
+		s.setActive(f)
+		done := s.inject(f)
+		s.setActive("")
+		s.rep.fault(f, done, time.Since(start))
+		if v := sm.violations(); len(v) > 0 {
+			sm.halt()
+			t.Fatalf("soak: invariant broken after %s (seed %d):\n%s", f, set.seed, strings.Join(v, "\n"))
+		}
+	}
+	// The last fault is over: everything converges, the traffic goes on.
+	took := s.converge()
+	s.rep.Convergence = took.Round(time.Millisecond).String()
+	s.idle(3*time.Second, &nextLeak)
+	sm.halt()
+	sm.lateCaptures(s)
+	sm.checkLost(s)
+	s.rep.Samples = sm.outcomes()
+	s.rep.leak(s.leakSample())
+	s.checkLeaks()
+	if v := sm.violations(); len(v) > 0 {
+		t.Errorf("soak: invariant broken (seed %d):\n%s", set.seed, strings.Join(v, "\n"))
+	}
+	s.writeReport()
+}
+
+// setUp starts the node: namespaces, the agent's DaemonSet (so a SIGTERM
+// keeps the state, as in a rolling update), the pods that stay, ztunnel
+// and the agent.
+func (s *soak) setUp() {
+	t := s.t
+	s.mesh = s.c.Namespace(t, "soak", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}).Name
+	s.other = s.c.Namespace(t, "plain", nil).Name
+	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: "ambient-ebpf", Namespace: s.mesh},
+		Spec: appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "x"}},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "x"}},
+				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "x", Image: "x"}}}}}}
+	if _, err := s.c.Client.AppsV1().DaemonSets(s.mesh).Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	s.r = agentrun.New(t, simnode.New(t), agentrun.Options{NodeName: "soak-" + testenv.RunID(),
+		Kube:       &agentrun.Kube{Server: s.c.Config.Host, Token: s.c.Config.BearerToken, DaemonSetNamespace: s.mesh, DaemonSetName: "ambient-ebpf"},
+		InstallCNI: true, CallerNetns: true})
+	if err := os.WriteFile(filepath.Join(s.r.CNIConfDir, "10-primary.conflist"),
+		[]byte(`{"cniVersion": "1.0.0", "name": "primary", "plugins": [{"type": "ptp"}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for i := range addrPool {
+		s.free = append(s.free, i)
+	}
+
+	s.out = s.r.StartOutsideApp()
+	s.out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
+	if _, err := s.out.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), echoPort)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.out.Do(simnode.AppRequest{Op: "dns-server", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), 53), Answer: simnode.OutsideDNSAnswer}); err != nil {
+		t.Fatal(err)
+	}
+	// The fixed pods run before the agent: its start enrols them.
+	for i := range stableMesh {
+		s.fixedPod(fmt.Sprintf("m%d", i), s.mesh, 200+i, true)
+	}
+	s.fixedPod("p0", s.other, 220, false)
+	s.startZtunnel()
+	s.startAgent(true)
+	if took := s.converge(); took > 0 {
+		t.Logf("soak: the fixed pods converged in %s", took.Round(time.Millisecond))
+	}
+}
+
+func podAddrs(i int) (netip.Addr, netip.Addr) {
+	return netip.AddrFrom4([4]byte{198, 18, 5, byte(10 + i)}), netip.MustParseAddr(fmt.Sprintf("fd00:198:18:5::%x", 10+i))
+}
+
+// fixedPod makes a running pod with its app, before the agent starts.
+func (s *soak) fixedPod(name, ns string, addr int, in bool) {
+	v4, v6 := podAddrs(addr)
+	kp := s.c.Pod(s.t, kubeapi.PodSpec{Namespace: ns, Name: name, Node: s.r.NodeName})
+	sp := s.r.AddPodWith(name, ns, string(kp.UID), v4, v6)
+	kp = s.c.SetStatus(s.t, kp, kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{v4, v6}})
+	app := s.r.StartApp(sp)
+	app.Listen("tcp", name, netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
+	p := &pod{name: name, kp: kp, sp: sp, app: app, addr: -1, stable: true, wantIn: in, state: moving}
+	s.mu.Lock()
+	s.pods = append(s.pods, p)
+	s.mu.Unlock()
+}
+
+func (s *soak) setActive(f fault) {
+	s.mu.Lock()
+	s.active = f
+	s.mu.Unlock()
+}
+
+// fault is the fault under way, if any.
+func (s *soak) fault() fault {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.active
+}
+
+// startAgent starts the agent; with wait, until it is ready.
+func (s *soak) startAgent(wait bool) {
+	s.r.StartAgent(s.t)
+	if wait {
+		s.waitAgent()
+	}
+}
+
+func (s *soak) waitAgent() {
+	if _, err := s.r.WaitReady(); err != nil {
+		s.t.Fatalf("soak (seed %d): %v", s.set.seed, err)
+	}
+}
+
+// startZtunnel starts a stand-in against the agent's ZDS socket.
+func (s *soak) startZtunnel() *ztRun {
+	z := &ztRun{z: s.r.StartZtunnelFor(s.r.ZDS), started: time.Now()}
+	s.mu.Lock()
+	s.zts = append(s.zts, z)
+	s.mu.Unlock()
+	return z
+}
+
+// current is the newest stand-in.
+func (s *soak) current() *ztRun {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.zts[len(s.zts)-1]
+}
+
+// stopZtunnel ends a stand-in, as its pod's deletion does.
+func (s *soak) stopZtunnel(z *ztRun) {
+	s.mu.Lock()
+	z.gone = time.Now()
+	s.mu.Unlock()
+	z.z.Stop()
+}
+
+// waitSnapshot waits until the agent sent z its snapshot.
+func (s *soak) waitSnapshot(z *ztRun) {
+	ok := testenv.Poll(time.Minute, func() bool {
+		obs, err := z.z.Transcript()
+		if err != nil {
+			return false
+		}
+		for _, o := range obs {
+			if o.Kind == "snapshot_sent" {
+				return true
+			}
+		}
+		return false
+	})
+	if !ok {
+		s.t.Fatalf("soak (seed %d): ztunnel got no snapshot in a minute; agent:\n%s", s.set.seed, s.r.Agent.Output.String())
+	}
+}
+
+// idle waits d while observing the pods (and measuring leaks when due).
+func (s *soak) idle(d time.Duration, nextLeak *time.Time) {
+	for end := time.Now().Add(d); time.Now().Before(end); {
+		s.observe()
+		if !time.Now().Before(*nextLeak) {
+			s.rep.leak(s.leakSample())
+			*nextLeak = time.Now().Add(leakEvery)
+		}
+		time.Sleep(min(200*time.Millisecond, time.Until(end)))
+	}
+}
+
+// pinnedPods are the pods the agent's pins hold, by UID.
+func (s *soak) pinnedPods() (map[string]bool, error) {
+	view, err := inspect.OpenPinned(s.r.BPFFSDir)
+	if err != nil {
+		return nil, err
+	}
+	defer view.Close()
+	pods, err := view.Pods()
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]bool{}
+	for _, p := range pods {
+		out[p.UID] = true
+	}
+	return out, nil
+}
+
+// annotated says whether the API server holds the pod's redirection
+// annotation as enabled; ok is false when it could not be read.
+func (s *soak) annotated(p *pod) (enabled, ok bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	kp, err := s.c.Client.CoreV1().Pods(p.kp.Namespace).Get(ctx, p.kp.Name, metav1.GetOptions{})
+	if err != nil {
+		return false, false
+	}
+	return kp.Annotations[enrollment.RedirectionAnnotation] == string(enrollment.RedirectionEnabled), true
+}
+
+// observe moves pods that reached their desired state (pins and API
+// server agree) from moving to meshed or plain.
+func (s *soak) observe() bool {
+	pinned, err := s.pinnedPods()
+	if err != nil {
+		return false
+	}
+	s.mu.Lock()
+	pods := append([]*pod(nil), s.pods...)
+	apiDown := s.apiDown
+	s.mu.Unlock()
+	all := true
+	for _, p := range pods {
+		s.mu.Lock()
+		gone, want, state := p.gone, p.wantIn, p.state
+		s.mu.Unlock()
+		if gone {
+			continue
+		}
+		if apiDown {
+			all = all && state != moving
+			continue
+		}
+		ann, ok := s.annotated(p)
+		in := pinned[string(p.kp.UID)]
+		settled := ok && in == want && ann == want
+		if settled && state == moving {
+			s.mu.Lock()
+			p.state, p.epoch = plain, p.epoch+1
+			if want {
+				p.state = meshed
+			}
+			s.mu.Unlock()
+		}
+		all = all && settled
+	}
+	// No pod may be pinned that is gone or out of the mesh for good.
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, p := range s.pods {
+		if pinned[string(p.kp.UID)] && (p.gone || !p.wantIn) && p.state != moving {
+			all = false
+		}
+	}
+	return all
+}
+
+// converge waits until every pod is in its desired state, and returns how
+// long that took; it fails the soak past converge.
+func (s *soak) converge() time.Duration {
+	start := time.Now()
+	if testenv.Poll(converge, s.observe) {
+		return time.Since(start)
+	}
+	s.mu.Lock()
+	var states []string
+	for _, p := range s.pods {
+		if !p.gone {
+			states = append(states, fmt.Sprintf("%s (%s, want in: %v)", p.name, p.state, p.wantIn))
+		}
+	}
+	s.mu.Unlock()
+	pinned, err := s.pinnedPods()
+	s.t.Fatalf("soak (seed %d): pods not in their desired state %s after the last fault: %s; pinned %v %v; agent:\n%s",
+		s.set.seed, converge, strings.Join(states, ", "), pinned, err, s.r.Agent.Output.String())
+	return 0
+}
+
+// inject runs one fault to its end (the agent, ztunnel and the API server
+// running again) and says what it did.
+func (s *soak) inject(f fault) string {
+	switch f {
+	case agentKill:
+		s.r.Agent.Kill()
+		time.Sleep(s.sch.pause(0, 3*time.Second))
+		s.startAgent(true)
+	case agentTerm:
+		if err := s.r.Stop(30 * time.Second); err != nil {
+			s.t.Fatalf("soak (seed %d): %v", s.set.seed, err)
+		}
+		time.Sleep(s.sch.pause(0, 2*time.Second))
+		s.startAgent(true)
+	case ztunnelRoll:
+		old := s.current()
+		z := s.startZtunnel()
+		s.waitSnapshot(z)
+		time.Sleep(s.sch.pause(0, time.Second))
+		s.stopZtunnel(old)
+	case ztunnelCrash:
+		s.stopZtunnel(s.current())
+		time.Sleep(s.sch.pause(0, 2*time.Second))
+		s.waitSnapshot(s.startZtunnel())
+	case apiOutage, apiAndAgent:
+		s.apiOutage(f == apiAndAgent)
+	case podAdd, podAddAgentDn:
+		if s.alive() >= maxChurn {
+			return s.podDel()
+		}
+		return s.podAdd(f == podAddAgentDn)
+	case podDel:
+		if s.alive() == 0 {
+			return s.podAdd(false)
+		}
+		return s.podDel()
+	case podLabelOut, podLabelIn:
+		return s.label(f == podLabelIn)
+	}
+	return string(f)
+}
+
+func (s *soak) apiOutage(agentToo bool) {
+	if err := s.c.KillAPIServer(); err != nil {
+		s.t.Fatal(err)
+	}
+	s.mu.Lock()
+	s.apiDown = true
+	s.mu.Unlock()
+	time.Sleep(s.sch.pause(500*time.Millisecond, 2*time.Second))
+	if agentToo {
+		// The agent starts while the API server is away: it must not
+		// become ready on a view it could not list, nor drop a pod.
+		s.r.Agent.Kill()
+		s.startAgent(false)
+	}
+	time.Sleep(s.sch.pause(time.Second, 5*time.Second))
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if err := s.c.StartAPIServer(ctx); err != nil {
+		s.t.Fatalf("soak (seed %d): %v", s.set.seed, err)
+	}
+	s.mu.Lock()
+	s.apiDown = false
+	s.mu.Unlock()
+	if agentToo {
+		s.waitAgent()
+	}
+}
+
+func (s *soak) alive() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, p := range s.pods {
+		if !p.stable && !p.gone {
+			n++
+		}
+	}
+	return n
+}
+
+// cniCall prepares the real plugin's exec for p, with the conflist the
+// agent's installer wrote.
+func (s *soak) cniCall(p *simnode.Pod) *cniexec.Call {
+	list, err := libcni.ConfListFromFile(filepath.Join(s.r.CNIConfDir, "10-primary.conflist"))
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	call, err := cniexec.NewCall(list, "ambient-ebpf-cni", s.r.CNIBinDir, cniexec.FromSimnode(p)[0])
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	return call
+}
+
+// execRetried runs a plugin command until it succeeds, as kubelet retries
+// a sandbox, and returns how many attempts failed.
+func (s *soak) execRetried(call *cniexec.Call, cmd string) int {
+	failed := 0
+	backoff := 200 * time.Millisecond
+	for deadline := time.Now().Add(pluginRetry); ; {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		err := call.Exec(ctx, cmd)
+		cancel()
+		if err == nil {
+			return failed
+		}
+		failed++
+		if time.Now().After(deadline) {
+			s.t.Fatalf("soak (seed %d): %v (tried %d times)", s.set.seed, err, failed)
+		}
+		time.Sleep(backoff)
+		backoff = min(2*backoff, 2*time.Second)
+	}
+}
+
+// podAdd adds a pod as kubelet does: in the API server, its sandbox, the
+// CNI ADD (retried), Running, its app. With agentDown the agent is killed
+// first: the plugin must refuse the ambient pod (fail closed) until the
+// agent is back.
+func (s *soak) podAdd(agentDown bool) string {
+	s.mu.Lock()
+	i := s.sch.pick(len(s.free))
+	addr := s.free[i]
+	s.free = append(s.free[:i], s.free[i+1:]...)
+	s.churned++
+	name := fmt.Sprintf("c%d", s.churned)
+	s.mu.Unlock()
+	v4, v6 := podAddrs(addr)
+	kp := s.c.Pod(s.t, kubeapi.PodSpec{Namespace: s.mesh, Name: name, Node: s.r.NodeName})
+	sp := s.r.AddPodWith(name, s.mesh, string(kp.UID), v4, v6)
+	p := &pod{name: name, kp: kp, sp: sp, addr: addr, wantIn: true, state: moving}
+	s.mu.Lock()
+	s.pods = append(s.pods, p)
+	s.mu.Unlock()
+	call := s.cniCall(sp)
+	what := string(podAdd)
+	if agentDown {
+		s.r.Agent.Kill()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		err := call.Exec(ctx, "ADD")
+		cancel()
+		if err == nil {
+			s.fail("the CNI plugin let ambient pod %s/%s start while the agent was down (not fail-closed)", s.mesh, name)
+		}
+		s.startAgent(false)
+		what = string(podAddAgentDn)
+	}
+	if n := s.execRetried(call, "ADD"); n > 0 {
+		what += fmt.Sprintf(" (ADD failed %d times first)", n)
+	}
+	if agentDown {
+		s.waitAgent()
+	}
+	p.kp = s.c.SetStatus(s.t, kp, kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{v4, v6}})
+	app := s.r.StartApp(sp)
+	app.Listen("tcp", name, netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
+	s.mu.Lock()
+	p.app = app
+	s.mu.Unlock()
+	return what
+}
+
+// podDel deletes a churn pod as kubelet does: its app stops, the CNI DEL,
+// its sandbox's network goes, and it leaves the API server.
+func (s *soak) podDel() string {
+	p := s.pickChurn(func(p *pod) bool { return true })
+	s.mu.Lock()
+	p.state, p.epoch = moving, p.epoch+1
+	app := p.app
+	p.app = nil
+	s.mu.Unlock()
+	if app != nil {
+		app.Stop()
+	}
+	s.execRetried(s.cniCall(p.sp), "DEL")
+	s.r.DeletePodNetwork(p.sp)
+	zero := int64(0)
+	if err := s.c.Client.CoreV1().Pods(s.mesh).Delete(context.Background(), p.name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
+		s.t.Fatal(err)
+	}
+	s.mu.Lock()
+	p.gone = true
+	s.free = append(s.free, p.addr)
+	s.mu.Unlock()
+	return string(podDel)
+}
+
+// label moves a churn pod out of the mesh (istio.io/dataplane-mode=none),
+// or back in (the label removed: its namespace is ambient).
+func (s *soak) label(in bool) string {
+	p := s.pickChurn(func(p *pod) bool { return p.wantIn != in && p.app != nil })
+	if p == nil {
+		return "nothing to label"
+	}
+	s.mu.Lock()
+	p.state, p.epoch, p.wantIn = moving, p.epoch+1, in
+	s.mu.Unlock()
+	v := `"` + enrollment.DataplaneModeNone + `"`
+	if in {
+		v = "null"
+	}
+	patch := []byte(`{"metadata":{"labels":{"` + enrollment.DataplaneModeLabel + `":` + v + `}}}`)
+	if _, err := s.c.Client.CoreV1().Pods(s.mesh).Patch(context.Background(), p.name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		s.t.Fatal(err)
+	}
+	if in {
+		return string(podLabelIn)
+	}
+	return string(podLabelOut)
+}
+
+// pickChurn draws an alive churn pod that ok accepts; nil when none does.
+func (s *soak) pickChurn(ok func(*pod) bool) *pod {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var c []*pod
+	for _, p := range s.pods {
+		if !p.stable && !p.gone && ok(p) {
+			c = append(c, p)
+		}
+	}
+	if len(c) == 0 {
+		return nil
+	}
+	return c[s.sch.pick(len(c))]
+}
+
+// fail records a violation the sampler did not see.
+func (s *soak) fail(format string, args ...any) {
+	s.t.Errorf("soak (seed %d): "+format, append([]any{s.set.seed}, args...)...)
+}
