@@ -26,6 +26,7 @@ import (
 
 	"github.com/cilium/ebpf/rlimit"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testbin"
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -124,6 +125,9 @@ type Node struct {
 	// Wrapper runs before the agent's command line, which it execs
 	// (prlimit with its options, say); none when empty.
 	Wrapper []string
+	// Omit lists flags Args leaves out (as "--flag" or "--flag=value"):
+	// a release older than the flag refuses it.
+	Omit    []string
 	Agent   *simnode.Process // the last one started
 	Started time.Time        // when Agent was exec'd
 	http    *http.Client
@@ -239,7 +243,55 @@ func (n *Node) Args(extra ...string) []string {
 			args = append(args, f.flag, f.v)
 		}
 	}
-	return append(args, extra...)
+	args = slices.DeleteFunc(append(args, extra...), func(a string) bool {
+		return slices.ContainsFunc(n.Omit, func(f string) bool { return a == f || strings.HasPrefix(a, f+"=") })
+	})
+	return args
+}
+
+// Release is a release's agent and CNI plugin, built side by side (the
+// fallback beside the plugin, where its installer copies it from), and
+// the flags of Args it does not know yet.
+type Release struct {
+	Version       string
+	Agent, Plugin string
+	Omit          []string
+}
+
+// LastRelease builds the last release of hack/releases (once per commit,
+// cached in .cache/releases/<commit>/).
+func LastRelease(t simnode.TB) Release {
+	t.Helper()
+	wd, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root, err := testbin.Root(wd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rel, err := testbin.Last(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := Release{Version: rel.Version}
+	// v0.1.0 predates the owned conflist.
+	if rel.Version == "v0.1.0" {
+		r.Omit = []string{"--cni-owned-conflist"}
+	}
+	for _, c := range []struct {
+		bin string
+		to  *string
+	}{{agentBinary, &r.Agent}, {pluginBinary, &r.Plugin}, {fallbackBinary, nil}} {
+		path, err := testbin.Build(root, rel, module+c.bin)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.to != nil {
+			*c.to = path
+		}
+	}
+	return r
 }
 
 // StartAgent starts the agent (through the wrapper, if any) without
@@ -404,4 +456,23 @@ func PinnedPods(t *testing.T, dir string) []inspect.EnrolledPod {
 		t.Fatal(err)
 	}
 	return pods
+}
+
+// DNSCapture says, for each pod in the pins (by "namespace/name"), whether
+// the data path captures its DNS; nil when the pins cannot be read.
+func (n *Node) DNSCapture() map[string]bool {
+	view, err := inspect.OpenPinned(n.BPFFSDir)
+	if err != nil {
+		return nil
+	}
+	defer view.Close()
+	d, err := view.Dump()
+	if err != nil {
+		return nil
+	}
+	out := map[string]bool{}
+	for _, e := range d.Netns {
+		out[e.Pod] = e.Options.DNSCapture
+	}
+	return out
 }

@@ -188,3 +188,18 @@ func (c *Cluster) EnsureNamespace(tb testing.TB, name string) {
 		tb.Fatalf("create namespace %s: %v", name, err)
 	}
 }
+
+// DaemonSet creates a minimal DaemonSet namespace/name, as the agent's
+// uninstall check finds it: while it exists, a stopping agent keeps the
+// node's state (a rolling update).
+func (c *Cluster) DaemonSet(tb testing.TB, namespace, name string) {
+	tb.Helper()
+	labels := map[string]string{"app": name}
+	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace},
+		Spec: appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "agent", Image: "registry.invalid/agent:1"}}}}}}
+	if _, err := c.Client.AppsV1().DaemonSets(namespace).Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
+		tb.Fatalf("create daemonset %s/%s: %v", namespace, name, err)
+	}
+}

@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -118,13 +117,7 @@ func TestAgentLifecycleAgainstAPIServer(t *testing.T) {
 	c := requireCluster(t)
 	ns := c.Namespace(t, "agent", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
 	r := newAgentRun(t, c, ns.Name)
-	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: "ambient-ebpf", Namespace: ns.Name},
-		Spec: appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "x"}},
-			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "x"}},
-				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "x", Image: "x"}}}}}}
-	if _, err := c.Client.AppsV1().DaemonSets(ns.Name).Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	c.DaemonSet(t, ns.Name, "ambient-ebpf")
 
 	// Before the agent: a pod a previous agent enrolled (annotated), and
 	// one that started while no agent ran (to repair). Their apps run.

@@ -57,7 +57,10 @@ type leakPoint struct {
 	NotEnrolled int `json:"notEnrolled"`
 	OrigDst     int `json:"origDst"`
 	PinnedPods  int `json:"pinnedPods"`
-	WantIn      int `json:"wantIn"`
+	// AgentEnrolled is the agent's own count (ambient_ebpf_enrolled_pods);
+	// -1 when its metrics did not answer.
+	AgentEnrolled int `json:"agentEnrolled"`
+	WantIn        int `json:"wantIn"`
 }
 
 func newReport(s settings) *report {
@@ -119,6 +122,7 @@ func (s *soak) leakSample() leakPoint {
 		}
 		view.Close()
 	}
+	lp.AgentEnrolled = s.agentEnrolled()
 	s.mu.Lock()
 	for _, p := range s.pods {
 		if !p.gone && p.wantIn {
@@ -127,6 +131,22 @@ func (s *soak) leakSample() leakPoint {
 	}
 	s.mu.Unlock()
 	return lp
+}
+
+// agentEnrolled is the agent's gauge of enrolled pods, or -1.
+func (s *soak) agentEnrolled() int {
+	code, body := s.r.Get("/metrics")
+	if code != 200 {
+		return -1
+	}
+	for line := range strings.Lines(body) {
+		if v, ok := strings.CutPrefix(line, "ambient_ebpf_enrolled_pods "); ok {
+			if n, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil {
+				return int(n)
+			}
+		}
+	}
+	return -1
 }
 
 // procStatus reads VmRSS (KiB) and Threads of a process.
@@ -164,6 +184,9 @@ func (s *soak) checkLeaks() {
 	if last.PinnedPods != n || last.PodDirs != n || last.Netns != n || last.PodRecords != n || last.PodAddrs != 2*n || last.NotEnrolled != 0 {
 		s.fail("after convergence, with %d pods in the mesh, the pins and maps hold more or less: %+v", n, last)
 	}
+	if last.AgentEnrolled != n {
+		s.fail("after convergence, with %d pods in the mesh, the agent counts %d enrolled (ambient_ebpf_enrolled_pods)", n, last.AgentEnrolled)
+	}
 	if last.NodePins != first.NodePins {
 		s.fail("the node's pins went from %d to %d over the run", first.NodePins, last.NodePins)
 	}
@@ -173,16 +196,13 @@ func (s *soak) checkLeaks() {
 	}
 }
 
-// writeReport writes the report as JSON (SOAK_REPORT, or the test's
+// writeReport writes the report as JSON to SOAK_REPORT (or the test's
 // temporary folder) and logs its summary.
 func (s *soak) writeReport() {
 	r := s.rep
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	path := s.set.report
-	if path == "" {
-		path = filepath.Join(s.t.TempDir(), "soak-report.json")
-	}
 	b, err := json.MarshalIndent(r, "", "  ")
 	if err != nil {
 		s.t.Fatal(err)
@@ -202,7 +222,10 @@ func (s *soak) writeReport() {
 	}
 	sort.Strings(faults)
 	sort.Strings(samples)
-	first, last := r.Leaks[0], r.Leaks[len(r.Leaks)-1]
+	var first, last leakPoint
+	if len(r.Leaks) > 0 {
+		first, last = r.Leaks[0], r.Leaks[len(r.Leaks)-1]
+	}
 	s.t.Logf("soak report %s\nseed %d, %s\nfaults: %s\nsamples:\n  %s\nconvergence after the last fault: %s\nleaks, first and last: %+v\n  %+v",
 		path, r.Seed, r.Duration, strings.Join(faults, ", "), strings.Join(samples, "\n  "), r.Convergence, first, last)
 }

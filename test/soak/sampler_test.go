@@ -172,7 +172,13 @@ func (sm *sampler) judgeDNS(p *pod, state string, epoch int, fault fault, what s
 	if !sm.settled(p, state, epoch, fault, what, server.String(), err) {
 		return
 	}
+	s := sm.s
+	s.mu.Lock()
+	lax, b := s.dnsLax, s.running
+	s.mu.Unlock()
 	switch {
+	case state == meshed && resp.Answer != simnode.KnownDNSAnswer && lax && p.nsOnly:
+		sm.count(what+" around ztunnel while "+b.name+" runs or HEAD restores (v0.1.0's restart defect)", "")
 	case state == meshed && resp.Answer != simnode.KnownDNSAnswer:
 		sm.violate("%s %s to %s: answered %s, not by ztunnel (pod %s meshed)", time.Now().Format("15:04:05.000"), what, server, resp.Answer, p.name)
 	case state == plain && resp.Answer != simnode.OutsideDNSAnswer:

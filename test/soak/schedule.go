@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -27,15 +29,26 @@ const (
 	podLabelOut   fault = "pod_label_none" // a churn pod labelled out of the mesh
 	podLabelIn    fault = "pod_label_back" // ... and back in
 	podAddAgentDn fault = "pod_add_agent_down"
+	releaseSwitch fault = "release_switch" // a rollback to the last release, or the upgrade back to HEAD
 )
 
-var weights = []struct {
+type weight struct {
 	f fault
 	w int
-}{
+}
+
+var weights = []weight{
 	{agentKill, 3}, {agentTerm, 2}, {ztunnelRoll, 2}, {ztunnelCrash, 1},
 	{apiOutage, 1}, {apiAndAgent, 1}, {podAdd, 4}, {podDel, 3},
-	{podLabelOut, 2}, {podLabelIn, 2}, {podAddAgentDn, 1},
+	{podLabelOut, 2}, {podLabelIn, 2}, {podAddAgentDn, 1}, {releaseSwitch, 1},
+}
+
+func faultNames() string {
+	var names []string
+	for _, w := range weights {
+		names = append(names, string(w.f))
+	}
+	return strings.Join(names, ", ")
 }
 
 // schedule draws the faults and the pauses between and within them from
@@ -43,20 +56,32 @@ var weights = []struct {
 type schedule struct {
 	seed uint64
 	rng  *rand.Rand
+	only map[fault]bool // the kinds drawn; empty: every kind
 }
 
-func newSchedule(seed uint64) *schedule {
-	return &schedule{seed: seed, rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))}
+func newSchedule(seed uint64, only ...fault) *schedule {
+	s := &schedule{seed: seed, rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), only: map[fault]bool{}}
+	for _, f := range only {
+		s.only[f] = true
+	}
+	return s
 }
+
+func (s *schedule) drawn(f fault) bool { return len(s.only) == 0 || s.only[f] }
 
 // next draws the next fault.
 func (s *schedule) next() fault {
 	total := 0
 	for _, w := range weights {
-		total += w.w
+		if s.drawn(w.f) {
+			total += w.w
+		}
 	}
 	n := s.rng.IntN(total)
 	for _, w := range weights {
+		if !s.drawn(w.f) {
+			continue
+		}
 		if n < w.w {
 			return w.f
 		}
@@ -77,7 +102,8 @@ func (s *schedule) pick(n int) int { return s.rng.IntN(n) }
 type settings struct {
 	duration time.Duration
 	seed     uint64
-	report   string // where the JSON report goes; empty: the test's temp dir
+	report   string  // where the JSON report goes; empty: the test's temp dir
+	only     []fault // SOAK_FAULTS: the kinds drawn (a fault's replay); empty: all
 }
 
 const defaultDuration = 100 * time.Second
@@ -90,6 +116,15 @@ func readSettings() (settings, error) {
 			return s, fmt.Errorf("SOAK_DURATION=%q: want a positive duration such as 90s or 1h", v)
 		}
 		s.duration = d
+	}
+	if v := os.Getenv("SOAK_FAULTS"); v != "" {
+		for _, name := range strings.Split(v, ",") {
+			f := fault(strings.TrimSpace(name))
+			if !slices.ContainsFunc(weights, func(w weight) bool { return w.f == f }) {
+				return s, fmt.Errorf("SOAK_FAULTS: no fault %q; the faults: %s", f, faultNames())
+			}
+			s.only = append(s.only, f)
+		}
 	}
 	if v := os.Getenv("SOAK_SEED"); v != "" {
 		n, err := strconv.ParseUint(v, 10, 64)

@@ -44,6 +44,7 @@ func TestSettingsRefuseWhatTheyCannotRead(t *testing.T) {
 		{"SOAK_DURATION", "forever", "SOAK_DURATION"},
 		{"SOAK_DURATION", "-1m", "positive"},
 		{"SOAK_SEED", "-3", "SOAK_SEED"},
+		{"SOAK_FAULTS", "agent_sigkill,meteor", "meteor"},
 	} {
 		t.Setenv(tc.env, tc.value)
 		if _, err := readSettings(); err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -55,5 +56,14 @@ func TestSettingsRefuseWhatTheyCannotRead(t *testing.T) {
 	t.Setenv("SOAK_SEED", "12")
 	if s, err := readSettings(); err != nil || s.duration != time.Hour || s.seed != 12 {
 		t.Errorf("SOAK_DURATION=1h SOAK_SEED=12: %+v, %v", s, err)
+	}
+}
+
+func TestScheduleDrawsOnlyTheFaultsAsked(t *testing.T) {
+	s := newSchedule(5, agentKill, podAdd)
+	for range 500 {
+		if f := s.next(); f != agentKill && f != podAdd {
+			t.Fatalf("drew %s, asked for agent_sigkill and pod_add only", f)
+		}
 	}
 }

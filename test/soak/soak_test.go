@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -15,7 +16,6 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -59,6 +59,7 @@ type pod struct {
 	app    *simnode.App
 	addr   int  // index in the churn address pool; -1: a fixed pod
 	stable bool // never churned
+	nsOnly bool // in the mesh by its namespace's label alone
 
 	// Under soak.mu.
 	wantIn bool
@@ -84,7 +85,32 @@ type soak struct {
 	free    []int
 	apiDown bool
 	active  fault // the fault under way; empty between faults
-	churned int   // churn pods made so far (names)
+
+	head, release *build
+	running       *build // the build the agent runs now
+	dnsLax        bool   // see switchRelease
+	churned       int    // churn pods made so far (names)
+}
+
+// build is an agent build and how it is started: its binary, the CNI
+// plugin its installer copies (the fallback beside it), its extra flags,
+// and the flags of agentrun's command line it does not know.
+type build struct {
+	name          string
+	agent, plugin string
+	args, omit    []string
+	// dnsByNamespaceLost: each start of this build re-applies the pods in
+	// the mesh by their namespace's label alone with DNS capture off (its
+	// snapshot decides without the namespace). v0.1.0 does; the README's
+	// rollback note says so, and test/kubee2e's
+	// TestUpgradeFromTheLastReleaseRestoresDNSCapture holds it.
+	dnsByNamespaceLost bool
+}
+
+// lastRelease is the last release as a build.
+func lastRelease(t *testing.T) *build {
+	r := agentrun.LastRelease(t)
+	return &build{name: r.Version, agent: r.Agent, plugin: r.Plugin, omit: r.Omit, dnsByNamespaceLost: r.Version == "v0.1.0"}
 }
 
 // ztRun is one ztunnel stand-in's life.
@@ -104,11 +130,21 @@ func TestSoak(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := kubeapi.Require(t, cluster, clusterErr)
-	s := &soak{t: t, set: set, sch: newSchedule(set.seed), c: c, rep: newReport(set)}
-	t.Logf("soak: seed %d, %s; replay with SOAK_SEED=%d SOAK_DURATION=%s", set.seed, set.duration, set.seed, set.duration)
+	if set.report == "" {
+		set.report = filepath.Join(t.TempDir(), "soak-report.json")
+	}
+	s := &soak{t: t, set: set, sch: newSchedule(set.seed, set.only...), c: c, rep: newReport(set)}
+	replay := fmt.Sprintf("SOAK_SEED=%d SOAK_DURATION=%s", set.seed, set.duration)
+	if len(set.only) > 0 {
+		replay += fmt.Sprintf(" SOAK_FAULTS=%s", os.Getenv("SOAK_FAULTS"))
+	}
+	t.Logf("soak: seed %d, %s; replay with %s", set.seed, set.duration, replay)
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("soak failed: replay with SOAK_SEED=%d SOAK_DURATION=%s", set.seed, set.duration)
+			// What the run saw up to its failure, kept past the test.
+			s.set.report = filepath.Join(os.TempDir(), fmt.Sprintf("ambient-ebpf-soak-%d.json", set.seed))
+			s.writeReport()
+			t.Logf("soak failed: replay with %s", replay)
 		}
 	})
 	s.setUp()
@@ -126,10 +162,15 @@ func TestSoak(t *testing.T) {
 		s.rep.fault(f, done, time.Since(start))
 		if v := sm.violations(); len(v) > 0 {
 			sm.halt()
+			s.diagnose()
 			t.Fatalf("soak: invariant broken after %s (seed %d):\n%s", f, set.seed, strings.Join(v, "\n"))
 		}
 	}
-	// The last fault is over: everything converges, the traffic goes on.
+	// The last fault is over: HEAD runs again, everything converges, the
+	// traffic goes on.
+	if s.build() == s.release {
+		s.rep.fault(releaseSwitch, s.switchRelease(), 0)
+	}
 	took := s.converge()
 	s.rep.Convergence = took.Round(time.Millisecond).String()
 	s.idle(3*time.Second, &nextLeak)
@@ -140,6 +181,7 @@ func TestSoak(t *testing.T) {
 	s.rep.leak(s.leakSample())
 	s.checkLeaks()
 	if v := sm.violations(); len(v) > 0 {
+		s.diagnose()
 		t.Errorf("soak: invariant broken (seed %d):\n%s", set.seed, strings.Join(v, "\n"))
 	}
 	s.writeReport()
@@ -152,13 +194,7 @@ func (s *soak) setUp() {
 	t := s.t
 	s.mesh = s.c.Namespace(t, "soak", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}).Name
 	s.other = s.c.Namespace(t, "plain", nil).Name
-	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: "ambient-ebpf", Namespace: s.mesh},
-		Spec: appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "x"}},
-			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "x"}},
-				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "x", Image: "x"}}}}}}
-	if _, err := s.c.Client.AppsV1().DaemonSets(s.mesh).Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	s.c.DaemonSet(t, s.mesh, "ambient-ebpf")
 	s.r = agentrun.New(t, simnode.New(t), agentrun.Options{NodeName: "soak-" + testenv.RunID(),
 		Kube:       &agentrun.Kube{Server: s.c.Config.Host, Token: s.c.Config.BearerToken, DaemonSetNamespace: s.mesh, DaemonSetName: "ambient-ebpf"},
 		InstallCNI: true, CallerNetns: true})
@@ -169,6 +205,9 @@ func (s *soak) setUp() {
 	for i := range addrPool {
 		s.free = append(s.free, i)
 	}
+	s.head = &build{name: "HEAD", agent: s.r.Bin, plugin: s.r.Plugin}
+	s.release = lastRelease(t)
+	s.setBuild(s.head, false)
 
 	s.out = s.r.StartOutsideApp()
 	s.out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
@@ -178,11 +217,16 @@ func (s *soak) setUp() {
 	if _, err := s.out.Do(simnode.AppRequest{Op: "dns-server", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), 53), Answer: simnode.OutsideDNSAnswer}); err != nil {
 		t.Fatal(err)
 	}
-	// The fixed pods run before the agent: its start enrols them.
+	// The fixed pods run before the agent: its start enrols them. m0 is
+	// in the mesh by its namespace's label, m1 by its own too.
 	for i := range stableMesh {
-		s.fixedPod(fmt.Sprintf("m%d", i), s.mesh, 200+i, true)
+		var labels map[string]string
+		if i%2 == 1 {
+			labels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}
+		}
+		s.fixedPod(fmt.Sprintf("m%d", i), s.mesh, 200+i, labels, true)
 	}
-	s.fixedPod("p0", s.other, 220, false)
+	s.fixedPod("p0", s.other, 220, nil, false)
 	s.startZtunnel()
 	s.startAgent(true)
 	if took := s.converge(); took > 0 {
@@ -195,14 +239,15 @@ func podAddrs(i int) (netip.Addr, netip.Addr) {
 }
 
 // fixedPod makes a running pod with its app, before the agent starts.
-func (s *soak) fixedPod(name, ns string, addr int, in bool) {
+func (s *soak) fixedPod(name, ns string, addr int, labels map[string]string, in bool) {
 	v4, v6 := podAddrs(addr)
-	kp := s.c.Pod(s.t, kubeapi.PodSpec{Namespace: ns, Name: name, Node: s.r.NodeName})
+	kp := s.c.Pod(s.t, kubeapi.PodSpec{Namespace: ns, Name: name, Node: s.r.NodeName, Labels: labels})
 	sp := s.r.AddPodWith(name, ns, string(kp.UID), v4, v6)
 	kp = s.c.SetStatus(s.t, kp, kubeapi.Status{Phase: corev1.PodRunning, IPs: []netip.Addr{v4, v6}})
 	app := s.r.StartApp(sp)
 	app.Listen("tcp", name, netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
-	p := &pod{name: name, kp: kp, sp: sp, app: app, addr: -1, stable: true, wantIn: in, state: moving}
+	p := &pod{name: name, kp: kp, sp: sp, app: app, addr: -1, stable: true, wantIn: in, state: moving,
+		nsOnly: labels[enrollment.DataplaneModeLabel] != enrollment.DataplaneModeAmbient}
 	s.mu.Lock()
 	s.pods = append(s.pods, p)
 	s.mu.Unlock()
@@ -221,9 +266,12 @@ func (s *soak) fault() fault {
 	return s.active
 }
 
-// startAgent starts the agent; with wait, until it is ready.
+// startAgent starts the running build's agent; with wait, until it is
+// ready.
 func (s *soak) startAgent(wait bool) {
-	s.r.StartAgent(s.t)
+	b := s.build()
+	s.r.Bin, s.r.Plugin, s.r.Omit = b.agent, b.plugin, b.omit
+	s.r.StartAgent(s.t, b.args...)
 	if wait {
 		s.waitAgent()
 	}
@@ -252,11 +300,13 @@ func (s *soak) current() *ztRun {
 }
 
 // stopZtunnel ends a stand-in, as its pod's deletion does.
+// It is gone once its process exited: until then its listeners, beside
+// the new one's (SO_REUSEPORT), still take connections and record them.
 func (s *soak) stopZtunnel(z *ztRun) {
+	z.z.Stop()
 	s.mu.Lock()
 	z.gone = time.Now()
 	s.mu.Unlock()
-	z.z.Stop()
 }
 
 // waitSnapshot waits until the agent sent z its snapshot.
@@ -414,6 +464,8 @@ func (s *soak) inject(f fault) string {
 		s.waitSnapshot(s.startZtunnel())
 	case apiOutage, apiAndAgent:
 		s.apiOutage(f == apiAndAgent)
+	case releaseSwitch:
+		return s.switchRelease()
 	case podAdd, podAddAgentDn:
 		if s.alive() >= maxChurn {
 			return s.podDel()
@@ -428,6 +480,71 @@ func (s *soak) inject(f fault) string {
 		return s.label(f == podLabelIn)
 	}
 	return string(f)
+}
+
+// switchRelease rolls the node back to the last release, as the README
+// says (the agent restarted with the values the release knows, then the
+// release's agent), or upgrades it to HEAD again. DNS of pods in the mesh
+// by their namespace alone is not judged from the release's start until
+// HEAD, back, has restored their DNS capture (dnsByNamespaceLost).
+func (s *soak) switchRelease() string {
+	stop := func() {
+		if err := s.r.Stop(30 * time.Second); err != nil {
+			s.t.Fatalf("soak (seed %d): %v", s.set.seed, err)
+		}
+	}
+	if s.build() == s.release {
+		stop()
+		s.setBuild(s.head, true)
+		s.startAgent(true)
+		took, ok := s.dnsRestored()
+		if !ok {
+			s.fail("HEAD, back after %s, did not restore DNS capture of every pod in the mesh within %s", s.release.name, took)
+		}
+		s.setBuild(s.head, false)
+		return fmt.Sprintf("upgrade from %s to HEAD (DNS capture restored in %s)", s.release.name, took.Round(time.Millisecond))
+	}
+	stop()
+	// The values the README says to set before rolling a node back to
+	// v0.1.0.
+	s.setBuild(&build{name: "HEAD before a rollback", agent: s.head.agent, plugin: s.head.plugin,
+		args: []string{"--pods-cgroup=none", "--host-probes=snat"}}, false)
+	s.startAgent(true)
+	time.Sleep(s.sch.pause(0, 2*time.Second))
+	stop()
+	s.setBuild(s.release, s.release.dnsByNamespaceLost)
+	s.startAgent(true)
+	return "rollback from HEAD to " + s.release.name
+}
+
+// build is the build the agent runs.
+func (s *soak) build() *build {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.running
+}
+
+// setBuild names the build the next start runs; dnsLax says whether DNS
+// of the pods in the mesh by namespace alone is left unjudged.
+func (s *soak) setBuild(b *build, dnsLax bool) {
+	s.mu.Lock()
+	s.running, s.dnsLax = b, dnsLax
+	s.mu.Unlock()
+}
+
+// dnsRestored waits until every pod's pinned flags capture DNS again.
+func (s *soak) dnsRestored() (time.Duration, bool) {
+	start := time.Now()
+	ok := testenv.Poll(30*time.Second, func() bool {
+		capture := s.r.DNSCapture()
+		for _, on := range capture {
+			if !on {
+				return false
+			}
+		}
+		return capture != nil
+	})
+	return time.Since(start), ok
 }
 
 func (s *soak) apiOutage(agentToo bool) {
@@ -520,7 +637,7 @@ func (s *soak) podAdd(agentDown bool) string {
 	v4, v6 := podAddrs(addr)
 	kp := s.c.Pod(s.t, kubeapi.PodSpec{Namespace: s.mesh, Name: name, Node: s.r.NodeName})
 	sp := s.r.AddPodWith(name, s.mesh, string(kp.UID), v4, v6)
-	p := &pod{name: name, kp: kp, sp: sp, addr: addr, wantIn: true, state: moving}
+	p := &pod{name: name, kp: kp, sp: sp, addr: addr, wantIn: true, state: moving, nsOnly: true}
 	s.mu.Lock()
 	s.pods = append(s.pods, p)
 	s.mu.Unlock()
@@ -620,4 +737,23 @@ func (s *soak) pickChurn(ok func(*pod) bool) *pod {
 // fail records a violation the sampler did not see.
 func (s *soak) fail(format string, args ...any) {
 	s.t.Errorf("soak (seed %d): "+format, append([]any{s.set.seed}, args...)...)
+}
+
+// diagnose logs what a violation needs explained, while the node still
+// stands: the agent's last words and the socket programs on its cgroups.
+func (s *soak) diagnose() {
+	s.t.Logf("the agent's output (%s), its end:\n%s", s.build().name, tail(s.r.Agent.Output.String(), 120))
+	out, err := exec.Command("bpftool", "cgroup", "tree", s.r.CgroupRoot).CombinedOutput()
+	s.t.Logf("the socket programs on the node's cgroups (bpftool cgroup tree %s): %v\n%s", s.r.CgroupRoot, err, out)
+	if view, err := inspect.OpenPinned(s.r.BPFFSDir); err == nil {
+		defer view.Close()
+		d, err := view.Dump()
+		s.t.Logf("the pinned pods (ae_netns, ae_pod_meta): %v\n%+v\n%+v", err, d.Netns, d.Meta)
+	}
+}
+
+// tail is the last n lines of text.
+func tail(text string, n int) string {
+	lines := strings.Split(strings.TrimRight(text, "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
