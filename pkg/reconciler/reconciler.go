@@ -837,10 +837,17 @@ func (r *Reconciler) OnAck(a zds.Ack) {
 		r.log.Info("ztunnel acked pod", "pod", key, "uid", a.UID, "snapshot", a.Snapshot)
 		r.publishLocked(Change{UID: types.UID(mb.uid), Namespace: mb.namespace, Name: mb.name})
 	case a.Err != nil:
+		was := mb.redirection
 		mb.redirection, mb.nacked = enrollment.RedirectionPending, true
 		if a.Snapshot {
 			r.log.Warn("ztunnel refused a snapshot entry; retrying", "pod", key, "error", a.Err)
 			r.queue.AddRateLimited(key)
+		}
+		// The pod's status says so until ztunnel takes it: a ztunnel
+		// that restarted and refused a pod it served no longer
+		// serves it (its connections are refused, never let around).
+		if was == enrollment.RedirectionEnabled {
+			r.publishLocked(Change{UID: types.UID(mb.uid), Namespace: mb.namespace, Name: mb.name})
 		}
 	}
 }

@@ -369,6 +369,34 @@ func TestNACKedSnapshotEntryIsRetried(t *testing.T) {
 	}
 }
 
+// A restarted ztunnel that refuses a pod it served (a NACK of its snapshot
+// entry) no longer serves it: the pod's status goes pending (published, so
+// its annotation says so) until the retry's ack enables it again.
+func TestNACKOfAnEnabledPodPublishesPending(t *testing.T) {
+	e := newTestEnv(t, 1)
+	if err := e.liveAdd(t, e.web); err != nil {
+		t.Fatal(err)
+	}
+	e.run(t)
+	testenv.Eventually(t, 10*time.Second, "pod enabled", func() bool { return e.r.Redirection(e.web.UID) == enrollment.RedirectionEnabled })
+	e.chg.mu.Lock()
+	seen := len(e.chg.all)
+	e.chg.mu.Unlock()
+	e.r.OnAck(zds.Ack{Conn: 2, UID: "uid-web", Op: zds.OpAdd, Snapshot: true, Err: fmt.Errorf("%w: busy", zds.ErrNack)})
+	testenv.Eventually(t, 10*time.Second, "pod enabled by the retry", func() bool { return e.r.Redirection(e.web.UID) == enrollment.RedirectionEnabled })
+	e.chg.mu.Lock()
+	var after []enrollment.Redirection
+	for _, c := range e.chg.all[seen:] {
+		if c.UID == e.web.UID {
+			after = append(after, c.Redirection)
+		}
+	}
+	e.chg.mu.Unlock()
+	if len(after) < 2 || after[0] != enrollment.RedirectionPending || after[len(after)-1] != enrollment.RedirectionEnabled {
+		t.Errorf("published after the NACK: %v; want pending, then enabled", after)
+	}
+}
+
 // Changing a pod's options on a running enrolled pod updates its data path
 // in place: one Enroll with the new options, no removal, the pod stays
 // enabled.
