@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -700,6 +701,14 @@ const ZDSSocketEnv = "AMBIENT_EBPF_ZDS_SOCKET"
 // helper's DNS table.
 const DNSTableEnv = "AMBIENT_EBPF_DNS_TABLE"
 
+// ZDSAckDelayEnv holds each of the ztunnel helper's ZDS answers for a
+// duration (standin.Config.AckDelay); ZDSNackAddsEnv makes it refuse its
+// first adds (standin.Config.NackAdds).
+const (
+	ZDSAckDelayEnv = "AMBIENT_EBPF_ZDS_ACK_DELAY"
+	ZDSNackAddsEnv = "AMBIENT_EBPF_ZDS_NACK_ADDS"
+)
+
 // runZtunnel is the stand-in taking pods over ZDS, until stdin closes.
 func runZtunnel() error {
 	cfg := standin.Config{DNS: standin.DNS{
@@ -714,6 +723,20 @@ func runZtunnel() error {
 			}
 			cfg.DNS.Table[name] = a
 		}
+	}
+	if v := os.Getenv(ZDSAckDelayEnv); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			return fmt.Errorf("%s: %w", ZDSAckDelayEnv, err)
+		}
+		cfg.AckDelay = d
+	}
+	if v := os.Getenv(ZDSNackAddsEnv); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return fmt.Errorf("%s: %w", ZDSNackAddsEnv, err)
+		}
+		cfg.NackAdds = n
 	}
 	for env, w := range map[string]*io.Writer{RecordsEnv: &cfg.Records, TranscriptEnv: &cfg.Transcript} {
 		if path := os.Getenv(env); path != "" {

@@ -120,11 +120,11 @@ func (sm *sampler) judge(p *pod, state string, epoch int, fault fault, what stri
 	if !sm.settled(p, state, epoch, fault, what, dst.String(), err) {
 		return
 	}
-	rec, ok := sm.lookup(resp.Local, resp.Start, state == meshed)
+	rec, ok := sm.lookup(resp.Local, resp.Start, state != plain)
 	switch {
-	case state == meshed && !ok:
+	case (state == meshed || state == pending) && !ok:
 		sm.violate("%s %s from %s to %s: bypassed ztunnel (pod %s meshed; no record of any stand-in; answered by %+v)", time.Now().Format("15:04:05.000"), what, resp.Local, dst, p.name, resp.Reply)
-	case state == meshed && (rec.Listener != port || rec.OrigDst != dst):
+	case (state == meshed || state == pending) && (rec.Listener != port || rec.OrigDst != dst):
 		sm.violate("%s %s from %s to %s: reached ztunnel on :%d for %s, want :%d for %s", time.Now().Format("15:04:05.000"), what, resp.Local, dst, rec.Listener, rec.OrigDst, port, dst)
 	case state == plain && ok:
 		sm.violate("%s %s from %s to %s: captured although pod %s is out of the mesh: %+v", time.Now().Format("15:04:05.000"), what, resp.Local, dst, p.name, rec)
@@ -153,7 +153,10 @@ func (sm *sampler) settled(p *pod, state string, epoch int, fault fault, what, d
 	case !same || state == moving:
 		sm.count(what+" while moving", "")
 		return false
-	case err != nil && (fault == ztunnelRoll || fault == ztunnelCrash):
+	case err != nil && state == pending:
+		sm.count(what+" failed while ztunnel has not acked the pod", err.Error())
+		return false
+	case err != nil && (fault == ztunnelRoll || fault == ztunnelCrash || fault == ztunnelFlaky):
 		sm.count(what+" failed during "+string(fault), err.Error())
 		return false
 	case err != nil:
@@ -177,9 +180,9 @@ func (sm *sampler) judgeDNS(p *pod, state string, epoch int, fault fault, what s
 	lax, b := s.dnsLax, s.running
 	s.mu.Unlock()
 	switch {
-	case state == meshed && resp.Answer != simnode.KnownDNSAnswer && lax && p.nsOnly:
+	case state != plain && resp.Answer != simnode.KnownDNSAnswer && lax && p.nsOnly:
 		sm.count(what+" around ztunnel while "+b.name+" runs or HEAD restores (v0.1.0's restart defect)", "")
-	case state == meshed && resp.Answer != simnode.KnownDNSAnswer:
+	case state != plain && resp.Answer != simnode.KnownDNSAnswer:
 		sm.violate("%s %s to %s: answered %s, not by ztunnel (pod %s meshed)", time.Now().Format("15:04:05.000"), what, server, resp.Answer, p.name)
 	case state == plain && resp.Answer != simnode.OutsideDNSAnswer:
 		sm.violate("%s %s to %s: answered %s, not by the server asked (pod %s out of the mesh)", time.Now().Format("15:04:05.000"), what, server, resp.Answer, p.name)

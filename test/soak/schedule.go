@@ -22,6 +22,7 @@ const (
 	agentTerm     fault = "agent_sigterm"    // SIGTERM (DaemonSet kept), restart
 	ztunnelRoll   fault = "ztunnel_restart"  // a new ztunnel connects, the old one exits
 	ztunnelCrash  fault = "ztunnel_crash"    // ztunnel exits, a new one starts after a pause
+	ztunnelFlaky  fault = "ztunnel_flaky"    // a ztunnel slow to ack, NACKing its first adds, takes over
 	apiOutage     fault = "apiserver_outage" // kube-apiserver SIGKILLed, back after a pause
 	apiAndAgent   fault = "apiserver_outage_agent_restart"
 	podAdd        fault = "pod_add"        // a new pod through the CNI plugin (IP reuse included)
@@ -38,7 +39,7 @@ type weight struct {
 }
 
 var weights = []weight{
-	{agentKill, 3}, {agentTerm, 2}, {ztunnelRoll, 2}, {ztunnelCrash, 1},
+	{agentKill, 3}, {agentTerm, 2}, {ztunnelRoll, 2}, {ztunnelCrash, 1}, {ztunnelFlaky, 1},
 	{apiOutage, 1}, {apiAndAgent, 1}, {podAdd, 4}, {podDel, 3},
 	{podLabelOut, 2}, {podLabelIn, 2}, {podAddAgentDn, 1}, {releaseSwitch, 1},
 }

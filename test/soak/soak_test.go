@@ -50,6 +50,10 @@ const (
 	meshed = "meshed" // pinned and annotated enabled: every connection passes ztunnel
 	plain  = "plain"  // neither: no connection is captured
 	moving = "moving" // on its way: connections are counted, not judged
+	// pending: pinned, but the agent reports ztunnel has not acked it (a
+	// NACK): a connection may fail, and one that does not must have
+	// passed ztunnel.
+	pending = "pending"
 )
 
 type pod struct {
@@ -283,9 +287,10 @@ func (s *soak) waitAgent() {
 	}
 }
 
-// startZtunnel starts a stand-in against the agent's ZDS socket.
-func (s *soak) startZtunnel() *ztRun {
-	z := &ztRun{z: s.r.StartZtunnelFor(s.r.ZDS), started: time.Now()}
+// startZtunnel starts a stand-in against the agent's ZDS socket, with
+// extra environment (simnode.ZDSAckDelayEnv, ZDSNackAddsEnv).
+func (s *soak) startZtunnel(env ...string) *ztRun {
+	z := &ztRun{z: s.r.StartZtunnelFor(s.r.ZDS, env...), started: time.Now()}
 	s.mu.Lock()
 	s.zts = append(s.zts, z)
 	s.mu.Unlock()
@@ -358,20 +363,21 @@ func (s *soak) pinnedPods() (map[string]bool, error) {
 	return out, nil
 }
 
-// annotated says whether the API server holds the pod's redirection
-// annotation as enabled; ok is false when it could not be read.
-func (s *soak) annotated(p *pod) (enabled, ok bool) {
+// annotation is the pod's redirection annotation in the API server; ok is
+// false when it could not be read.
+func (s *soak) annotation(p *pod) (ann enrollment.Redirection, ok bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	kp, err := s.c.Client.CoreV1().Pods(p.kp.Namespace).Get(ctx, p.kp.Name, metav1.GetOptions{})
 	if err != nil {
-		return false, false
+		return "", false
 	}
-	return kp.Annotations[enrollment.RedirectionAnnotation] == string(enrollment.RedirectionEnabled), true
+	return enrollment.Redirection(kp.Annotations[enrollment.RedirectionAnnotation]), true
 }
 
 // observe moves pods that reached their desired state (pins and API
-// server agree) from moving to meshed or plain.
+// server agree) from moving to meshed or plain, and a meshed pod the agent
+// reports pending again (ztunnel refused it: a NACK) to pending, and back.
 func (s *soak) observe() bool {
 	pinned, err := s.pinnedPods()
 	if err != nil {
@@ -393,9 +399,21 @@ func (s *soak) observe() bool {
 			all = all && state != moving
 			continue
 		}
-		ann, ok := s.annotated(p)
+		ann, ok := s.annotation(p)
 		in := pinned[string(p.kp.UID)]
-		settled := ok && in == want && ann == want
+		enabled := ann == enrollment.RedirectionEnabled
+		settled := ok && in == want && enabled == want
+		if ok && in && want && (state == meshed || state == pending) {
+			next := pending
+			if enabled {
+				next = meshed
+			}
+			s.mu.Lock()
+			if p.state != next {
+				p.state, p.epoch = next, p.epoch+1
+			}
+			s.mu.Unlock()
+		}
 		if settled && state == moving {
 			s.mu.Lock()
 			p.state, p.epoch = plain, p.epoch+1
@@ -458,6 +476,17 @@ func (s *soak) inject(f fault) string {
 		s.waitSnapshot(z)
 		time.Sleep(s.sch.pause(0, time.Second))
 		s.stopZtunnel(old)
+	case ztunnelFlaky:
+		// A new ztunnel slow to answer ZDS, refusing its first adds,
+		// replaces the running one; it serves until the next restart.
+		delay := s.sch.pause(200*time.Millisecond, 2*time.Second)
+		nacks := s.sch.pick(4)
+		old := s.current()
+		z := s.startZtunnel(simnode.ZDSAckDelayEnv+"="+delay.String(), fmt.Sprintf("%s=%d", simnode.ZDSNackAddsEnv, nacks))
+		s.waitSnapshot(z)
+		time.Sleep(s.sch.pause(0, time.Second))
+		s.stopZtunnel(old)
+		return fmt.Sprintf("%s (acks after %s, the first %d adds NACKed)", f, delay.Round(time.Millisecond), nacks)
 	case ztunnelCrash:
 		s.stopZtunnel(s.current())
 		time.Sleep(s.sch.pause(0, 2*time.Second))

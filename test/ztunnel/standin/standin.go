@@ -70,8 +70,13 @@ type Config struct {
 	// original-source return path (R10).
 	PlainInbound bool
 	// DNS configures the DNS proxy on 127.0.0.1:15053 and [::1]:15053.
-	DNS    DNS
-	Logger *slog.Logger
+	DNS DNS
+	// AckDelay holds every ZDS answer that long (a ztunnel slow to ack);
+	// NackAdds refuses that many AddWorkloads first (ztunnel NACKs a pod
+	// it could not set up), then acks as usual.
+	AckDelay time.Duration
+	NackAdds int
+	Logger   *slog.Logger
 }
 
 // Proxy serves any number of pods.

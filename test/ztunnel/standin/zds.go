@@ -6,6 +6,12 @@ package standin
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"os"
+	"sync/atomic"
+	"time"
+
+	"istio.io/istio/pkg/zdsapi"
 
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/zdsclient"
 )
@@ -14,7 +20,13 @@ import (
 // ztunnel does, reconnecting whenever the agent goes away, until ctx ends;
 // each request goes to Config.Transcript as it arrives.
 func (p *Proxy) ServeZDS(ctx context.Context, socketPath string) error {
-	cfg := zdsclient.Config{SocketPath: socketPath, Handler: zdsclient.HandlerFor(p), Logger: p.log}
+	var h zdsclient.Handler = zdsclient.HandlerFor(p)
+	if p.cfg.AckDelay > 0 || p.cfg.NackAdds > 0 {
+		u := &unreliable{Handler: h, delay: p.cfg.AckDelay}
+		u.nacks.Store(int64(p.cfg.NackAdds))
+		h = u
+	}
+	cfg := zdsclient.Config{SocketPath: socketPath, Handler: h, Logger: p.log}
 	if w := p.cfg.Transcript; w != nil {
 		enc := json.NewEncoder(w) // one session at a time: no lock
 		cfg.Observe = func(o zdsclient.Observed) {
@@ -28,4 +40,51 @@ func (p *Proxy) ServeZDS(ctx context.Context, socketPath string) error {
 		return err
 	}
 	return c.Run(ctx)
+}
+
+// unreliable is a ztunnel slow to answer, that NACKs its first adds.
+type unreliable struct {
+	zdsclient.Handler
+	delay time.Duration
+	nacks atomic.Int64
+}
+
+func (u *unreliable) wait(ctx context.Context) error {
+	select {
+	case <-time.After(u.delay):
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (u *unreliable) Add(ctx context.Context, uid string, info *zdsapi.WorkloadInfo, netns *os.File) error {
+	if err := u.wait(ctx); err != nil {
+		return err
+	}
+	if u.nacks.Add(-1) >= 0 {
+		return errors.New("refused: the stand-in NACKs its first adds (Config.NackAdds)")
+	}
+	return u.Handler.Add(ctx, uid, info, netns)
+}
+
+func (u *unreliable) Keep(ctx context.Context, uid string) error {
+	if err := u.wait(ctx); err != nil {
+		return err
+	}
+	return u.Handler.Keep(ctx, uid)
+}
+
+func (u *unreliable) Del(ctx context.Context, uid string) error {
+	if err := u.wait(ctx); err != nil {
+		return err
+	}
+	return u.Handler.Del(ctx, uid)
+}
+
+func (u *unreliable) SnapshotSent(ctx context.Context, snapshot []string) error {
+	if err := u.wait(ctx); err != nil {
+		return err
+	}
+	return u.Handler.SnapshotSent(ctx, snapshot)
 }
