@@ -177,9 +177,13 @@ func (sm *sampler) judgeDNS(p *pod, state string, epoch int, fault fault, what s
 	}
 	s := sm.s
 	s.mu.Lock()
-	lax, b := s.dnsLax, s.running
+	lax, b, off := s.dnsLax, s.running, p.dnsOff
 	s.mu.Unlock()
 	switch {
+	case state != plain && off && resp.Answer != simnode.OutsideDNSAnswer:
+		sm.violate("%s %s to %s: answered %s, not by the server asked (pod %s's DNS capture is off)", time.Now().Format("15:04:05.000"), what, server, resp.Answer, p.name)
+	case state != plain && off:
+		sm.count(what+" direct (capture off)", "")
 	case state != plain && resp.Answer != simnode.KnownDNSAnswer && lax && p.nsOnly:
 		sm.count(what+" around ztunnel while "+b.name+" runs or HEAD restores (v0.1.0's restart defect)", "")
 	case state != plain && resp.Answer != simnode.KnownDNSAnswer:

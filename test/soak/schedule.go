@@ -30,7 +30,8 @@ const (
 	podLabelOut   fault = "pod_label_none" // a churn pod labelled out of the mesh
 	podLabelIn    fault = "pod_label_back" // ... and back in
 	podAddAgentDn fault = "pod_add_agent_down"
-	releaseSwitch fault = "release_switch" // a rollback to the last release, or the upgrade back to HEAD
+	releaseSwitch fault = "release_switch"   // a rollback to the last release, or the upgrade back to HEAD
+	dnsFlip       fault = "dns_capture_flip" // a fixed pod's ambient.istio.io/dns-capture flipped
 )
 
 type weight struct {
@@ -41,7 +42,7 @@ type weight struct {
 var weights = []weight{
 	{agentKill, 3}, {agentTerm, 2}, {ztunnelRoll, 2}, {ztunnelCrash, 1}, {ztunnelFlaky, 1},
 	{apiOutage, 1}, {apiAndAgent, 1}, {podAdd, 4}, {podDel, 3},
-	{podLabelOut, 2}, {podLabelIn, 2}, {podAddAgentDn, 1}, {releaseSwitch, 1},
+	{podLabelOut, 2}, {podLabelIn, 2}, {podAddAgentDn, 1}, {releaseSwitch, 1}, {dnsFlip, 1},
 }
 
 func faultNames() string {

@@ -65,6 +65,10 @@ type pod struct {
 	stable bool // never churned
 	nsOnly bool // in the mesh by its namespace's label alone
 
+	// Under soak.mu: DNS capture turned off by annotation
+	// (dns_capture_flip).
+	dnsOff bool
+
 	// Under soak.mu.
 	wantIn bool
 	gone   bool
@@ -387,6 +391,7 @@ func (s *soak) observe() bool {
 	pods := append([]*pod(nil), s.pods...)
 	apiDown := s.apiDown
 	s.mu.Unlock()
+	dnsPins := s.r.DNSCapture()
 	all := true
 	for _, p := range pods {
 		s.mu.Lock()
@@ -402,7 +407,12 @@ func (s *soak) observe() bool {
 		ann, ok := s.annotation(p)
 		in := pinned[string(p.kp.UID)]
 		enabled := ann == enrollment.RedirectionEnabled
-		settled := ok && in == want && enabled == want
+		s.mu.Lock()
+		dnsOff, lax := p.dnsOff, s.dnsLax && p.nsOnly
+		s.mu.Unlock()
+		// Where DNS capture was flipped, the pins must say so too.
+		dnsOK := !in || lax || dnsPins[p.kp.Namespace+"/"+p.name] == !dnsOff
+		settled := ok && in == want && enabled == want && dnsOK
 		if ok && in && want && (state == meshed || state == pending) {
 			next := pending
 			if enabled {
@@ -495,6 +505,8 @@ func (s *soak) inject(f fault) string {
 		s.apiOutage(f == apiAndAgent)
 	case releaseSwitch:
 		return s.switchRelease()
+	case dnsFlip:
+		return s.flipDNS()
 	case podAdd, podAddAgentDn:
 		if s.alive() >= maxChurn {
 			return s.podDel()
@@ -544,6 +556,26 @@ func (s *soak) switchRelease() string {
 	s.setBuild(s.release, s.release.dnsByNamespaceLost)
 	s.startAgent(true)
 	return "rollback from HEAD to " + s.release.name
+}
+
+// flipDNS turns DNS capture off for a fixed pod in the mesh by its
+// annotation, or on again. The pod is moving until its pinned flags say
+// so; a query of a pod with capture off must reach the server it asked.
+func (s *soak) flipDNS() string {
+	p := s.pick(func(p *pod) bool { return p.stable && p.wantIn })
+	s.mu.Lock()
+	off := !p.dnsOff
+	p.dnsOff, p.state, p.epoch = off, moving, p.epoch+1
+	s.mu.Unlock()
+	v := `"false"`
+	if !off {
+		v = "null"
+	}
+	patch := []byte(`{"metadata":{"annotations":{"` + enrollment.DNSCaptureAnnotation + `":` + v + `}}}`)
+	if _, err := s.c.Client.CoreV1().Pods(p.kp.Namespace).Patch(context.Background(), p.name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		s.t.Fatal(err)
+	}
+	return fmt.Sprintf("%s: %s=%s", p.name, enrollment.DNSCaptureAnnotation, v)
 }
 
 // build is the build the agent runs.
@@ -749,11 +781,17 @@ func (s *soak) label(in bool) string {
 
 // pickChurn draws an alive churn pod that ok accepts; nil when none does.
 func (s *soak) pickChurn(ok func(*pod) bool) *pod {
+	return s.pick(func(p *pod) bool { return !p.stable && ok(p) })
+}
+
+// pick draws an alive pod that ok accepts (called under no lock; ok runs
+// under s.mu); nil when none does.
+func (s *soak) pick(ok func(*pod) bool) *pod {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var c []*pod
 	for _, p := range s.pods {
-		if !p.stable && !p.gone && ok(p) {
+		if !p.gone && ok(p) {
 			c = append(c, p)
 		}
 	}
