@@ -190,6 +190,19 @@ func (n *Node) StartZtunnelFor(socketPath string, extraEnv ...string) *Ztunnel {
 	return z
 }
 
+// DropZDS closes the stand-in's ZDS connection, its pods' listeners kept;
+// it connects again, as ztunnel does.
+func (z *Ztunnel) DropZDS() error {
+	var resp AppResponse
+	if err := z.Call(AppRequest{Op: "zds-drop"}, &resp); err != nil {
+		return err
+	}
+	if !resp.OK {
+		return errors.New(resp.Err)
+	}
+	return nil
+}
+
 // Transcript returns every ZDS request the stand-in received from the
 // agent so far (StartZtunnelFor), in order, across its connections.
 func (z *Ztunnel) Transcript() ([]zdsclient.Observed, error) {

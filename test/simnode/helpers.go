@@ -754,7 +754,7 @@ func runZtunnel() error {
 	defer cancel()
 	errc := make(chan error, 1)
 	go func() { errc <- proxy.ServeZDS(ctx, os.Getenv(ZDSSocketEnv)) }()
-	err := serveJSON(noOps{})
+	err := serveJSON(ztunnelOps{proxy})
 	cancel()
 	if zerr := <-errc; zerr != nil && !errors.Is(zerr, context.Canceled) {
 		return errors.Join(err, zerr)
@@ -764,6 +764,21 @@ func runZtunnel() error {
 
 // noOps answers every request with an error: the ztunnel helper is driven
 // over ZDS; stdin only holds its lifetime.
-type noOps struct{}
+// ztunnelOps are the ztunnel helper's commands: op zds-drop closes its ZDS
+// connection (it reconnects).
+type ztunnelOps struct{ p *standin.Proxy }
 
-func (noOps) handle([]byte) any { return AppResponse{Err: "the ztunnel helper takes no commands"} }
+func (z ztunnelOps) handle(line []byte) any {
+	var req AppRequest
+	if err := json.Unmarshal(line, &req); err != nil {
+		return AppResponse{Err: err.Error()}
+	}
+	switch req.Op {
+	case "zds-drop":
+		if !z.p.DropZDS() {
+			return AppResponse{Err: "no ZDS connection to drop"}
+		}
+		return AppResponse{OK: true}
+	}
+	return AppResponse{Err: fmt.Sprintf("the ztunnel helper has no op %q", req.Op)}
+}

@@ -23,6 +23,7 @@ const (
 	ztunnelRoll   fault = "ztunnel_restart"  // a new ztunnel connects, the old one exits
 	ztunnelCrash  fault = "ztunnel_crash"    // ztunnel exits, a new one starts after a pause
 	ztunnelFlaky  fault = "ztunnel_flaky"    // a ztunnel slow to ack, NACKing its first adds, takes over
+	zdsDrop       fault = "zds_drop"         // ztunnel's ZDS connection breaks, its listeners stay
 	apiOutage     fault = "apiserver_outage" // kube-apiserver SIGKILLed, back after a pause
 	apiAndAgent   fault = "apiserver_outage_agent_restart"
 	podAdd        fault = "pod_add"        // a new pod through the CNI plugin (IP reuse included)
@@ -40,7 +41,7 @@ type weight struct {
 }
 
 var weights = []weight{
-	{agentKill, 3}, {agentTerm, 2}, {ztunnelRoll, 2}, {ztunnelCrash, 1}, {ztunnelFlaky, 1},
+	{agentKill, 3}, {agentTerm, 2}, {ztunnelRoll, 2}, {ztunnelCrash, 1}, {ztunnelFlaky, 1}, {zdsDrop, 2},
 	{apiOutage, 1}, {apiAndAgent, 1}, {podAdd, 4}, {podDel, 3},
 	{podLabelOut, 2}, {podLabelIn, 2}, {podAddAgentDn, 1}, {releaseSwitch, 1}, {dnsFlip, 1},
 }

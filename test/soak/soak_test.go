@@ -319,22 +319,29 @@ func (s *soak) stopZtunnel(z *ztRun) {
 }
 
 // waitSnapshot waits until the agent sent z its snapshot.
-func (s *soak) waitSnapshot(z *ztRun) {
-	ok := testenv.Poll(time.Minute, func() bool {
-		obs, err := z.z.Transcript()
-		if err != nil {
-			return false
-		}
-		for _, o := range obs {
-			if o.Kind == "snapshot_sent" {
-				return true
-			}
-		}
-		return false
-	})
+func (s *soak) waitSnapshot(z *ztRun) { s.waitSnapshots(z, 1) }
+
+// waitSnapshots waits until z got n snapshots in all.
+func (s *soak) waitSnapshots(z *ztRun, n int) {
+	ok := testenv.Poll(time.Minute, func() bool { return snapshots(z) >= n })
 	if !ok {
-		s.t.Fatalf("soak (seed %d): ztunnel got no snapshot in a minute; agent:\n%s", s.set.seed, s.r.Agent.Output.String())
+		s.t.Fatalf("soak (seed %d): ztunnel got %d snapshots in a minute, want %d; agent:\n%s", s.set.seed, snapshots(z), n, s.r.Agent.Output.String())
 	}
+}
+
+// snapshots counts the snapshots z received so far.
+func snapshots(z *ztRun) int {
+	obs, err := z.z.Transcript()
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, o := range obs {
+		if o.Kind == "snapshot_sent" {
+			n++
+		}
+	}
+	return n
 }
 
 // idle waits d while observing the pods (and measuring leaks when due).
@@ -486,6 +493,15 @@ func (s *soak) inject(f fault) string {
 		s.waitSnapshot(z)
 		time.Sleep(s.sch.pause(0, time.Second))
 		s.stopZtunnel(old)
+	case zdsDrop:
+		// ztunnel's ZDS connection breaks, its listeners stay: it
+		// reconnects and gets a snapshot; no connection may fail.
+		z := s.current()
+		n := snapshots(z)
+		if err := z.z.DropZDS(); err != nil {
+			s.t.Fatalf("soak (seed %d): drop ztunnel's ZDS connection: %v", s.set.seed, err)
+		}
+		s.waitSnapshots(z, n+1)
 	case ztunnelFlaky:
 		// A new ztunnel slow to answer ZDS, refusing its first adds,
 		// replaces the running one; it serves until the next restart.

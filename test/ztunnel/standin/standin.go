@@ -87,6 +87,7 @@ type Proxy struct {
 
 	mu   sync.Mutex
 	pods map[string]*pod
+	zds  interface{ Drop() bool } // ServeZDS's client, once it runs
 }
 
 type pod struct {

@@ -39,7 +39,20 @@ func (p *Proxy) ServeZDS(ctx context.Context, socketPath string) error {
 	if err != nil {
 		return err
 	}
+	p.mu.Lock()
+	p.zds = c
+	p.mu.Unlock()
 	return c.Run(ctx)
+}
+
+// DropZDS closes the ZDS connection (the pods' listeners stay), as when
+// ztunnel's connection to the agent breaks; ServeZDS reconnects. It
+// reports whether a connection was up.
+func (p *Proxy) DropZDS() bool {
+	p.mu.Lock()
+	c := p.zds
+	p.mu.Unlock()
+	return c != nil && c.Drop()
 }
 
 // unreliable is a ztunnel slow to answer, that NACKs its first adds.

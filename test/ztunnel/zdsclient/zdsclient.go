@@ -31,6 +31,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -97,6 +98,22 @@ type Observed struct {
 type Client struct {
 	cfg Config
 	log *slog.Logger
+
+	mu  sync.Mutex
+	cur *net.UnixConn // the session's connection, while one runs
+}
+
+// Drop closes the running session's connection, as a ztunnel whose
+// connection to the agent broke; Run reconnects. It reports whether a
+// session was running.
+func (c *Client) Drop() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.cur == nil {
+		return false
+	}
+	_ = c.cur.Close()
+	return true
 }
 
 // New validates cfg; it does no I/O.
@@ -131,7 +148,13 @@ func (c *Client) Run(ctx context.Context) error {
 		if err == nil {
 			var synced bool
 			session++
+			c.mu.Lock()
+			c.cur = uc
+			c.mu.Unlock()
 			synced, err = serve(ctx, uc, c.cfg.Handler, c.log, c.observer(session))
+			c.mu.Lock()
+			c.cur = nil
+			c.mu.Unlock()
 			_ = uc.Close()
 			if synced {
 				backoff = c.cfg.MinBackoff
