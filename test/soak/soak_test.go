@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -21,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/agent"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/test/agentrun"
@@ -204,8 +206,9 @@ func (s *soak) setUp() {
 	s.other = s.c.Namespace(t, "plain", nil).Name
 	s.c.DaemonSet(t, s.mesh, "ambient-ebpf")
 	s.r = agentrun.New(t, simnode.New(t), agentrun.Options{NodeName: "soak-" + testenv.RunID(),
-		Kube:       &agentrun.Kube{Server: s.c.Config.Host, Token: s.c.Config.BearerToken, DaemonSetNamespace: s.mesh, DaemonSetName: "ambient-ebpf"},
-		InstallCNI: true, CallerNetns: true})
+		Kube: &agentrun.Kube{Server: s.c.Config.Host, Token: s.c.Config.BearerToken, DaemonSetNamespace: s.mesh, DaemonSetName: "ambient-ebpf"},
+		// The installer's default, as users run it: an owned conflist.
+		InstallCNI: true, OwnedConflist: agent.DefaultOwnedConflist, CallerNetns: true})
 	if err := os.WriteFile(filepath.Join(s.r.CNIConfDir, "10-primary.conflist"),
 		[]byte(`{"cniVersion": "1.0.0", "name": "primary", "plugins": [{"type": "ptp"}]}`), 0o644); err != nil {
 		t.Fatal(err)
@@ -664,10 +667,15 @@ func (s *soak) alive() int {
 	return n
 }
 
-// cniCall prepares the real plugin's exec for p, with the conflist the
-// agent's installer wrote.
+// cniCall prepares the real plugin's exec for p, with the conflist a
+// runtime selects: the first of the folder, by name.
 func (s *soak) cniCall(p *simnode.Pod) *cniexec.Call {
-	list, err := libcni.ConfListFromFile(filepath.Join(s.r.CNIConfDir, "10-primary.conflist"))
+	files, err := libcni.ConfFiles(s.r.CNIConfDir, []string{".conflist"})
+	if err != nil || len(files) == 0 {
+		s.t.Fatalf("no conflist in %s: %v", s.r.CNIConfDir, err)
+	}
+	slices.Sort(files)
+	list, err := libcni.ConfListFromFile(files[0])
 	if err != nil {
 		s.t.Fatal(err)
 	}
