@@ -121,13 +121,22 @@ func (sm *sampler) judge(p *pod, state string, epoch int, fault fault, what stri
 		return
 	}
 	rec, ok := sm.lookup(resp.Local, resp.Start, state != plain)
+	// What the server saw is the ground truth: a connection that went
+	// straight to it shows the client's own address and port; one
+	// ztunnel relayed shows ztunnel's socket (another port).
+	direct := resp.Reply != nil && resp.Reply.Peer == resp.Local
 	switch {
+	case (state == meshed || state == pending) && !ok && direct:
+		sm.violate("%s %s from %s to %s: bypassed ztunnel (pod %s %s; no record of any stand-in; the server saw %+v)", time.Now().Format("15:04:05.000"), what, resp.Local, dst, p.name, state, resp.Reply)
 	case (state == meshed || state == pending) && !ok:
-		sm.violate("%s %s from %s to %s: bypassed ztunnel (pod %s meshed; no record of any stand-in; answered by %+v)", time.Now().Format("15:04:05.000"), what, resp.Local, dst, p.name, resp.Reply)
+		// Relayed, but no stand-in's record names it: the harness's.
+		sm.count(what+" relayed, no record found", fmt.Sprintf("from %s to %s at %s, the server saw %+v", resp.Local, dst, resp.Start.Format("15:04:05.000"), resp.Reply))
 	case (state == meshed || state == pending) && (rec.Listener != port || rec.OrigDst != dst):
 		sm.violate("%s %s from %s to %s: reached ztunnel on :%d for %s, want :%d for %s", time.Now().Format("15:04:05.000"), what, resp.Local, dst, rec.Listener, rec.OrigDst, port, dst)
 	case state == plain && ok:
 		sm.violate("%s %s from %s to %s: captured although pod %s is out of the mesh: %+v", time.Now().Format("15:04:05.000"), what, resp.Local, dst, p.name, rec)
+	case state == plain && !direct:
+		sm.violate("%s %s from %s to %s: relayed although pod %s is out of the mesh (the server saw %+v)", time.Now().Format("15:04:05.000"), what, resp.Local, dst, p.name, resp.Reply)
 	case state == plain:
 		sm.mu.Lock()
 		sm.plains = append(sm.plains, plainSample{what, resp.Local, dst, resp.Start})

@@ -88,6 +88,7 @@ type soak struct {
 	other string
 	out   *simnode.App // the outside host: inbound client, outbound server
 	rep   *report
+	sm    *sampler
 
 	mu      sync.Mutex
 	pods    []*pod
@@ -159,12 +160,16 @@ func TestSoak(t *testing.T) {
 		if t.Failed() {
 			// What the run saw up to its failure, kept past the test.
 			s.set.report = filepath.Join(os.TempDir(), fmt.Sprintf("ambient-ebpf-soak-%d.json", set.seed))
+			if s.sm != nil {
+				s.rep.Samples = s.sm.outcomes()
+			}
 			s.writeReport()
 			t.Logf("soak failed: replay with %s", replay)
 		}
 	})
 	s.setUp()
 	sm := s.startSampler()
+	s.sm = sm
 
 	end := time.Now().Add(set.duration)
 	nextLeak := time.Now()
