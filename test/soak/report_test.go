@@ -29,6 +29,7 @@ type report struct {
 	Faults      map[string]int    `json:"faults"`
 	Log         []string          `json:"log"`
 	Samples     map[string]string `json:"samples"`
+	Violations  []string          `json:"violations,omitempty"`
 	Convergence string            `json:"convergence"`
 	Leaks       []leakPoint       `json:"leaks"`
 

@@ -161,7 +161,7 @@ func TestSoak(t *testing.T) {
 			// What the run saw up to its failure, kept past the test.
 			s.set.report = filepath.Join(os.TempDir(), fmt.Sprintf("ambient-ebpf-soak-%d.json", set.seed))
 			if s.sm != nil {
-				s.rep.Samples = s.sm.outcomes()
+				s.rep.Samples, s.rep.Violations = s.sm.outcomes(), s.sm.violations()
 			}
 			s.writeReport()
 			t.Logf("soak failed: replay with %s", replay)
@@ -170,6 +170,7 @@ func TestSoak(t *testing.T) {
 	s.setUp()
 	sm := s.startSampler()
 	s.sm = sm
+	t.Cleanup(sm.halt) // before the helpers it dials through stop
 
 	end := time.Now().Add(set.duration)
 	nextLeak := time.Now()
@@ -198,7 +199,7 @@ func TestSoak(t *testing.T) {
 	sm.halt()
 	sm.lateCaptures(s)
 	sm.checkLost(s)
-	s.rep.Samples = sm.outcomes()
+	s.rep.Samples, s.rep.Violations = sm.outcomes(), sm.violations()
 	s.rep.leak(s.leakSample())
 	s.checkLeaks()
 	if v := sm.violations(); len(v) > 0 {
@@ -509,7 +510,9 @@ func (s *soak) inject(f fault) string {
 		z := s.current()
 		n := snapshots(z)
 		if err := z.z.DropZDS(); err != nil {
-			s.t.Fatalf("soak (seed %d): drop ztunnel's ZDS connection: %v", s.set.seed, err)
+			// Not connected (reconnecting after the agent's restart):
+			// nothing to drop.
+			return fmt.Sprintf("%s: %v", f, err)
 		}
 		s.waitSnapshots(z, n+1)
 	case ztunnelFlaky:
@@ -589,6 +592,11 @@ func (s *soak) switchRelease() string {
 		s.setBuild(s.head, false)
 		return fmt.Sprintf("upgrade from %s to HEAD (DNS capture restored in %s)", s.release.name, took.Round(time.Millisecond))
 	}
+	if s.current().flaky && !s.release.retriesNACKs {
+		// Its NACKs left would go unretried (see ztunnel_flaky); rolled
+		// while an agent runs to send the new one its snapshot.
+		s.rollZtunnel()
+	}
 	stop()
 	// The values the README says to set before rolling a node back to
 	// v0.1.0.
@@ -597,10 +605,6 @@ func (s *soak) switchRelease() string {
 	s.startAgent(true)
 	time.Sleep(s.sch.pause(0, 2*time.Second))
 	stop()
-	if s.current().flaky && !s.release.retriesNACKs {
-		// Its NACKs left would go unretried (see ztunnel_flaky).
-		s.rollZtunnel()
-	}
 	s.setBuild(s.release, s.release.dnsByNamespaceLost)
 	s.startAgent(true)
 	return "rollback from HEAD to " + s.release.name
