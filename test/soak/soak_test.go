@@ -133,7 +133,10 @@ func lastRelease(t *testing.T) *build {
 type ztRun struct {
 	z             *simnode.Ztunnel
 	started, gone time.Time
-	flaky         bool // acks late and NACKs its first adds (ztunnel_flaky)
+	// stopping is when its stop began: from then on it closes the
+	// connections it carries, before its process has exited (gone).
+	stopping time.Time
+	flaky    bool // acks late and NACKs its first adds (ztunnel_flaky)
 }
 
 // TestSoak is the chaos soak: faults drawn from a seed, together, while
@@ -327,6 +330,9 @@ func (s *soak) current() *ztRun {
 // It is gone once its process exited: until then its listeners, beside
 // the new one's (SO_REUSEPORT), still take connections and record them.
 func (s *soak) stopZtunnel(z *ztRun) {
+	s.mu.Lock()
+	z.stopping = time.Now()
+	s.mu.Unlock()
 	z.z.Stop()
 	s.mu.Lock()
 	z.gone = time.Now()
