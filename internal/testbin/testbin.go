@@ -27,6 +27,13 @@ import (
 // PrebuiltEnv names a directory of binaries built by Prebuild.
 const PrebuiltEnv = "AMBIENT_EBPF_TEST_BINS"
 
+// SymbolsEnv set to 1 keeps the symbol table and DWARF in what Head
+// builds (by default stripped, -s -w, as the image's binaries are), so
+// that perf can name the functions of a profile (the benchmark sets it).
+// Releases' builds, cached by commit, are always stripped.
+// The stripped sections are not loaded: an exec costs the same.
+const SymbolsEnv = "AMBIENT_EBPF_TEST_SYMBOLS"
+
 // Release is one line of hack/releases.
 type Release struct {
 	Version string // "v0.1.0"
@@ -103,7 +110,11 @@ func Head(root, dir, pkg string, tags ...string) (string, error) {
 	}
 	rev, _ := git(root, "rev-parse", "HEAD")
 	out := filepath.Join(dir, name)
-	if err := goBuild(root, out, pkg, buildinfo.LDFlags(version, rev), tags); err != nil {
+	ldflags := buildinfo.LDFlags(version, rev)
+	if os.Getenv(SymbolsEnv) != "1" {
+		ldflags = "-s -w " + ldflags
+	}
+	if err := goBuild(root, out, pkg, ldflags, tags); err != nil {
 		return "", err
 	}
 	return out, nil
@@ -138,7 +149,7 @@ func Build(root string, r Release, pkg string) (string, error) {
 	// Written under a temporary name and renamed: a concurrent or
 	// interrupted build never leaves a partial binary in the cache.
 	tmp := filepath.Join(cache, "."+filepath.Base(pkg)+".tmp."+filepath.Base(scratch))
-	if err := goBuild(tree, tmp, pkg, buildinfo.LDFlags(r.Version, r.Commit), nil); err != nil {
+	if err := goBuild(tree, tmp, pkg, "-s -w "+buildinfo.LDFlags(r.Version, r.Commit), nil); err != nil {
 		return "", fmt.Errorf("build release %s: %w", r.Version, err)
 	}
 	if err := os.Rename(tmp, out); err != nil {
@@ -168,7 +179,7 @@ func stampVersion(root string) (string, error) {
 // goBuild builds a static, stripped binary (it also runs in the VMs'
 // initramfs, which holds it in memory).
 func goBuild(dir, out, pkg, ldflags string, tags []string) error {
-	args := []string{"build", "-trimpath", "-ldflags", "-s -w " + ldflags, "-o", out}
+	args := []string{"build", "-trimpath", "-ldflags", ldflags, "-o", out}
 	if len(tags) > 0 {
 		args = append(args, "-tags", strings.Join(tags, ","))
 	}

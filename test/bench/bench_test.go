@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testbin"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cli"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/plugin"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
@@ -28,6 +29,9 @@ import (
 
 func TestMain(m *testing.M) {
 	RunHelper()
+	// The profiles name our functions: the agent and the plugin keep
+	// their symbols (not loaded, so their execs cost the same).
+	os.Setenv(testbin.SymbolsEnv, "1")
 	os.Exit(m.Run())
 }
 

@@ -101,9 +101,17 @@ func (e *env) enrollment(res *Results) {
 			agent = startProfiler(e.agent.Agent.PID(), dir, true)
 		}
 		e.cniEnroll(name, pods)
-		res.Notes["enroll_cni: CPU by process while enrolling one at a time (perf -a, share of all samples, one extra batch), "+name] = machine.byProcess(
+		focus := ""
+		if name == pathEBPF {
+			focus = "ambient-ebpf-cn"
+		}
+		shares, plugin := machine.byProcess(focus, pluginFrames,
 			"ambient-ebpf-ag", "ambient-ebpf-cn", iptablesPlugin, istiocnireal.PluginBinary, istiocnireal.AgentBinary, "iptables-restor", "ip6tables-resto",
 			"kube-apiserver", "etcd", "bench.test")
+		res.Notes["enroll_cni: CPU by process while enrolling one at a time (perf -a, share of all samples, one extra batch), "+name] = shares
+		if focus != "" {
+			res.Notes["enroll_cni: plugin CPU profile (perf -a, cumulative, share of the plugin processes' samples, one extra batch), ebpf"] = plugin
+		}
 		if agent != nil {
 			waits, cpu := agent.finish(agentFrames)
 			res.Notes["enroll_cni: where the agent's threads wait in the kernel (one extra batch), ebpf"] = waits

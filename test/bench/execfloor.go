@@ -20,8 +20,8 @@ import (
 const execFloorPlugin = "exec-floor"
 
 // buildExecFloor builds execFloorPlugin into a temporary directory, as the
-// bench's binaries are built (CGO_ENABLED=0, -trimpath, -s -w), and
-// returns that directory, the floor's CNI bin dir.
+// bench's binaries are built (CGO_ENABLED=0, -trimpath, symbols kept:
+// testbin.SymbolsEnv), and returns that directory, the floor's CNI bin dir.
 func (e *env) buildExecFloor() string {
 	e.t.Helper()
 	dir := e.t.TempDir()
@@ -37,7 +37,7 @@ func (e *env) buildExecFloor() string {
 			e.t.Fatal(err)
 		}
 	}
-	cmd := exec.Command("go", "build", "-trimpath", "-ldflags", "-s -w", "-o", filepath.Join(dir, execFloorPlugin), ".")
+	cmd := exec.Command("go", "build", "-trimpath", "-o", filepath.Join(dir, execFloorPlugin), ".")
 	cmd.Dir = src
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off", "GOFLAGS=")
 	if b, err := cmd.CombinedOutput(); err != nil {

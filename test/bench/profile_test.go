@@ -144,26 +144,28 @@ type profiler struct {
 // startProfiler follows process pid. With settle it returns once perf
 // samples (it takes a moment to start), else at once.
 func startProfiler(pid int, dir string, settle bool) *profiler {
-	p := startPerf(dir, settle, "-p", strconv.Itoa(pid))
+	p := startPerf(dir, settle, 499, "-p", strconv.Itoa(pid))
 	p.stacks = startStackSampler(pid)
 	return p
 }
 
 // startMachineProfiler samples every CPU, for work spread over short-lived
-// processes (CNI plugins and what they run).
-func startMachineProfiler(dir string) *profiler { return startPerf(dir, true, "-a") }
+// processes (CNI plugins and what they run), four times as often as a
+// process's profiler: a batch of plugin execs is a fraction of a second
+// of CPU.
+func startMachineProfiler(dir string) *profiler { return startPerf(dir, true, 1999, "-a") }
 
 // perfStartup is how long perf record takes to sample after its start.
 const perfStartup = 500 * time.Millisecond
 
-func startPerf(dir string, settle bool, target ...string) *profiler {
+func startPerf(dir string, settle bool, hz int, target ...string) *profiler {
 	p := &profiler{data: filepath.Join(dir, fmt.Sprintf("perf-%d.data", time.Now().UnixNano()))}
 	path, err := exec.LookPath("perf")
 	if err != nil {
 		p.err = "no CPU profile: perf is not on PATH"
 		return p
 	}
-	p.perf = exec.Command(path, append([]string{"record", "-q", "-e", "cpu-clock", "-F", "499", "-g", "-o", p.data}, target...)...)
+	p.perf = exec.Command(path, append([]string{"record", "-q", "-e", "cpu-clock", "-F", strconv.Itoa(hz), "-g", "-o", p.data}, target...)...)
 	if err := p.perf.Start(); err != nil {
 		p.err, p.perf = "no CPU profile: "+err.Error(), nil
 	} else if settle {
@@ -198,11 +200,11 @@ func (p *profiler) finish(match *regexp.Regexp) (waits, cpu string) {
 		return waits, p.err
 	}
 	defer os.Remove(p.data)
-	cum, err := perfTop(p.data, "symbol", true, 10, match)
+	cum, err := perfTop(p.data, "symbol", true, 14, match, 100)
 	if err != nil {
 		return waits, "no CPU profile: " + err.Error()
 	}
-	self, err := perfTop(p.data, "symbol", false, 6, nil)
+	self, err := perfTop(p.data, "symbol", false, 6, nil, 100)
 	if err != nil {
 		return waits, "no CPU profile: " + err.Error()
 	}
@@ -211,19 +213,21 @@ func (p *profiler) finish(match *regexp.Regexp) (waits, cpu string) {
 
 // byProcess stops and lists the CPU samples' shares of the command names
 // ours (comm is cut at 15 characters), then what the kernel's threads,
-// idle CPUs and everything else on the machine took.
-func (p *profiler) byProcess(ours ...string) string {
+// idle CPUs and everything else on the machine took; with focus, also the
+// heaviest functions of that command matching match, cumulative, as
+// shares of that command's samples.
+func (p *profiler) byProcess(focus string, match *regexp.Regexp, ours ...string) (shares, focused string) {
 	p.stop()
 	if p.perf == nil {
-		return p.err
+		return p.err, p.err
 	}
 	defer os.Remove(p.data)
 	out, err := exec.Command("perf", "report", "-i", p.data, "--stdio", "--no-header", "--no-children", "--sort", "comm", "-g", "none").Output()
 	if err != nil {
-		return "no CPU profile: perf report: " + err.Error()
+		return "no CPU profile: perf report: " + err.Error(), ""
 	}
 	var parts []string
-	var kernel, idle, other float64
+	var kernel, idle, other, focusShare float64
 	for l := range strings.Lines(string(out)) {
 		f := strings.Fields(l)
 		if len(f) < 2 || !strings.HasSuffix(f[0], "%") {
@@ -234,6 +238,9 @@ func (p *profiler) byProcess(ours ...string) string {
 			continue
 		}
 		comm := strings.Join(f[1:], " ")
+		if comm == focus {
+			focusShare = share
+		}
 		switch {
 		case slices.Contains(ours, comm):
 			parts = append(parts, fmt.Sprintf("%.1f%% %s", share, comm))
@@ -245,20 +252,36 @@ func (p *profiler) byProcess(ours ...string) string {
 			other += share
 		}
 	}
-	return fmt.Sprintf("%s; kernel threads %.1f%%; idle %.1f%%; other processes on the machine %.1f%%", strings.Join(parts, "; "), kernel, idle, other)
+	shares = fmt.Sprintf("%s; kernel threads %.1f%%; idle %.1f%%; other processes on the machine %.1f%%", strings.Join(parts, "; "), kernel, idle, other)
+	if focus == "" {
+		return shares, ""
+	}
+	if focusShare == 0 {
+		return shares, "no samples"
+	}
+	// perf's shares are of all samples: scaled to the command's own.
+	focused, err = perfTop(p.data, "symbol", true, 16, match, focusShare, "--comms", focus)
+	if err != nil {
+		focused = "no CPU profile: " + err.Error()
+	}
+	return shares, focused
 }
 
 var kernelThread = regexp.MustCompile(`^(kworker|ksoftirqd|rcu_|migration|kthreadd|cpuhp|idle_inject|irq/)`)
 
 // perfTop lists the n heaviest entries of a perf.data file sorted by key
 // (symbol or comm) as "share name" pairs: by cumulative share (children),
-// or by own time.
-func perfTop(data, key string, children bool, n int, match *regexp.Regexp) (string, error) {
+// or by own time, as percentages of of percent of all samples (100: of
+// all); filter is more of perf report's arguments.
+func perfTop(data, key string, children bool, n int, match *regexp.Regexp, of float64, filter ...string) (string, error) {
 	mode := "--no-children"
 	if children {
 		mode = "--children"
 	}
-	out, err := exec.Command("perf", "report", "-i", data, "--stdio", "--no-header", mode, "--sort", key, "-g", "none", "--percent-limit", "0.5").Output()
+	// Entries under 0.5% of what is listed are left out.
+	limit := strconv.FormatFloat(0.5*of/100, 'f', 3, 64)
+	args := append([]string{"report", "-i", data, "--stdio", "--no-header", mode, "--sort", key, "-g", "none", "--percent-limit", limit}, filter...)
+	out, err := exec.Command("perf", args...).Output()
 	if err != nil {
 		return "", fmt.Errorf("perf report: %w", err)
 	}
@@ -282,7 +305,11 @@ func perfTop(data, key string, children bool, n int, match *regexp.Regexp) (stri
 		if match != nil && !match.MatchString(f[i]) {
 			continue
 		}
-		parts = append(parts, f[0]+" "+f[i])
+		share, err := strconv.ParseFloat(strings.TrimSuffix(f[0], "%"), 64)
+		if err != nil {
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%.2f%% %s", share*100/of, f[i]))
 		if len(parts) == n {
 			break
 		}
