@@ -16,6 +16,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
@@ -97,6 +98,7 @@ type Dataplane struct {
 	nodeScope *nodeScopePrograms // nil without a pods' cgroup
 	tc        bpfobj.TcObjects
 	nodeLinks []link.Link
+	nodeNL    *netlink.Handle      // in the node netns, once needed (nodeNetlink)
 	pods      map[string]*podState // by UID
 	// leaveReturnPaths: removals keep the pods' return paths (LeaveReturnPaths).
 	leaveReturnPaths bool
@@ -669,6 +671,10 @@ func (d *Dataplane) Close() error {
 		l.Close()
 	}
 	d.nodeLinks = nil
+	if d.nodeNL != nil {
+		d.nodeNL.Close()
+		d.nodeNL = nil
+	}
 	d.pods = map[string]*podState{}
 	d.closeObjects()
 	return nil
