@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"time"
@@ -27,9 +28,27 @@ func checkKernel(context.Context, *node) []Finding {
 	if err := unix.Uname(&u); err != nil {
 		return []Finding{{Check: "kernel", Status: Warn, Summary: fmt.Sprintf("uname: %v", err)}}
 	}
-	return []Finding{{Check: "kernel", Status: OK, Summary: fmt.Sprintf("Linux %s (%s); ambient-ebpf is tested from Linux %s on",
-		unix.ByteSliceToString(u.Release[:]), unix.ByteSliceToString(u.Machine[:]), features.MinimumKernel),
-		Meaning: "the agent probes each feature below rather than trusting the version: vendor kernels backport"}}
+	machine := unix.ByteSliceToString(u.Machine[:])
+	f := Finding{Check: "kernel", Status: OK, Summary: fmt.Sprintf("Linux %s (%s), this binary %s/%s; ambient-ebpf is tested from Linux %s on",
+		unix.ByteSliceToString(u.Release[:]), machine, runtime.GOOS, runtime.GOARCH, features.MinimumKernel),
+		Meaning: "the agent probes each feature below rather than trusting the version: vendor kernels backport"}
+	if want := goArch(machine); want != "" && want != runtime.GOARCH {
+		f.Status = Warn
+		f.Meaning = fmt.Sprintf("this binary is built for %s on a %s kernel: it runs emulated, or not at all", runtime.GOARCH, machine)
+		f.Action = fmt.Sprintf("run ambient-ebpf built for %s", want)
+	}
+	return []Finding{f}
+}
+
+// goArch is Go's name of a kernel's machine (uname -m), "" when unknown.
+func goArch(machine string) string {
+	switch machine {
+	case "x86_64":
+		return "amd64"
+	case "aarch64":
+		return "arm64"
+	}
+	return ""
 }
 
 func checkFeatures(context.Context, *node) []Finding {

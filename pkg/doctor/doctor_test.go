@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -111,7 +112,7 @@ func TestDoctorBeforeAndAfterInstallAndWithConflicts(t *testing.T) {
 	t.Run("before_install", func(t *testing.T) {
 		r := Run(ctx, cfg)
 		requireFindings(t, r,
-			want{"kernel", OK, []string{"Linux "}},
+			want{"kernel", OK, []string{"Linux ", "this binary " + runtime.GOOS + "/" + runtime.GOARCH}},
 			want{"feature/sk_lookup", OK, []string{"available (Linux 5.9)"}},
 			want{"cgroup2", OK, []string{"the socket hooks attach to " + n.CgroupRoot}},
 			want{"bpffs", OK, []string{"bpffs mounted at " + filepath.Dir(n.BPFFSDir)}},
@@ -351,6 +352,16 @@ func TestDoctorSaysALoadBalancerAtTheRootRunsAfterOurs(t *testing.T) {
 	for _, f := range r.Findings {
 		if f.Check == "cgroup-hooks" && strings.Contains(f.Summary, "lb_connect4") && !strings.Contains(f.Meaning, "runs after ours for the pods' sockets") {
 			t.Errorf("the load balancer's finding does not say it runs after ours: %+v", f)
+		}
+	}
+}
+
+// The kernel finding compares the kernel's machine with the binary's
+// architecture by Go's names.
+func TestGoArchNamesTheKernelsMachines(t *testing.T) {
+	for machine, want := range map[string]string{"x86_64": "amd64", "aarch64": "arm64", "riscv64": ""} {
+		if got := goArch(machine); got != want {
+			t.Errorf("goArch(%q) = %q, want %q", machine, got, want)
 		}
 	}
 }
