@@ -20,15 +20,32 @@ func TestImageFollowsDockerfile(t *testing.T) {
 		t.Fatalf("build images: %v", imagesErr)
 	}
 	db := images.Dockerfile
-	files, entry, user, err := ImageFiles(images.Project)
+	contents, err := ImageFiles(images.Project)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(sortedCopy(files), sortedCopy(db.Files)) {
-		t.Errorf("image holds %v, the Dockerfile's final stage %v", files, db.Files)
+	// One manifest per architecture, each the Dockerfile's final stage
+	// with binaries built for it.
+	var archs []string
+	for _, c := range contents {
+		archs = append(archs, c.Arch)
+		if c.ConfigArch != c.Arch {
+			t.Errorf("the %s manifest's config says %s", c.Arch, c.ConfigArch)
+		}
+		if !slices.Equal(sortedCopy(c.Files), sortedCopy(db.Files)) {
+			t.Errorf("%s image holds %v, the Dockerfile's final stage %v", c.Arch, c.Files, db.Files)
+		}
+		if !slices.Equal(c.Entrypoint, db.Entrypoint) || c.User != db.User {
+			t.Errorf("%s image entry point %v user %q, Dockerfile %v %q", c.Arch, c.Entrypoint, c.User, db.Entrypoint, db.User)
+		}
+		for _, f := range db.Files {
+			if got := c.Machines[f]; got != c.Arch {
+				t.Errorf("%s image: %s is an ELF for %q", c.Arch, f, got)
+			}
+		}
 	}
-	if !slices.Equal(entry, db.Entrypoint) || user != db.User {
-		t.Errorf("image entry point %v user %q, Dockerfile %v %q", entry, user, db.Entrypoint, db.User)
+	if !slices.Equal(sortedCopy(archs), sortedCopy(ImageArchs)) {
+		t.Errorf("the image index holds %v, want %v", archs, ImageArchs)
 	}
 	// Each file is the build of the target of the same name.
 	for _, f := range db.Files {

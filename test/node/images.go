@@ -6,10 +6,13 @@ package node
 import (
 	"archive/tar"
 	"bytes"
+	"debug/elf"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"io"
 	"io/fs"
+	"maps"
 	"os"
 	"os/exec"
 	"path"
@@ -19,6 +22,7 @@ import (
 	"strings"
 	"time"
 
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/empty"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
@@ -160,12 +164,19 @@ func shellWords(s string) []string {
 	return out
 }
 
-// Build runs the Dockerfile's go build from the module at repo into dir.
-func (b *DockerBuild) Build(repo, dir string) error {
+// ImageArchs are the architectures of the project's image, an OCI index
+// of one manifest each, as `docker buildx build --platform
+// linux/amd64,linux/arm64` makes it.
+var ImageArchs = []string{"amd64", "arm64"}
+
+// Build runs the Dockerfile's go build from the module at repo into dir,
+// for arch as the build's TARGETARCH.
+func (b *DockerBuild) Build(repo, dir, arch string) error {
 	args := append(append([]string{"build"}, b.Flags...), "-o", dir+"/")
 	cmd := exec.Command("go", append(args, b.Targets...)...)
 	cmd.Dir = repo
-	cmd.Env = append(os.Environ(), b.Env...)
+	env := slices.DeleteFunc(slices.Clone(b.Env), func(kv string) bool { return strings.HasPrefix(kv, "GOARCH=") })
+	cmd.Env = append(append(os.Environ(), env...), "GOARCH="+arch)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("go %s: %w: %s", strings.Join(cmd.Args[1:], " "), err, out)
 	}
@@ -178,9 +189,9 @@ type file struct {
 	src  string // on the host
 }
 
-// writeImage writes an image of one layer holding files (executables) as
-// an OCI image layout in a tar archive at out, named ref for containerd.
-func writeImage(out, ref string, files []file, entrypoint []string, user string) error {
+// newImage makes an image of one layer holding files (executables) for
+// linux/arch.
+func newImage(ref, arch string, files []file, entrypoint []string, user string) (v1.Image, error) {
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	dirs := map[string]bool{}
@@ -194,49 +205,81 @@ func writeImage(out, ref string, files []file, entrypoint []string, user string)
 			if !dirs[d] {
 				dirs[d] = true
 				if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: strings.TrimPrefix(d, "/") + "/", Mode: 0o755, ModTime: mtime}); err != nil {
-					return err
+					return nil, err
 				}
 			}
 		}
 		b, err := os.ReadFile(f.src)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeReg, Name: strings.TrimPrefix(f.path, "/"), Mode: 0o755, Size: int64(len(b)), ModTime: mtime}); err != nil {
-			return err
+			return nil, err
 		}
 		if _, err := tw.Write(b); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	// /tmp exists in distroless static too.
 	if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: "tmp/", Mode: 0o1777, ModTime: mtime}); err != nil {
-		return err
+		return nil, err
 	}
 	if err := tw.Close(); err != nil {
-		return err
+		return nil, err
 	}
 	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) {
 		return io.NopCloser(bytes.NewReader(buf.Bytes())), nil
 	}, tarball.WithMediaType(types.OCILayer))
 	if err != nil {
-		return fmt.Errorf("image %s: layer: %w", ref, err)
+		return nil, fmt.Errorf("image %s (%s): layer: %w", ref, arch, err)
 	}
 	img := mutate.ConfigMediaType(mutate.MediaType(empty.Image, types.OCIManifestSchema1), types.OCIConfigJSON)
 	if img, err = mutate.AppendLayers(img, layer); err != nil {
-		return fmt.Errorf("image %s: %w", ref, err)
+		return nil, fmt.Errorf("image %s (%s): %w", ref, arch, err)
 	}
 	cf, err := img.ConfigFile()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	cf = cf.DeepCopy()
-	cf.OS, cf.Architecture = "linux", runtime.GOARCH
+	cf.OS, cf.Architecture = "linux", arch
 	cf.Config.Entrypoint, cf.Config.User = entrypoint, user
 	cf.Config.Env = []string{"PATH=/usr/local/bin:/usr/bin:/bin"}
 	if img, err = mutate.ConfigFile(img, cf); err != nil {
-		return fmt.Errorf("image %s: config: %w", ref, err)
+		return nil, fmt.Errorf("image %s (%s): config: %w", ref, arch, err)
 	}
+	return img, nil
+}
+
+// writeImage writes a single-architecture image (the host's) of files as
+// an OCI image layout in a tar archive at out, named ref for containerd.
+func writeImage(out, ref string, files []file, entrypoint []string, user string) error {
+	img, err := newImage(ref, runtime.GOARCH, files, entrypoint, user)
+	if err != nil {
+		return err
+	}
+	return writeLayout(out, ref, func(p layout.Path, o layout.Option) error { return p.AppendImage(img, o) })
+}
+
+// writeIndex writes a multi-architecture image, one manifest per entry of
+// byArch (its files), as an OCI image index in an OCI image layout in a
+// tar archive at out, named ref for containerd: the runtime unpacks the
+// manifest of its node's platform.
+func writeIndex(out, ref string, byArch map[string][]file, entrypoint []string, user string) error {
+	idx := mutate.IndexMediaType(empty.Index, types.OCIImageIndex)
+	for _, arch := range slices.Sorted(maps.Keys(byArch)) {
+		img, err := newImage(ref, arch, byArch[arch], entrypoint, user)
+		if err != nil {
+			return err
+		}
+		idx = mutate.AppendManifests(idx, mutate.IndexAddendum{Add: img, Descriptor: v1.Descriptor{Platform: &v1.Platform{OS: "linux", Architecture: arch}}})
+	}
+	return writeLayout(out, ref, func(p layout.Path, o layout.Option) error { return p.AppendIndex(idx, o) })
+}
+
+// writeLayout writes an OCI image layout holding what add appends to it
+// (named ref) as a tar archive at out.
+func writeLayout(out, ref string, add func(layout.Path, layout.Option) error) error {
 	dir, err := os.MkdirTemp(filepath.Dir(out), "layout-")
 	if err != nil {
 		return err
@@ -246,7 +289,7 @@ func writeImage(out, ref string, files []file, entrypoint []string, user string)
 	if err != nil {
 		return fmt.Errorf("image %s: layout: %w", ref, err)
 	}
-	if err := p.AppendImage(img, layout.WithAnnotations(map[string]string{
+	if err := add(p, layout.WithAnnotations(map[string]string{
 		"io.containerd.image.name":          ref,
 		"org.opencontainers.image.ref.name": ref,
 	})); err != nil {
@@ -302,36 +345,89 @@ func tarDir(dir, out string) error {
 	return f.Close()
 }
 
-// ImageFiles lists the regular files of an image archive written by
-// writeImage, with its entry point and user, for the Dockerfile test.
-func ImageFiles(archive string) (files, entrypoint []string, user string, err error) {
+// ImageContent is one architecture's image of an archive written by
+// writeIndex or writeImage, for the Dockerfile test.
+type ImageContent struct {
+	Arch       string            // the manifest's platform (a single image's config) architecture
+	ConfigArch string            // the image config's architecture
+	Files      []string          // regular files
+	Machines   map[string]string // ELF machine of each executable file (elfMachine)
+	Entrypoint []string
+	User       string
+}
+
+// ImageFiles reads every manifest of an image archive: the platforms of
+// an index, or the one image.
+func ImageFiles(archive string) ([]ImageContent, error) {
 	dir, err := os.MkdirTemp(filepath.Dir(archive), "read-")
 	if err != nil {
-		return nil, nil, "", err
+		return nil, err
 	}
 	defer os.RemoveAll(dir)
 	if out, err := exec.Command("tar", "-xf", archive, "-C", dir).CombinedOutput(); err != nil {
-		return nil, nil, "", fmt.Errorf("untar %s: %w: %s", archive, err, out)
+		return nil, fmt.Errorf("untar %s: %w: %s", archive, err, out)
 	}
 	p, err := layout.FromPath(dir)
 	if err != nil {
-		return nil, nil, "", err
+		return nil, err
 	}
-	idx, err := p.ImageIndex()
+	top, err := p.ImageIndex()
 	if err != nil {
-		return nil, nil, "", err
+		return nil, err
 	}
-	m, err := idx.IndexManifest()
+	m, err := top.IndexManifest()
 	if err != nil || len(m.Manifests) != 1 {
-		return nil, nil, "", fmt.Errorf("image index of %s: %d manifests: %v", archive, len(m.Manifests), err)
+		return nil, fmt.Errorf("image layout of %s: %d entries, want 1: %v", archive, len(m.Manifests), err)
 	}
-	img, err := idx.Image(m.Manifests[0].Digest)
+	d := m.Manifests[0]
+	if !d.MediaType.IsIndex() {
+		img, err := top.Image(d.Digest)
+		if err != nil {
+			return nil, err
+		}
+		c, err := readImage(img, "")
+		if err != nil {
+			return nil, err
+		}
+		return []ImageContent{c}, nil
+	}
+	idx, err := top.ImageIndex(d.Digest)
 	if err != nil {
-		return nil, nil, "", err
+		return nil, err
 	}
+	im, err := idx.IndexManifest()
+	if err != nil {
+		return nil, err
+	}
+	var out []ImageContent
+	for _, md := range im.Manifests {
+		if md.Platform == nil {
+			return nil, fmt.Errorf("image index of %s: manifest %s names no platform", archive, md.Digest)
+		}
+		img, err := idx.Image(md.Digest)
+		if err != nil {
+			return nil, err
+		}
+		c, err := readImage(img, md.Platform.Architecture)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, c)
+	}
+	return out, nil
+}
+
+// readImage lists one image's files, the ELF machine of each executable,
+// its entry point and user.
+func readImage(img v1.Image, arch string) (ImageContent, error) {
+	c := ImageContent{Arch: arch, Machines: map[string]string{}}
 	cf, err := img.ConfigFile()
 	if err != nil {
-		return nil, nil, "", err
+		return c, err
+	}
+	c.ConfigArch, c.Entrypoint, c.User = cf.Architecture, cf.Config.Entrypoint, cf.Config.User
+	if c.Arch == "" { // a single image: its config names it
+		c.Arch = c.ConfigArch
 	}
 	rc := mutate.Extract(img)
 	defer rc.Close()
@@ -342,13 +438,35 @@ func ImageFiles(archive string) (files, entrypoint []string, user string, err er
 			break
 		}
 		if err != nil {
-			return nil, nil, "", err
+			return c, err
 		}
-		if h.Typeflag == tar.TypeReg {
-			files = append(files, "/"+h.Name)
+		if h.Typeflag != tar.TypeReg {
+			continue
+		}
+		c.Files = append(c.Files, "/"+h.Name)
+		head := make([]byte, 20)
+		if n, _ := io.ReadFull(tr, head); n == len(head) {
+			if m := elfMachine(head); m != "" {
+				c.Machines["/"+h.Name] = m
+			}
 		}
 	}
-	return files, cf.Config.Entrypoint, cf.Config.User, nil
+	return c, nil
+}
+
+// elfMachine names the architecture of an ELF header by Go's name, ""
+// for anything else.
+func elfMachine(head []byte) string {
+	if len(head) < 20 || string(head[:4]) != "\x7fELF" || head[5] != 1 { // little-endian only
+		return ""
+	}
+	switch elf.Machine(binary.LittleEndian.Uint16(head[18:20])) {
+	case elf.EM_X86_64:
+		return "amd64"
+	case elf.EM_AARCH64:
+		return "arm64"
+	}
+	return "other"
 }
 
 // Archives are the suite's images as OCI archives.
@@ -377,17 +495,19 @@ func BuildImages(repo, dir string) (*Archives, error) {
 	if err != nil {
 		return nil, err
 	}
-	bin := filepath.Join(dir, "bin")
-	if err := db.Build(repo, bin); err != nil {
-		return nil, err
-	}
 	a := &Archives{Dockerfile: db}
-	var files []file
-	for _, f := range db.Files {
-		files = append(files, file{path: f, src: filepath.Join(bin, path.Base(f))})
+	byArch := map[string][]file{}
+	for _, arch := range ImageArchs {
+		bin := filepath.Join(dir, "bin", arch)
+		if err := db.Build(repo, bin, arch); err != nil {
+			return nil, err
+		}
+		for _, f := range db.Files {
+			byArch[arch] = append(byArch[arch], file{path: f, src: filepath.Join(bin, path.Base(f))})
+		}
 	}
 	a.Project = filepath.Join(dir, "project.tar")
-	if err := writeImage(a.Project, ProjectImage, files, db.Entrypoint, db.User); err != nil {
+	if err := writeIndex(a.Project, ProjectImage, byArch, db.Entrypoint, db.User); err != nil {
 		return nil, err
 	}
 	app := filepath.Join(dir, "testapp")
