@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/api/cniv1"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/cni/install"
@@ -149,6 +150,9 @@ func newMetrics(repair kube.RepairMode, perPod bool) *metrics {
 		m.delRequests, m.enrolled, m.enrollSeconds, m.removeSeconds, m.dataplaneErrors,
 		m.takeovers, m.draining, m.leftOnIstioCNI, m.handbacks, m.noListener, m.listenerEntries, m.refiled, m.pruned,
 		m.bpf, m.decisions)
+	// The Go runtime's and the process's own (go_*, process_*), which
+	// a DaemonSet's dashboards expect: goroutines, heap, descriptors.
+	m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 

@@ -160,6 +160,11 @@ var istioCNI = map[string]map[string][]string{
 // Every metric the agent registers is in docs/METRICS.md with its type,
 // labels and every label value, present before any event; per-pod series
 // only with --per-pod-metrics; istio-cni's rows as istio-cni has them.
+// isRuntimeMetric reports the Go runtime's and the process's metrics.
+func isRuntimeMetric(name string) bool {
+	return strings.HasPrefix(name, "go_") || strings.HasPrefix(name, "process_")
+}
+
 func TestMetricsMatchTheDocs(t *testing.T) {
 	doc := readMetricsDoc(t)
 	for name, labels := range istioCNI {
@@ -180,7 +185,15 @@ func TestMetricsMatchTheDocs(t *testing.T) {
 		m.bpf.setSource(onePod())
 		gather(t, m, got)
 	}
+	for _, want := range []string{"go_goroutines", "process_open_fds", "process_resident_memory_bytes"} {
+		if _, ok := got[want]; !ok {
+			t.Errorf("the agent has no %s", want)
+		}
+	}
 	for name, g := range got {
+		if isRuntimeMetric(name) {
+			continue // client_golang's collectors, documented as a whole
+		}
 		d, ok := doc[name]
 		if !ok {
 			t.Errorf("%s is not in METRICS.md", name)

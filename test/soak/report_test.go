@@ -62,6 +62,14 @@ type leakPoint struct {
 	// -1 when its metrics did not answer.
 	AgentEnrolled int `json:"agentEnrolled"`
 	WantIn        int `json:"wantIn"`
+	// Goroutines (go_goroutines) and Listeners
+	// (ambient_ebpf_listener_table_entries) are the agent's own, -1 when
+	// its metrics did not answer; LocalFlows counts ae_local_flows;
+	// TCFilters our tc filters on the soak's pods, both sides of the veth.
+	Goroutines int `json:"goroutines"`
+	Listeners  int `json:"listeners"`
+	LocalFlows int `json:"localFlows"`
+	TCFilters  int `json:"tcFilters"`
 }
 
 func newReport(s settings) *report {
@@ -124,6 +132,9 @@ func (s *soak) leakSample() leakPoint {
 		view.Close()
 	}
 	lp.AgentEnrolled = s.agentEnrolled()
+	lp.Goroutines, lp.Listeners = s.metric("go_goroutines"), s.metric("ambient_ebpf_listener_table_entries")
+	lp.LocalFlows = countEntries(s.r.BPFFSDir, bpfobj.TcMapAeLocalFlows)
+	lp.TCFilters = s.tcFilters()
 	s.mu.Lock()
 	for _, p := range s.pods {
 		if !p.gone && p.wantIn {
@@ -194,6 +205,18 @@ func (s *soak) checkLeaks() {
 	// The node's netns and one per pod in the mesh, at most.
 	if last.NetnsFDs > last.WantIn+1 {
 		s.fail("the agent holds %d netns references with %d pods in the mesh: %+v", last.NetnsFDs, last.WantIn, last)
+	}
+	s.checkFilters()
+	// ae_listeners: at most AE_LISTENER_SLOTS (4) per pod in the mesh,
+	// as of the agent's last resync; an entry of a pod gone or out is a
+	// leak. ae_local_flows: ztunnel's open deliveries to an app, none
+	// once the sampler has stopped but for a straggler; one per
+	// connection that ended is a leak.
+	if last.Listeners > 4*n {
+		s.fail("after convergence, with %d pods in the mesh, ae_listeners holds %d entries", n, last.Listeners)
+	}
+	if last.LocalFlows > 4*n {
+		s.fail("after convergence, with %d pods in the mesh, ae_local_flows holds %d entries", n, last.LocalFlows)
 	}
 }
 
