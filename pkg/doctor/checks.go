@@ -28,16 +28,21 @@ func checkKernel(context.Context, *node) []Finding {
 	if err := unix.Uname(&u); err != nil {
 		return []Finding{{Check: "kernel", Status: Warn, Summary: fmt.Sprintf("uname: %v", err)}}
 	}
-	machine := unix.ByteSliceToString(u.Machine[:])
+	return []Finding{kernelFinding(unix.ByteSliceToString(u.Release[:]), unix.ByteSliceToString(u.Machine[:]), runtime.GOARCH)}
+}
+
+// kernelFinding grades the kernel release and machine (uname -r, -m)
+// against the architecture the binary was built for (arch, GOARCH).
+func kernelFinding(release, machine, arch string) Finding {
 	f := Finding{Check: "kernel", Status: OK, Summary: fmt.Sprintf("Linux %s (%s), this binary %s/%s; ambient-ebpf is tested from Linux %s on",
-		unix.ByteSliceToString(u.Release[:]), machine, runtime.GOOS, runtime.GOARCH, features.MinimumKernel),
+		release, machine, runtime.GOOS, arch, features.MinimumKernel),
 		Meaning: "the agent probes each feature below rather than trusting the version: vendor kernels backport"}
-	if want := goArch(machine); want != "" && want != runtime.GOARCH {
+	if want := goArch(machine); want != "" && want != arch {
 		f.Status = Warn
-		f.Meaning = fmt.Sprintf("this binary is built for %s on a %s kernel: it runs emulated, or not at all", runtime.GOARCH, machine)
+		f.Meaning = fmt.Sprintf("this binary is built for %s on a %s kernel: it runs emulated, or not at all", arch, machine)
 		f.Action = fmt.Sprintf("run ambient-ebpf built for %s", want)
 	}
-	return []Finding{f}
+	return f
 }
 
 // goArch is Go's name of a kernel's machine (uname -m), "" when unknown.

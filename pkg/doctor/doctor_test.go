@@ -357,11 +357,21 @@ func TestDoctorSaysALoadBalancerAtTheRootRunsAfterOurs(t *testing.T) {
 }
 
 // The kernel finding compares the kernel's machine with the binary's
-// architecture by Go's names.
-func TestGoArchNamesTheKernelsMachines(t *testing.T) {
-	for machine, want := range map[string]string{"x86_64": "amd64", "aarch64": "arm64", "riscv64": ""} {
-		if got := goArch(machine); got != want {
-			t.Errorf("goArch(%q) = %q, want %q", machine, got, want)
+// architecture by Go's names, and warns naming the build to run.
+func TestKernelFindingWarnsOnAnotherArchitecture(t *testing.T) {
+	for _, tc := range []struct {
+		machine, arch string
+		want          Status
+	}{
+		{"x86_64", "amd64", OK}, {"aarch64", "arm64", OK}, {"riscv64", "amd64", OK},
+		{"aarch64", "amd64", Warn}, {"x86_64", "arm64", Warn},
+	} {
+		f := kernelFinding("6.18.0", tc.machine, tc.arch)
+		if f.Status != tc.want || !strings.Contains(f.Summary, "this binary linux/"+tc.arch) {
+			t.Errorf("%s kernel, %s binary: %s %q", tc.machine, tc.arch, f.Status, f.Summary)
+		}
+		if tc.want == Warn && !strings.Contains(f.Action, "built for "+goArch(tc.machine)) {
+			t.Errorf("%s kernel, %s binary: action %q names no build", tc.machine, tc.arch, f.Action)
 		}
 	}
 }
