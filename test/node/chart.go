@@ -53,7 +53,16 @@ func RenderChart(dir, values string) (*Chart, error) {
 // host paths are the node's per-run ones, the image is the one built here,
 // and the plugin is chained into the primary conflist in place, where
 // TestNode looks for it (not the chart's default owned conflist).
-func (n *Node) ChartValues(extra string) string {
+func (n *Node) ChartValues(extra string) string { return n.chartValues(`""`, extra) }
+
+// OwnedChartValues are ChartValues with the chart's default owned
+// conflist (OwnedConflist), which a reboot leaves in place.
+func (n *Node) OwnedChartValues(extra string) string { return n.chartValues(OwnedConflist, extra) }
+
+// OwnedConflist is the chart's default cni.ownedConflist.
+const OwnedConflist = "00-ambient-ebpf.conflist"
+
+func (n *Node) chartValues(owned, extra string) string {
 	return fmt.Sprintf(`image: {repository: %q, tag: %q, pullPolicy: Never}
 hostPaths:
   bpffs: %q
@@ -64,9 +73,9 @@ hostPaths:
 cni:
   binDirs: [%q]
   confDir: %q
-  ownedConflist: ""
+  ownedConflist: %s
 `, strings.Split(ProjectImage, ":")[0], strings.Split(ProjectImage, ":")[1], n.BPFFS, n.Cgroup2, n.NetnsDir,
-		n.ZtunnelSocketDir(), filepath.Join(n.Dir, "ambient-ebpf"), n.CNIBin, n.CNIConf) + extra
+		n.ZtunnelSocketDir(), filepath.Join(n.Dir, "ambient-ebpf"), n.CNIBin, n.CNIConf, owned) + extra
 }
 
 // ZtunnelSocketDir is the host directory of ztunnel's ZDS socket.

@@ -55,7 +55,8 @@ func (n *Node) StartInNode(name, cgroup string, argv ...string) *Proc {
 		attr.UseCgroupFD, attr.CgroupFD = true, fd
 	}
 	p := &Proc{done: make(chan struct{}), Log: filepath.Join(n.Dir, name+".log")}
-	logf, err := os.Create(p.Log)
+	// Appended to: a process started again after a reboot keeps one log.
+	logf, err := os.OpenFile(p.Log, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
 	if err != nil {
 		n.t.Fatal(err)
 	}
@@ -116,7 +117,12 @@ authorization:
 type Kubelet struct {
 	*Proc
 	PodLogs string
+	start   func() *Proc
 }
+
+// Start runs kubelet again, with its configuration and root as before
+// (after Node.PowerOff).
+func (k *Kubelet) Start() { k.Proc = k.start() }
 
 // StartKubelet runs kubelet (bin) in the node netns and in the node's
 // cgroup v2 subtree (its probes' sockets are seen by the agent's socket
@@ -161,14 +167,17 @@ current-context: test
 			n.t.Fatal(err)
 		}
 	}
-	k.Proc = n.StartInNode("kubelet", filepath.Join(n.Cgroup2, "kubelet"), bin,
-		"--config="+filepath.Join(dir, "config.yaml"),
-		"--kubeconfig="+filepath.Join(dir, "kubeconfig"),
-		"--root-dir="+filepath.Join(dir, "root"),
-		"--cert-dir="+filepath.Join(dir, "certs"),
-		"--hostname-override="+nodeName,
-		"--node-ip="+NodeIP.String(),
-		"--v=1")
+	k.start = func() *Proc {
+		return n.StartInNode("kubelet", filepath.Join(n.Cgroup2, "kubelet"), bin,
+			"--config="+filepath.Join(dir, "config.yaml"),
+			"--kubeconfig="+filepath.Join(dir, "kubeconfig"),
+			"--root-dir="+filepath.Join(dir, "root"),
+			"--cert-dir="+filepath.Join(dir, "certs"),
+			"--hostname-override="+nodeName,
+			"--node-ip="+NodeIP.String(),
+			"--v=1")
+	}
+	k.Start()
 	return k
 }
 

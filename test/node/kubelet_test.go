@@ -7,7 +7,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -21,7 +20,6 @@ import (
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
-	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 )
 
 // TestKubelet runs kubelet on the node: it starts the agent's pod (the
@@ -32,32 +30,9 @@ import (
 // the SNAT mode after the agent's restart switched it, the pod running on;
 // there the policy refuses them.
 func TestKubelet(t *testing.T) {
-	bins, err := kubeapi.FindBinaries()
-	if err != nil {
-		testenv.SkipOrFail(t, "%v", err)
-	}
-	kubelet := filepath.Join(bins, "kubelet")
-	if _, err := os.Stat(kubelet); err != nil {
-		testenv.SkipOrFail(t, "kubelet not built (make kube-bins): %v", err)
-	}
 	s := newScene(t)
-	k := s.n.StartKubelet(kubelet, s.nodeName, s.api, cluster.Config.BearerToken)
+	k := s.startKubelet()
 	ctx := context.Background()
-	testenv.Eventually(t, 30*time.Second, "kubelet registers the node and is ready", func() bool {
-		if k.Exited() {
-			t.Fatalf("kubelet exited:\n%s", k.LogTail())
-		}
-		n, err := cluster.Client.CoreV1().Nodes().Get(ctx, s.nodeName, metav1.GetOptions{})
-		if err != nil {
-			return false
-		}
-		for _, c := range n.Status.Conditions {
-			if c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue {
-				return true
-			}
-		}
-		return false
-	})
 
 	// The agent's pod, from the chart.
 	ch, err := RenderChart(filepath.Join(repoRoot, "deploy", "ambient-ebpf"), s.n.ChartValues(""))

@@ -315,6 +315,15 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 `
 
 func (n *Node) startContainerd() {
+	n.t.Helper()
+	// Shims outlive containerd: ended after it (cleanups run in reverse).
+	n.t.Cleanup(n.killShims)
+	n.StartContainerd()
+}
+
+// StartContainerd starts the node's containerd (again, after PowerOff or
+// StopContainerd) and waits until it serves CRI.
+func (n *Node) StartContainerd() {
 	t := n.t
 	t.Helper()
 	n.Socket = filepath.Join(n.Dir, "containerd.sock")
@@ -325,13 +334,16 @@ func (n *Node) startContainerd() {
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	// Shims outlive containerd: ended after it (cleanups run in reverse).
-	t.Cleanup(n.killShims)
 	// In the node netns (pods' veth peers land there), in the test's
 	// mount namespace (the runtime's mounts must be visible to the test).
 	n.containerd = n.StartInNode("containerd", "", "containerd", "--config", cfgPath)
+	// Before this containerd stops (cleanups run in reverse): the sandboxes
+	// go through the runtime, their CNI DEL run.
 	t.Cleanup(n.removeSandboxes)
 
+	if n.conn != nil {
+		n.conn.Close()
+	}
 	conn, err := grpc.NewClient("unix://"+n.Socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -428,21 +440,39 @@ func (n *Node) shims() []int {
 }
 
 // removeCgroups removes the node's subtree in every cgroup hierarchy,
-// deepest first. The runtime has stopped: what is left is empty.
+// deepest first. The runtime has stopped and removed its sandboxes; a
+// process still in the subtree (a container a failed cleanup left) is
+// the node's and ended first.
 func (n *Node) removeCgroups() {
+	if err := n.killCgroupProcs(10 * time.Second); err != nil {
+		n.t.Errorf("cleanup: %v", err)
+	}
+	if err := n.removeCgroupTree(true); err != nil {
+		n.t.Errorf("cleanup: %v", err)
+	}
+}
+
+// removeCgroupsBelow removes every cgroup below the node's cgroup parent
+// in every hierarchy, and keeps the parents: a reboot's empty slate.
+func (n *Node) removeCgroupsBelow() error { return n.removeCgroupTree(false) }
+
+// removeCgroupTree removes the cgroups of the node's subtree, deepest
+// first, retrying while the last processes are reaped; root says whether
+// the node's cgroup parent goes too.
+func (n *Node) removeCgroupTree(root bool) error {
 	mounts, err := hostfs.Mounts()
 	if err != nil {
-		n.t.Errorf("cleanup: %v", err)
-		return
+		return err
 	}
+	var errs []error
 	for _, m := range mounts {
 		if m.FSType != "cgroup" && m.FSType != "cgroup2" {
 			continue
 		}
-		root := filepath.Join(m.MountPoint, n.CgroupParent)
+		top := filepath.Join(m.MountPoint, n.CgroupParent)
 		var dirs []string
-		_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
-			if err == nil && d.IsDir() {
+		_ = filepath.WalkDir(top, func(p string, d os.DirEntry, err error) error {
+			if err == nil && d.IsDir() && (root || p != top) {
 				dirs = append(dirs, p)
 			}
 			return nil
@@ -456,10 +486,11 @@ func (n *Node) removeCgroups() {
 				time.Sleep(20 * time.Millisecond)
 			}
 			if err != nil && !errors.Is(err, unix.ENOENT) {
-				n.t.Errorf("cleanup: remove cgroup %s: %v", dirs[i], err)
+				errs = append(errs, fmt.Errorf("remove cgroup %s: %w", dirs[i], err))
 			}
 		}
 	}
+	return errors.Join(errs...)
 }
 
 // removeDir unmounts everything below the node's directory (what the test

@@ -76,14 +76,20 @@ var knownAnswer = netip.MustParseAddr("198.18.250.1")
 // scene is the node with the agent deployed from the chart, the API server
 // the agent watches, and the ztunnel stand-in it hands pods to.
 type scene struct {
-	t         *testing.T
-	n         *Node
-	nodeName  string
-	api       netip.AddrPort // the API server as the node reaches it
-	saDir     string
-	agent     *Pod
-	agentLog  int // log lines of earlier agent containers
-	zt        *ztunnel
+	t *testing.T // the running step's (run)
+	// root is the test's: what outlives a step (ztunnel) is ended at its
+	// cleanup.
+	root     *testing.T
+	n        *Node
+	nodeName string
+	api      netip.AddrPort // the API server as the node reaches it
+	saDir    string
+	agent    *Pod
+	agentLog int // log lines of earlier agent containers
+	zt       *ztunnel
+	// ztCgroup is the stand-in's cgroup: the node's subtree, or a pod's
+	// cgroup below kubelet's kubepods once kubelet runs, as a ztunnel pod.
+	ztCgroup  string
 	ambientNS string
 	plainNS   string
 }
@@ -92,18 +98,22 @@ type scene struct {
 // ztunnel pod is (the socket hooks file its listeners and answer its
 // SO_ORIGINAL_DST there), connected to the agent container's ZDS socket.
 type ztunnel struct {
-	proc    *simnode.Process
-	records string
+	proc *simnode.Process
+	// records are the record files of this and earlier processes (one
+	// each, after a reboot).
+	records []string
 }
 
-// all returns the connections it handled.
+// all returns the connections it handled, earlier processes' included.
 func (z *ztunnel) all() []standin.Record {
-	b, _ := os.ReadFile(z.records)
 	var out []standin.Record
-	for _, l := range strings.Split(string(b), "\n") {
-		var rec standin.Record
-		if json.Unmarshal([]byte(l), &rec) == nil {
-			out = append(out, rec)
+	for _, f := range z.records {
+		b, _ := os.ReadFile(f)
+		for _, l := range strings.Split(string(b), "\n") {
+			var rec standin.Record
+			if json.Unmarshal([]byte(l), &rec) == nil {
+				out = append(out, rec)
+			}
 		}
 	}
 	return out
@@ -132,7 +142,7 @@ func newScene(t *testing.T) *scene {
 	}
 	c := kubeapi.Require(t, cluster, clusterErr)
 	n := New(t, Config{CNIPlugins: cniPlugins(), Images: images.All()})
-	s := &scene{t: t, n: n, nodeName: "node-" + n.ID}
+	s := &scene{t: t, root: t, n: n, nodeName: "node-" + n.ID}
 	s.api = n.Forward(strings.TrimPrefix(c.Config.Host, "https://"))
 
 	ctx := context.Background()
@@ -144,15 +154,25 @@ func newScene(t *testing.T) *scene {
 	}
 	t.Cleanup(func() { _ = c.Client.CoreV1().Nodes().Delete(context.Background(), s.nodeName, metav1.DeleteOptions{}) })
 
-	// ztunnel: receives pods from the agent container over ZDS.
-	cg := filepath.Join(n.Cgroup2, "ztunnel")
-	if err := os.Mkdir(cg, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	s.zt = &ztunnel{records: filepath.Join(n.Dir, "ztunnel-records.jsonl")}
-	s.zt.proc = simnode.StartProcess(t, "", cg, images.Ztunnel, "--zds-socket", filepath.Join(n.ZtunnelSocketDir(), "ztunnel.sock"),
-		"--records", s.zt.records, "--dns", "*."+knownSuffix+"="+knownAnswer.String())
+	s.zt = &ztunnel{}
+	s.startZtunnel()
 	return s
+}
+
+// startZtunnel starts the stand-in (again, after a reboot, with a record
+// file of its own): it receives pods from the agent container over ZDS.
+func (s *scene) startZtunnel() {
+	cg := s.ztCgroup
+	if cg == "" {
+		cg = filepath.Join(s.n.Cgroup2, "ztunnel")
+	}
+	if err := os.MkdirAll(cg, 0o755); err != nil {
+		s.t.Fatal(err)
+	}
+	records := filepath.Join(s.n.Dir, fmt.Sprintf("ztunnel-records-%d.jsonl", len(s.zt.records)))
+	s.zt.records = append(s.zt.records, records)
+	s.zt.proc = simnode.StartProcess(s.root, "", cg, images.Ztunnel, "--zds-socket", filepath.Join(s.n.ZtunnelSocketDir(), "ztunnel.sock"),
+		"--records", records, "--dns", "*."+knownSuffix+"="+knownAnswer.String())
 }
 
 // deploy renders the chart with extra values, applies its objects to the

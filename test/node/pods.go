@@ -128,22 +128,30 @@ func (n *Node) NetnsPath(p *Pod) string {
 	if err != nil {
 		n.t.Fatal(err)
 	}
-	var info struct {
+	path := sandboxNetns(st.Info["info"])
+	if path == "" {
+		n.t.Fatalf("sandbox %s has no network namespace in its info: %s", p.Name, st.Info["info"])
+	}
+	return path
+}
+
+// sandboxNetns reads the netns path from a sandbox's verbose info.
+func sandboxNetns(info string) string {
+	var v struct {
 		RuntimeSpec struct {
 			Linux struct {
 				Namespaces []struct{ Type, Path string }
 			}
 		}
 	}
-	if err := json.Unmarshal([]byte(st.Info["info"]), &info); err != nil {
-		n.t.Fatalf("sandbox info of %s: %v", p.Name, err)
+	if json.Unmarshal([]byte(info), &v) != nil {
+		return ""
 	}
-	for _, ns := range info.RuntimeSpec.Linux.Namespaces {
+	for _, ns := range v.RuntimeSpec.Linux.Namespaces {
 		if ns.Type == "network" {
 			return ns.Path
 		}
 	}
-	n.t.Fatalf("sandbox %s has no network namespace", p.Name)
 	return ""
 }
 
