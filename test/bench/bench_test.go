@@ -52,7 +52,7 @@ type settings struct {
 	readme     string        // BENCH_README: path of the README ("-": none)
 	chart      string        // BENCH_CHART: path of the chart (SVG)
 	// parts are the parts of the run (BENCH_PARTS, comma-separated; all
-	// by default): traffic, lean, churn, profile, enroll, scale. "render"
+	// by default): traffic, lean, bystander, churn, profile, enroll, scale. "render"
 	// alone measures nothing: it writes the doc's section and the chart
 	// from an existing results.json.
 	parts map[string]bool
@@ -104,7 +104,7 @@ func loadSettings() settings {
 }
 
 // allParts are the parts of a full run, in the order they run.
-var allParts = []string{"traffic", "lean", "churn", "profile", "enroll", "scale"}
+var allParts = []string{"traffic", "lean", "bystander", "churn", "profile", "enroll", "scale"}
 
 // partList names the parts a run measured.
 func (s settings) partList() string {
@@ -166,7 +166,7 @@ func TestBench(t *testing.T) {
 	for _, part := range []struct {
 		name string
 		run  func(*Results)
-	}{{"traffic", e.traffic}, {"lean", e.lean}, {"churn", e.churn}, {"profile", e.profile}, {"enroll", e.enrollment}, {"scale", e.scale}} {
+	}{{"traffic", e.traffic}, {"lean", e.lean}, {"bystander", e.bystander}, {"churn", e.churn}, {"profile", e.profile}, {"enroll", e.enrollment}, {"scale", e.scale}} {
 		if s.parts[part.name] {
 			part.run(res)
 			slog.Info(part.name+" done", "elapsed", time.Since(start).Round(time.Second))

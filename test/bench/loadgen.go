@@ -39,6 +39,9 @@ type server struct{ ls []net.Listener }
 
 type serverRequest struct {
 	Op string `json:"op"` // listen
+	// Base moves the echo and sink ports to Base and Base+1 (0: echoPort
+	// and sinkPort), for servers that share a netns.
+	Base int `json:"base,omitempty"`
 }
 
 func (s *server) handle(line []byte) (any, error) {
@@ -53,7 +56,11 @@ func (s *server) handle(line []byte) (any, error) {
 	// and the apps of a pod use plain TCP.
 	var lc net.ListenConfig
 	lc.SetMultipathTCP(false)
-	for port, serveConn := range map[int]func(net.Conn){echoPort: serveEcho, sinkPort: serveSink} {
+	echo, sink := echoPort, sinkPort
+	if req.Base != 0 {
+		echo, sink = req.Base, req.Base+1
+	}
+	for port, serveConn := range map[int]func(net.Conn){echo: serveEcho, sink: serveSink} {
 		l, err := lc.Listen(context.Background(), "tcp", fmt.Sprintf("[::]:%d", port))
 		if err != nil {
 			return nil, fmt.Errorf("listen on %d: %w", port, err)
