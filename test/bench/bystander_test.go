@@ -11,7 +11,9 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -78,8 +80,10 @@ func (e *env) bystanderPairs() []*bystanderPair {
 		if err := call(srv, serverRequest{Op: "listen"}, nil); err != nil {
 			t.Fatalf("bystander server in %s: %v", s.Name, err)
 		}
+		gen := simnode.StartHelper(t, roleClient, c.NS, ccg)
+		e.pinPair(gen, srv)
 		pairs = append(pairs, &bystanderPair{kind: "pod", hooked: hooked, addr: fmt.Sprintf("%s:%d", s.V4, echoPort),
-			gen: simnode.StartHelper(t, roleClient, c.NS, ccg), cgs: []string{ccg, scg}})
+			gen: gen, cgs: []string{ccg, scg}})
 
 		// Node processes, over the node's loopback.
 		ncg, nscg, base := e.cgroup(fmt.Sprintf("by%v-node-c", hooked)), e.cgroup(fmt.Sprintf("by%v-node-s", hooked)), bystanderBase
@@ -90,10 +94,38 @@ func (e *env) bystanderPairs() []*bystanderPair {
 		if err := call(nsrv, serverRequest{Op: "listen", Base: base}, nil); err != nil {
 			t.Fatalf("bystander server in the node netns: %v", err)
 		}
+		ngen := simnode.StartHelper(t, roleClient, n.NodeNS, ncg)
+		e.pinPair(ngen, nsrv)
 		pairs = append(pairs, &bystanderPair{kind: "node", hooked: hooked, addr: fmt.Sprintf("127.0.0.1:%d", base),
-			gen: simnode.StartHelper(t, roleClient, n.NodeNS, ncg), cgs: []string{ncg, nscg}})
+			gen: ngen, cgs: []string{ncg, nscg}})
 	}
 	return pairs
+}
+
+// pinPair binds every thread of a pair's client to the first CPU and of
+// its server to the last (threads made later inherit it). Left to the
+// scheduler, a round trip took either about 23 us or about 55 us
+// depending on where the two landed, whichever pair it was: the pairs'
+// rr figures differed by 2.5x, hooked or not, in the order they ran.
+func (e *env) pinPair(client, server *simnode.Proc) {
+	last := runtime.NumCPU() - 1
+	for _, p := range []struct {
+		proc *simnode.Proc
+		cpu  int
+	}{{client, 0}, {server, last}} {
+		var set unix.CPUSet
+		set.Set(p.cpu)
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", p.proc.PID()))
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		for _, task := range tasks {
+			tid, _ := strconv.Atoi(task.Name())
+			if err := unix.SchedSetaffinity(tid, &set); err != nil {
+				e.t.Fatalf("pin thread %d of %d to CPU %d: %v", tid, p.proc.PID(), p.cpu, err)
+			}
+		}
+	}
 }
 
 // column is the pair's column in the figures: direct for the node
@@ -127,6 +159,9 @@ func (e *env) bystander(res *Results) {
 		m[p.kind][p.column()] = append(m[p.kind][p.column()], v)
 	}
 	for rep := range s.reps {
+		// Hooked first in every other repetition: neither side always
+		// runs on a machine the other just warmed.
+		slices.Reverse(pairs)
 		for _, p := range pairs {
 			r, c := e.measureBystander(p, loadRequest{Op: "conn", Addr: p.addr, Duration: s.duration})
 			add(conns, p, rate(run{loadResult: r}))
