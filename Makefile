@@ -15,10 +15,16 @@ export BPF2GO_CC BPF2GO_STRIP BPF2GO_CFLAGS
 # Packages whose go:generate lines run bpf2go.
 GEN_PKGS  := ./pkg/dataplane/...
 APT_PKGS  := clang-19 llvm-19 libbpf-dev bpftool iproute2 iptables ipset nftables protobuf-compiler containerd runc \
-	qemu-system-x86 busybox-static cpio kmod xz-utils
+	qemu-system-x86 qemu-system-arm busybox-static cpio kmod xz-utils
 # Kernels `make test-kernels` runs the kernel suites on: the host's, then
-# Debian's cloud kernels under qemu (see hack/vmtest/vmtest.sh).
-VMTEST_KERNELS ?= host 5.10 6.1 6.12
+# Debian's cloud kernels under qemu (see hack/vmtest/vmtest.sh), arm64's
+# 6.12 included (qemu-system-aarch64, software emulation of another
+# architecture).
+VMTEST_KERNELS ?= host 5.10 6.1 6.12 arm64-6.12
+# On arm64, CI runs the conformance suite (every row, both backends, v4
+# and v6: about 6 min emulated); `make test-kernels-arm64` runs the rest
+# too (pkg/features, pkg/dataplane) on 6.1 and 6.12.
+VMTEST_ARM64_PKGS ?= ./test/conformance
 # The suites of the real agent binary run under emulation too (make test
 # runs them on the host). On 5.10, the kernel furthest from the host's and
 # the one whose inbound capture differs (tc on the pod's interface): the
@@ -286,10 +292,14 @@ soak: deps kube-bins ## the chaos soak as root for SOAK_DURATION (default 10m; S
 		$(GO) test -race -count=1 -timeout 0 -run '^TestSoak$$' -v ./test/soak
 
 .PHONY: test-kernels
-test-kernels: deps ## run the kernel suites on the host kernel and, under qemu, on Debian's 5.10, 6.1 and 6.12; the upgrade suites on 5.10, the takeover suite on 5.10, 6.1 and 6.12
-	CACHE=$(CACHE) GO=$(GO) hack/vmtest/vmtest.sh $(VMTEST_KERNELS)
+test-kernels: deps ## run the kernel suites on the host kernel and, under qemu, on Debian's 5.10, 6.1 and 6.12 and the conformance suite on arm64's 6.12; the upgrade suites on 5.10, the takeover suite on 5.10, 6.1 and 6.12
+	CACHE=$(CACHE) GO=$(GO) VMTEST_ARM64_PKGS='$(VMTEST_ARM64_PKGS)' hack/vmtest/vmtest.sh $(VMTEST_KERNELS)
 	$(if $(VMTEST_PKGS),,$(if $(filter $(VMTEST_AGENT_KERNELS),$(VMTEST_KERNELS)),CACHE=$(CACHE) GO=$(GO) VMTEST_PKGS='$(VMTEST_AGENT_PKGS)' hack/vmtest/vmtest.sh $(filter $(VMTEST_AGENT_KERNELS),$(VMTEST_KERNELS))))
 	$(if $(VMTEST_PKGS),,$(if $(filter $(VMTEST_TAKEOVER_KERNELS),$(VMTEST_KERNELS)),CACHE=$(CACHE) GO=$(GO) VMTEST_PKGS='$(VMTEST_TAKEOVER_PKGS)' hack/vmtest/vmtest.sh $(filter $(VMTEST_TAKEOVER_KERNELS),$(VMTEST_KERNELS))))
+
+.PHONY: test-kernels-arm64
+test-kernels-arm64: deps ## run every kernel suite (features, dataplane, conformance) on Debian's arm64 6.1 and 6.12 under qemu-system-aarch64
+	CACHE=$(CACHE) GO=$(GO) VMTEST_ARM64_PKGS='./pkg/features ./pkg/dataplane ./test/conformance' hack/vmtest/vmtest.sh arm64-6.1 arm64-6.12
 
 .PHONY: clean
 clean: ## remove build outputs

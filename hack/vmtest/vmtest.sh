@@ -7,7 +7,11 @@
 # boot Debian's cloud kernel of that series under qemu (software
 # emulation) with an initramfs of busybox, the userland tools the suites
 # call (iptables of both backends, nft, ipset, ip, nsenter) and the
-# binaries. Each kernel's run ends with "vmtest <release>: N passed,
+# binaries. arm64-6.1 / arm64-6.12 boot Debian's arm64 cloud kernel under
+# qemu-system-aarch64 (the virt machine) with arm64 test binaries of
+# $VMTEST_ARM64_PKGS (default: $VMTEST_PKGS) and Debian's arm64 userland
+# (fetch-userland.sh); results come over a virtio console there, the
+# machine's one UART being the kernel's console. Each kernel's run ends with "vmtest <release>: N passed,
 # N failed, N skipped"; the script fails when any kernel fails, hangs or
 # panics (no exit marker).
 #
@@ -33,6 +37,7 @@ root=$(cd "$here/../.." && pwd)
 GO=${GO:-go}
 CACHE=${CACHE:-$root/.cache}
 VMTEST_PKGS=${VMTEST_PKGS:-./pkg/features ./pkg/dataplane ./test/conformance}
+VMTEST_ARM64_PKGS=${VMTEST_ARM64_PKGS:-$VMTEST_PKGS}
 VMTEST_TIMEOUT=${VMTEST_TIMEOUT:-3600} # seconds per VM, boot to poweroff
 VMTEST_MEM=${VMTEST_MEM:-2G}         # the initramfs (binaries included) lives in it
 # vCPUs per guest, each a host thread (multi-threaded TCG): with one vCPU the
@@ -45,17 +50,29 @@ trap 'rm -rf "$work"' EXIT
 
 log() { echo "vmtest: $*" >&2; }
 
+# karch KERNEL: the guest's architecture; kseries KERNEL: its series.
+karch() { case $1 in arm64-*) echo arm64 ;; *) echo amd64 ;; esac; }
+kseries() { echo "${1#arm64-}"; }
+
+# build_tests [ARCH]: the test binaries, into $work/tests (amd64, the
+# default) or $work/tests.arm64.
 build_tests() {
-	mkdir -p "$work/tests"
+	local arch=${1:-amd64} dir=$work/tests pkgs=$VMTEST_PKGS
+	[ "$arch" = amd64 ] || dir=$work/tests.$arch pkgs=$VMTEST_ARM64_PKGS
+	mkdir -p "$dir"
 	local entry pkg run name
-	for entry in $VMTEST_PKGS; do
+	for entry in $pkgs; do
 		pkg=${entry%%:*} run=""
 		[ "$pkg" = "$entry" ] || run=${entry#*:}
 		name=$(echo "${pkg#./}" | tr / _)
-		(cd "$root" && CGO_ENABLED=0 $GO test -c -o "$work/tests/$name.test" "$pkg")
-		(cd "$root" && $GO list -f '{{.ImportPath}}' "$pkg") >"$work/tests/$name.test.pkg"
+		(cd "$root" && CGO_ENABLED=0 GOARCH=$arch $GO test -c -o "$dir/$name.test" "$pkg")
+		(cd "$root" && $GO list -f '{{.ImportPath}}' "$pkg") >"$dir/$name.test.pkg"
 		(cd "$root" && $GO list -f '{{.Dir}}' "$pkg") >"$work/dir.$name"
-		[ -z "$run" ] || echo "$run" >"$work/tests/$name.test.run"
+		[ -z "$run" ] || echo "$run" >"$dir/$name.test.run"
+		if [ "$arch" != amd64 ] && { [ "$pkg" = ./test/agente2e ] || [ "$pkg" = ./test/takeover ]; }; then
+			log "$pkg needs prebuilt agent binaries, built for amd64 only: not on $arch"
+			exit 2
+		fi
 		if { [ "$pkg" = ./test/agente2e ] || [ "$pkg" = ./test/takeover ]; } && [ ! -d "$work/bins" ]; then
 			(cd "$root" && $GO run ./hack/testbins -o "$work/bins")
 		fi
@@ -141,6 +158,31 @@ build_base() {
 	(cd "$base" && find . | cpio -o -H newc --quiet) >"$work/base.cpio"
 }
 
+# build_base_foreign ARCH: the same for a guest of another architecture:
+# Debian's packages of the tools and their libraries (fetch-userland.sh),
+# the names Debian's alternatives would give iptables, and the tests of
+# that architecture. Its dynamic loader finds the libraries through
+# LD_LIBRARY_PATH, set on the kernel command line (no ld.so.cache).
+build_base_foreign() {
+	local arch=$1 base=$work/base.$1 userland bin
+	[ -e "$work/base.$arch.cpio" ] && return
+	userland=$("$here/fetch-userland.sh" "$vcache" "$arch")
+	mkdir -p "$base"
+	cp -a "$userland"/. "$base/"
+	rm -f "$base/.done"
+	mkdir -p "$base"/{sbin,usr/sbin,etc,proc,sys,dev,tmp,run,tests}
+	ln -sf busybox "$base/bin/sh"
+	ln -sf ../bin/busybox "$base/sbin/modprobe"
+	cp "$here/init" "$base/init"
+	cp "$work/tests.$arch"/* "$base/tests/"
+	for bin in iptables ip6tables iptables-restore ip6tables-restore iptables-save ip6tables-save; do
+		ln -sf xtables-nft-multi "$base/usr/sbin/$bin"
+	done
+	echo 'root:x:0:0:root:/root:/bin/sh' >"$base/etc/passwd"
+	echo 'root:x:0:' >"$base/etc/group"
+	(cd "$base" && find . | cpio -o -H newc --quiet) >"$work/base.$arch.cpio"
+}
+
 # The modules the suites need (and their dependencies), uncompressed, with
 # modules.dep made for them.
 modules="veth sch_ingress cls_bpf act_bpf nf_tables nft_compat nft_chain_nat nft_ct nfnetlink
@@ -151,7 +193,7 @@ nf_reject_ipv4 nf_reject_ipv6 xt_TPROXY nf_tproxy_ipv4 nf_tproxy_ipv6 xt_socket 
 nf_conntrack_netlink nft_nat nft_redir nft_masq inet_diag tcp_diag"
 
 build_modules() {
-	local kdir=$1 rel=$2 out=$3 m f
+	local kdir=$1 rel=$2 out=$3 extra=${4:-} m f
 	local mroot=$work/mods.$rel
 	rm -rf "$mroot"
 	mkdir -p "$mroot/lib/modules/$rel" "$mroot/etc"
@@ -161,7 +203,7 @@ build_modules() {
 	# Every nftables expression and xtables extension too: iptables-nft
 	# asks for them by alias, which busybox's modprobe does not resolve.
 	local all
-	all="$modules $(find "$kdir/lib/modules/$rel/kernel/net" -name 'nft_*.ko*' -o -name 'xt_*.ko*' |
+	all="$modules $extra $(find "$kdir/lib/modules/$rel/kernel/net" -name 'nft_*.ko*' -o -name 'xt_*.ko*' |
 		sed -E 's|.*/||; s|\.ko(\.[a-z]+)?$||' | sort)"
 	for m in $all; do
 		# A module this kernel lacks (or has built in) is reported, not
@@ -183,21 +225,36 @@ build_modules() {
 }
 
 run_vm() {
-	local series=$1 kdir rel
-	kdir=$("$here/fetch-kernel.sh" "$vcache" "$series")
+	local k=$1 arch series kdir rel
+	arch=$(karch "$k") series=$(kseries "$k")
+	kdir=$("$here/fetch-kernel.sh" "$vcache" "$series" "$arch")
 	rel=$(basename "$(ls -d "$kdir"/lib/modules/*)")
-	build_modules "$kdir" "$rel" "$work/mods.$rel.cpio"
-	cat "$work/base.cpio" "$work/mods.$rel.cpio" | gzip -1 >"$work/initrd.$rel.gz"
+	local base=$work/base.cpio
+	[ "$arch" = amd64 ] || base=$work/base.$arch.cpio
+	# arm64: the virtio console the results go to (built in on 6.12,
+	# modules on 6.1).
+	build_modules "$kdir" "$rel" "$work/mods.$rel.cpio" "$([ "$arch" = amd64 ] || echo virtio_pci virtio_console)"
+	cat "$base" "$work/mods.$rel.cpio" | gzip -1 >"$work/initrd.$rel.gz"
 	log "$rel: booting (qemu tcg, timeout ${VMTEST_TIMEOUT}s)"
 	local console=$work/console.$rel results=$work/results.$rel
 	: >"$results"
 	local bins=""
 	[ ! -d "$work/bins" ] || bins=/bins
-	timeout --foreground -k 10 "$VMTEST_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp "$VMTEST_SMP" -m "$VMTEST_MEM" \
+	local env="CI=${CI:-} VMTEST_RUN=${VMTEST_RUN:-} VMTEST_SKIP=$VMTEST_GUEST_SKIP AMBIENT_EBPF_TEST_BINS=$bins"
+	local qemu=(qemu-system-x86_64 -accel tcg,thread=multi -cpu max)
+	local io=(-serial "file:$console" -serial "file:$results")
+	local console_dev=ttyS0
+	if [ "$arch" = arm64 ]; then
+		qemu=(qemu-system-aarch64 -M virt -accel tcg,thread=multi -cpu max)
+		io=(-serial "file:$console" -device virtio-serial-pci -chardev "file,id=results,path=$results" -device virtconsole,chardev=results)
+		console_dev=ttyAMA0
+		env="$env VMTEST_OUT=/dev/hvc0 LD_LIBRARY_PATH=/lib/aarch64-linux-gnu:/usr/lib/aarch64-linux-gnu"
+	fi
+	timeout --foreground -k 10 "$VMTEST_TIMEOUT" "${qemu[@]}" -smp "$VMTEST_SMP" -m "$VMTEST_MEM" \
 		-nodefaults -no-reboot -display none \
 		-kernel "$kdir/boot/vmlinuz-$rel" -initrd "$work/initrd.$rel.gz" \
-		-append "console=ttyS0 panic=-1 quiet loglevel=4 CI=${CI:-} VMTEST_RUN=${VMTEST_RUN:-} VMTEST_SKIP=$VMTEST_GUEST_SKIP AMBIENT_EBPF_TEST_BINS=$bins" \
-		-serial "file:$console" -serial "file:$results" </dev/null || log "$rel: qemu exited with $?"
+		-append "console=$console_dev panic=-1 quiet loglevel=4 $env" \
+		"${io[@]}" </dev/null || log "$rel: qemu exited with $?"
 	if ! summarize "$rel" <"$results"; then
 		# A panic's cause is the first oops, which the last lines of a
 		# cascade of them do not show.
@@ -212,10 +269,23 @@ run_vm() {
 }
 
 [ $# -gt 0 ] || set -- host 5.10 6.1 6.12
+for k in "$@"; do
+	case $k in
+	host | 5.10 | 6.1 | 6.12 | arm64-6.1 | arm64-6.12) ;;
+	*) log "unknown kernel $k (want host, 5.10, 6.1, 6.12, arm64-6.1 or arm64-6.12)"; exit 2 ;;
+	esac
+done
 build_tests
+case " $* " in *" arm64-"*) build_tests arm64 ;; esac
 for k in "$@"; do
 	# Downloads one at a time: kernels of one suite share an apt directory.
-	[ "$k" = host ] || { build_base; "$here/fetch-kernel.sh" "$vcache" "$k" >/dev/null; }
+	[ "$k" = host ] && continue
+	if [ "$(karch "$k")" = amd64 ]; then
+		build_base
+	else
+		build_base_foreign "$(karch "$k")"
+	fi
+	"$here/fetch-kernel.sh" "$vcache" "$(kseries "$k")" "$(karch "$k")" >/dev/null
 done
 # Kernels run VMTEST_JOBS at a time (default 1: two emulated guests on a
 # two-core machine slow each other into timeouts); each one's report is
