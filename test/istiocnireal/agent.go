@@ -4,6 +4,8 @@
 package istiocnireal
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"net/http"
@@ -19,6 +21,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
@@ -39,6 +43,12 @@ type Options struct {
 	// Env overrides or adds to the environment the chart gives the
 	// container (its ConfigMap and its env).
 	Env map[string]string
+	// PIDNamespace is the node's PID namespace, as the PID (the test's
+	// numbering) of its init (Node.PIDNamespace): the agent runs in it and
+	// its /host/proc lists it, so it finds the netns of pods whose pause
+	// processes run there, as after a restart. 0: a namespace of the
+	// agent's own, where it sees no pod's process.
+	PIDNamespace int
 }
 
 // Agent is a running install-cni on a simulated node.
@@ -57,30 +67,37 @@ type Agent struct {
 	Process *simnode.Process
 	Started time.Time
 	http    *http.Client
+	opts    Options
+	chart   *Chart
+	cgroup  string
 }
 
-// enterScript builds the container's file system view in a new mount and
-// PID namespace (unshare, which mounted a /proc of it) and runs the agent
-// in it. The shell stays as PID 1, in the node netns, as a node's init
-// is: /host/proc/1/ns/net is then the node netns (the machine's PID 1 is
-// not even readable here). The agent itself must not be PID 1: its
-// threads enter pod netns, and /proc/1/ns/net follows its main thread,
-// so its "host" netns would at times be a pod's (seen: its ipset add
-// failing with ENOENT). The view: a tmpfs root holding the machine's
-// /usr, /etc, /dev, /proc, /sys, /tmp and /var (and the merged-/usr
-// links), a /run of its own with the service account's token and CA, the
-// image's /opt/cni/bin (istio-cni alone) and the binaries at /opt/istio,
-// and the DaemonSet's host mounts: /host/opt/cni/bin, /host/etc/cni/net.d
-// and /host/proc, and the runtime's netns folder at /host<folder>. The
-// mount namespace goes with the processes; nothing here outlives them.
+// enterScript builds the container's file system view in a new mount
+// namespace and runs the agent in it, in a PID namespace whose init is in
+// the node netns: the node's (Options.PIDNamespace, entered by nsenter),
+// or one of the agent's own (unshare), where the shell stays as PID 1.
+// /host/proc/1/ns/net is then the node netns (the machine's PID 1 is not
+// even readable here). The agent itself must not be PID 1: its threads
+// enter pod netns, and /proc/1/ns/net follows its main thread, so its
+// "host" netns would at times be a pod's (seen: its ipset add failing
+// with ENOENT). The view: a tmpfs root holding the machine's /usr, /etc,
+// /dev, /sys, /tmp and /var (and the merged-/usr links), a /proc of the
+// PID namespace, a /run of its own with the service account's token and
+// CA, the image's /opt/cni/bin (istio-cni alone) and the binaries at
+// /opt/istio, and the DaemonSet's host mounts: /host/opt/cni/bin,
+// /host/etc/cni/net.d and /host/proc (the PID namespace's, again), and
+// the runtime's netns folder at /host<folder>. The mount namespace goes
+// with the processes; nothing here outlives them.
 const enterScript = `set -eu
 root=$1 bins=$2 cnibin=$3 netd=$4 netnsdir=$5 sa=$6
 shift 6
 mount -t tmpfs -o mode=0755 aer2-root "$root"
-for d in bin sbin lib lib32 lib64 libx32 usr etc dev proc sys tmp var; do
+for d in bin sbin lib lib32 lib64 libx32 usr etc dev sys tmp var; do
 	if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$root/$d"
 	elif [ -d "/$d" ]; then mkdir "$root/$d"; mount --rbind "/$d" "$root/$d"; fi
 done
+mkdir "$root/proc"
+mount -t proc aer2-proc "$root/proc"
 mkdir "$root/run"
 mount -t tmpfs -o mode=0755 aer2-run "$root/run"
 mkdir -p "$root/run/secrets/kubernetes.io/serviceaccount" "$root/opt/cni/bin" "$root/opt/istio" \
@@ -91,7 +108,7 @@ touch "$root/opt/cni/bin/istio-cni"
 mount --bind -o ro "$bins/istio-cni" "$root/opt/cni/bin/istio-cni"
 mount --bind "$cnibin" "$root/host/opt/cni/bin"
 mount --bind "$netd" "$root/host/etc/cni/net.d"
-mount --rbind /proc "$root/host/proc"
+mount -t proc aer2-hostproc "$root/host/proc"
 mount --bind "$netnsdir" "$root/host$netnsdir"
 chroot "$root" /usr/bin/env -i "$@" &
 wait $!
@@ -169,9 +186,11 @@ func Start(t testing.TB, r *Runtime, bins Bins, o Options) *Agent {
 		"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
 	})
 	maps.Copy(env, o.Env)
-	a.Argv = []string{"unshare", "--mount", "--propagation", "slave", "--pid", "--mount-proc", "--kill-child=SIGKILL", "--",
-		"/bin/sh", "-c", enterScript, "enter",
-		root, bins.Dir, r.BinDir, r.ConfDir, r.NetnsDir, sa}
+	a.Argv = []string{"unshare", "--mount", "--propagation", "slave", "--pid", "--fork", "--kill-child=SIGKILL", "--"}
+	if o.PIDNamespace != 0 {
+		a.Argv = []string{"nsenter", "--target", strconv.Itoa(o.PIDNamespace), "--pid", "--", "unshare", "--mount", "--propagation", "slave", "--"}
+	}
+	a.Argv = append(a.Argv, "/bin/sh", "-c", enterScript, "enter", root, bins.Dir, r.BinDir, r.ConfDir, r.NetnsDir, sa)
 	for _, k := range slices.Sorted(maps.Keys(env)) {
 		a.Argv = append(a.Argv, k+"="+env[k])
 	}
@@ -184,22 +203,54 @@ func Start(t testing.TB, r *Runtime, bins Bins, o Options) *Agent {
 	}
 	t.Cleanup(closeHTTP)
 	a.http = c
-	cgroup := filepath.Join(node.CgroupRoot, "istio-cni")
-	if err := os.Mkdir(cgroup, 0o755); err != nil {
+	a.opts, a.chart = o, ch
+	a.cgroup = filepath.Join(node.CgroupRoot, "istio-cni")
+	if err := os.Mkdir(a.cgroup, 0o755); err != nil {
 		t.Fatalf("create cgroup: %v", err)
 	}
+	a.launch()
+	return a
+}
+
+// launch execs the agent (Argv) in its cgroup.
+func (a *Agent) launch() {
 	a.Started = time.Now()
-	a.Process = simnode.StartProcess(t, node.NodeNS, cgroup, a.Argv...)
+	a.Process = simnode.StartProcess(a.t, a.Node.NodeNS, a.cgroup, a.Argv...)
 	// Before StartProcess's cleanup (which would end unshare, and with it
-	// the agent, by SIGKILL): the agent's own shutdown first.
-	t.Cleanup(func() {
+	// the agent, by SIGKILL; or nsenter, leaving it): the agent's own
+	// shutdown first.
+	a.t.Cleanup(func() {
 		if !a.Process.Exited() {
 			if err := a.Stop(30 * time.Second); err != nil {
-				t.Errorf("%v", err)
+				a.t.Errorf("%v", err)
 			}
 		}
 	})
-	return a
+}
+
+// Restart stops install-cni as a rolling update stops it, with its
+// DaemonSet (the chart's) and its Node present in the API server, so it
+// leaves the node's plugin and pods in place, and execs it again with the
+// same folders and sockets (its ZDS peer reconnects). The DaemonSet goes
+// again once it stopped, so that a later stop uninstalls as before. It
+// does not wait for the new one (WaitReady does).
+func (a *Agent) Restart() error {
+	ctx := context.Background()
+	c := a.opts.Cluster
+	if _, err := c.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: a.opts.NodeName}}, metav1.CreateOptions{}); err != nil &&
+		!apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create node %s: %w", a.opts.NodeName, err)
+	}
+	c.Apply(a.t, ReleaseNamespace, a.chart.DaemonSet.DeepCopy())
+	err := a.Stop(30 * time.Second)
+	if derr := c.Client.AppsV1().DaemonSets(ReleaseNamespace).Delete(ctx, a.chart.DaemonSet.Name, metav1.DeleteOptions{}); derr != nil {
+		err = errors.Join(err, fmt.Errorf("delete daemonset %s/%s: %w", ReleaseNamespace, a.chart.DaemonSet.Name, derr))
+	}
+	if err != nil {
+		return fmt.Errorf("restart install-cni: %w", err)
+	}
+	a.launch()
+	return nil
 }
 
 // PID is install-cni's process id as the test sees it (under unshare,
@@ -268,14 +319,19 @@ func (a *Agent) WaitZtunnel() error {
 // container), kills it after grace, and says why when it did not exit
 // cleanly on its own.
 func (a *Agent) Stop(grace time.Duration) error {
-	if pid := a.PID(); pid > 0 {
+	pid := a.PID()
+	if pid > 0 {
 		if err := syscall.Kill(pid, syscall.SIGTERM); err != nil {
 			return fmt.Errorf("signal install-cni (pid %d): %w", pid, err)
 		}
 	}
-	// unshare exits with it; it blocks SIGTERM itself, so Terminate's
-	// SIGTERM only matters after the wait, when it kills.
+	// unshare or nsenter exits with it; unshare blocks SIGTERM itself,
+	// so Terminate's SIGTERM only matters after the wait, when it kills.
+	// nsenter forwards no signal: the agent is killed by its PID first.
 	if !testenv.Poll(grace, a.Process.Exited) || !a.Process.Terminate(time.Second) {
+		if pid > 0 {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
 		a.Process.Kill()
 		return fmt.Errorf("install-cni did not stop cleanly; its output:\n%s", a.Process.Output.String())
 	}

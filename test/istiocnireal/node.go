@@ -4,8 +4,16 @@
 package istiocnireal
 
 import (
+	"fmt"
 	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
 	"testing"
+	"time"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -34,11 +42,16 @@ type Node struct {
 	Node    *simnode.Node
 	Runtime *Runtime
 	Agent   *Agent
+	// PIDNamespace is the node's PID namespace (Options.PIDNamespace),
+	// where install-cni runs and where a pod's pause process must run for
+	// install-cni to find the pod's netns from /proc.
+	PIDNamespace int
 }
 
 // StartNode makes a fresh simulated node with the primary network
-// (NewRuntime, PluginsDir), starts install-cni for nodeName against c
-// with the chart's ambient defaults (Start), waits until it is ready, has
+// (NewRuntime, PluginsDir) and a PID namespace (StartPIDNamespace),
+// starts install-cni for nodeName against c in that namespace with the
+// chart's ambient defaults (Start), waits until it is ready, has
 // connect start the caller's ZDS peer at the agent's socket in the node,
 // and waits until the agent counts it connected. Binaries of go.mod's
 // version are required (Require); everything goes with tb's cleanup.
@@ -46,8 +59,9 @@ func StartNode(tb testing.TB, c *kubeapi.Cluster, nodeName string, connect func(
 	tb.Helper()
 	bins := Require(tb)
 	n := simnode.New(tb)
+	pidns := StartPIDNamespace(tb, n)
 	r := NewRuntime(tb, n, "", "", PluginsDir(tb))
-	a := Start(tb, r, bins, Options{Cluster: c, NodeName: nodeName})
+	a := Start(tb, r, bins, Options{Cluster: c, NodeName: nodeName, PIDNamespace: pidns})
 	if _, err := a.WaitReady(); err != nil {
 		tb.Fatal(err)
 	}
@@ -55,5 +69,32 @@ func StartNode(tb testing.TB, c *kubeapi.Cluster, nodeName string, connect func(
 	if err := a.WaitZtunnel(); err != nil {
 		tb.Fatal(err)
 	}
-	return &Node{Name: nodeName, Bins: bins, Node: n, Runtime: r, Agent: a}
+	return &Node{Name: nodeName, Bins: bins, Node: n, Runtime: r, Agent: a, PIDNamespace: pidns}
+}
+
+// StartPIDNamespace starts the node's init: PID 1 of a new PID namespace,
+// in the node netns and a cgroup of its own below the node's, and returns
+// its PID as the test sees it. At tb's cleanup it is killed, and with it
+// everything still running in the namespace (processes entered there by
+// nsenter --pid outlive their nsenter otherwise).
+func StartPIDNamespace(tb testing.TB, n *simnode.Node) int {
+	tb.Helper()
+	cg := filepath.Join(n.CgroupRoot, "init")
+	if err := os.Mkdir(cg, 0o755); err != nil {
+		tb.Fatalf("create cgroup: %v", err)
+	}
+	p := simnode.StartProcess(tb, n.NodeNS, cg, "unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--", "sleep", "infinity")
+	var pid int
+	testenv.Poll(10*time.Second, func() bool {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", p.PID(), p.PID()))
+		if err == nil {
+			pid, err = strconv.Atoi(strings.TrimSpace(string(b)))
+		}
+		return err == nil || p.Exited()
+	})
+	if pid == 0 {
+		tb.Fatalf("the node's PID namespace did not start; unshare's output:\n%s", p.Output.String())
+	}
+	tb.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) })
+	return pid
 }
