@@ -107,8 +107,8 @@ func (a *agent) close() {
 	}
 }
 
-// memory reads a process's memory and that of the maps pinned under bpffs.
-func memory(pid int, bpffs string) (memResult, error) {
+// procMemory reads a process's memory (/proc/<pid>/status).
+func procMemory(pid int) (memResult, error) {
 	var m memResult
 	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
@@ -117,6 +117,15 @@ func memory(pid int, bpffs string) (memResult, error) {
 	m.RSSBytes = statusKiB(string(status), "VmRSS:") << 10
 	m.HWMBytes = statusKiB(string(status), "VmHWM:") << 10
 	m.AnonBytes = statusKiB(string(status), "RssAnon:") << 10
+	return m, nil
+}
+
+// memory reads a process's memory and that of the maps pinned under bpffs.
+func memory(pid int, bpffs string) (memResult, error) {
+	m, err := procMemory(pid)
+	if err != nil {
+		return m, err
+	}
 	err = filepath.WalkDir(filepath.Join(bpffs, "maps"), func(path string, d fs.DirEntry, err error) error {
 		if err != nil || d.IsDir() {
 			return err

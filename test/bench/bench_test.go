@@ -427,10 +427,13 @@ func (e *env) ztCounts() ztunnelCounts {
 	return c
 }
 
-func (e *env) zdsCounts() zdsCounts {
+func (e *env) zdsCounts() zdsCounts { return zdsCountsOf(e.t, e.zt) }
+
+// zdsCountsOf asks a ztunnel helper what its ZDS client received.
+func zdsCountsOf(t testing.TB, zt *simnode.Proc) zdsCounts {
 	var c zdsCounts
-	if err := call(e.zt, ztunnelRequest{Op: "zds-counts"}, &c); err != nil {
-		e.t.Fatalf("zds counts: %v", err)
+	if err := call(zt, ztunnelRequest{Op: "zds-counts"}, &c); err != nil {
+		t.Fatalf("zds counts: %v", err)
 	}
 	return c
 }

@@ -8,6 +8,7 @@ package bench
 import (
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
@@ -26,7 +27,21 @@ func startIstioCNI(t *testing.T) *istioCNI {
 	return nil
 }
 
-func (*istioCNI) batch(string, int) []*simnode.Pod { return nil }
+func (*istioCNI) batch(string, int, bool) []*simnode.Pod { return nil }
+
+// istioScale is the real istio-cni's scale run (istiocni.go).
+type istioScale struct {
+	add                    cniResult
+	remove                 time.Duration
+	addCPU, delCPU         time.Duration
+	before, at             int64
+	hwm                    int64
+	adopt, adoptCPU, ready time.Duration
+}
+
+func (*istioCNI) scale(int, int) (istioScale, error) {
+	return istioScale{}, errors.New(istioCNINotBuilt)
+}
 
 func (*istioCNI) cni(string, []*simnode.Pod, int) (cniResult, error) {
 	return cniResult{}, errors.New(istioCNINotBuilt)

@@ -124,6 +124,7 @@ func (e *env) scale(res *Results) {
 		newFigure("scale_bpf_map_mib", "MiB", "lower", "", one(mib(mem.MapBytes))),
 		newFigure("scale_rate_1000_vs_1", "ratio", "higher", ">= 0.95", map[string][]float64{pathEBPF: ratios}),
 	)
+	e.istioScale(res, ours{add: add.Total, del: del.Total, adopt: adopt, cpu: agentCPU, delCPU: removeCPU, adoptCPU: adoptCPU, rss: mem.RSSBytes})
 	res.Notes["scale: agent CPU"] = fmt.Sprintf("enrolling %s in %s wall time (%.2f ms per pod); adopting %s; removing %s (%.2f ms per pod)",
 		agentCPU.Round(time.Millisecond), add.Total.Round(time.Millisecond), ms(agentCPU)/float64(n), adoptCPU.Round(time.Millisecond),
 		removeCPU.Round(time.Millisecond), ms(removeCPU)/float64(n))
@@ -146,6 +147,55 @@ func (e *env) scale(res *Results) {
 		"raw ratio %.2fx; relative to the iptables path alternated with it, %.2f and %.2f (the figure uses these)",
 		benchdoc.Num(summarize(at1).Median), benchdoc.Num(summarize(atN).Median), n, summarize(atN).Median/summarize(at1).Median,
 		summarize(norm1).Median, summarize(normN).Median)
+}
+
+// ours is the eBPF scale run's figures, for the real istio-cni's beside them.
+type ours struct {
+	add, del, adopt, cpu, delCPU, adoptCPU time.Duration
+	rss                                    int64
+}
+
+// istioScale runs the same number of pods through the real istio-cni (on
+// its node, after ours are gone) and adds its figures beside ours: the
+// real istio-cni in the iptables column, as enroll_cni_istiocni_*.
+func (e *env) istioScale(res *Results, o ours) {
+	if !e.startIstio(res) {
+		res.Notes["scale: the real istio-cni"] = "not measured: " + istioCNINotBuilt
+		return
+	}
+	n := e.s.scalePods
+	s, err := e.istio.scale(n, scaleConc)
+	if err != nil {
+		e.t.Fatalf("the real istio-cni's scale run: %v", err)
+	}
+	cols := func(istio, ebpf float64) map[string][]float64 {
+		return map[string][]float64{pathIptables: {istio}, pathEBPF: {ebpf}}
+	}
+	const where = "the real istio-cni (test/istiocnireal, as enroll_cni_istiocni) in the iptables column, ambient-ebpf's figure of this run in the ebpf column; "
+	res.Figures = append(res.Figures,
+		newFigure("scale_enroll_1000_istiocni_s", "s", "lower", "", cols(s.add.Total.Seconds(), o.add.Seconds())).WithNote(where+
+			fmt.Sprintf("%d pods, each with a pause process; istio-cni: its plugin's ADD execs, %d in flight, from the first exec to the last exit with the pod's in-pod chains committed; "+
+				"the pods exist in the API server (ambient namespace) before", n, scaleConc)),
+		newFigure("scale_remove_1000_istiocni_s", "s", "lower", "", cols(s.remove.Seconds(), o.del.Seconds())).WithNote(where+
+			fmt.Sprintf("istio-cni removes a pod when the API server deletes it (its plugin's DEL does nothing in ambient mode): every pod deleted (grace 0, %d at a time) while the runtime execs the plugin's DELs, "+
+				"from the first call to the acker's ZDS del of the last pod and no address of theirs left in its probe ipsets", scaleConc)),
+		newFigure("scale_adopt_1000_istiocni_s", "s", "lower", "", cols(s.adopt.Seconds(), o.adopt.Seconds())).WithNote(where+
+			"istio-cni: stopped as a rolling update stops it (its DaemonSet present: it leaves the pods' rules in place) with every pod enrolled and started again; "+
+			"from the exec to /readyz 200 and a ZDS snapshot naming every pod with its netns (found through /host/proc: the pods' pause processes run in the node's PID namespace, "+
+			"in cgroups pod<uid>/<container id>) at the acker; ebpf: scale_adopt_1000_s"),
+		newFigure("agent_cpu_ms_per_enroll_istiocni", "ms", "lower", "", cols(ms(s.addCPU)/float64(n), ms(o.cpu)/float64(n))).WithNote(where+
+			"the node agent's user+system time over the ADDs (install-cni's, ambient-ebpf-agent's), divided by the pods"),
+		newFigure("scale_agent_rss_istiocni_mib", "MiB", "lower", "", cols(mib(s.at), mib(o.rss))).WithNote(where+
+			"the node agent's VmRSS with every scale pod enrolled"),
+	)
+	lat := slices.Sorted(slices.Values(s.add.Latencies))
+	res.Notes["scale: the real istio-cni"] = fmt.Sprintf("ADD of %d pods in %s (per call p50 %.2f ms, p99 %.2f ms, max %.2f ms; plugin processes %.2f ms CPU per call); "+
+		"removal in %s; restart: ready in %s, every pod adopted in %s, %s CPU; install-cni CPU %s enrolling (%.2f ms per pod), %s removing (%.2f ms per pod); VmRSS %.1f MiB before, %.1f MiB at %d pods, peak %.1f MiB",
+		n, s.add.Total.Round(time.Millisecond), ms(percentile(lat, 50)), ms(percentile(lat, 99)), ms(lat[len(lat)-1]), ms(s.add.PluginCPU)/float64(n),
+		s.remove.Round(time.Millisecond), s.ready.Round(time.Millisecond), s.adopt.Round(time.Millisecond), s.adoptCPU.Round(time.Millisecond), s.addCPU.Round(time.Millisecond), ms(s.addCPU)/float64(n), s.delCPU.Round(time.Millisecond), ms(s.delCPU)/float64(n),
+		mib(s.before), mib(s.at), n, mib(s.hwm))
+	res.Notes["scale: ebpf over the real istio-cni"] = fmt.Sprintf("enrol %.2fx, remove %.2fx, adopt %.2fx (agent CPU %.2fx), agent CPU per enrolment %.2fx (per removal %.2fx), agent RSS %.2fx",
+		o.add.Seconds()/s.add.Total.Seconds(), o.del.Seconds()/s.remove.Seconds(), o.adopt.Seconds()/s.adopt.Seconds(), ms(o.adoptCPU)/ms(s.adoptCPU), ms(o.cpu)/ms(s.addCPU), ms(o.delCPU)/ms(s.delCPU), float64(o.rss)/float64(s.at))
 }
 
 // adopt stops the node agent and starts it again, now to uninstall on its
