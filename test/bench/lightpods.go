@@ -6,18 +6,13 @@
 package bench
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"runtime"
-	"strconv"
 	"testing"
-	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -37,7 +32,7 @@ type lightPods struct {
 	node  *simnode.Node
 	nh    *netlink.Handle // in the node netns
 	next  int
-	pause map[string]*simnode.Process // by pod UID
+	pause map[string]*simnode.Pause // by pod UID
 	// pidns, when set, is the PID (the test's numbering) of the init of
 	// the node's PID namespace, where pause processes then run.
 	pidns int
@@ -58,7 +53,7 @@ func newLightPods(t testing.TB, n *simnode.Node) *lightPods {
 	if err != nil {
 		t.Fatalf("netlink in node netns: %v", err)
 	}
-	lp := &lightPods{t: t, node: n, nh: nh, next: firstLightIndex, pause: map[string]*simnode.Process{}}
+	lp := &lightPods{t: t, node: n, nh: nh, next: firstLightIndex, pause: map[string]*simnode.Pause{}}
 	t.Cleanup(nh.Close)
 	return lp
 }
@@ -91,38 +86,19 @@ func (lp *lightPods) plan(prefix string, count int) []*simnode.Pod {
 }
 
 // create makes planned pods. With pause, each pod also gets a cgroup
-// pod<uid> below the node's pods cgroup and in it a sandbox's cgroup
-// (sandboxCgroup) with a sleeping process in the pod's netns, as a pod's
-// pause process: what an agent finds when it looks for pods' netns in
-// /proc (istio-cni's restart takes the pod's UID and the container's ID
-// from the cgroup path, as cgroupfs kubelets lay it out).
+// pod<uid> below the node's pods cgroup and a pause process
+// (simnode.StartPause, in the PID namespace pidns when set): what an
+// agent finds when it looks for pods' netns in /proc.
 func (lp *lightPods) create(pods []*simnode.Pod, pause bool) error {
 	for _, p := range pods {
 		if err := lp.createOne(p); err != nil {
 			return err
 		}
 		if pause {
-			p.Cgroup = filepath.Join(lp.node.PodsCgroup, "pod"+p.UID)
-			for _, cg := range []string{p.Cgroup, sandboxCgroup(p)} {
-				if err := os.Mkdir(cg, 0o755); err != nil {
-					return fmt.Errorf("cgroup of %s: %w", p.Name, err)
-				}
-			}
-			argv := []string{"sleep", "infinity"}
-			if lp.pidns != 0 {
-				argv = append([]string{"nsenter", "--target", strconv.Itoa(lp.pidns), "--pid", "--"}, argv...)
-			}
-			lp.pause[p.UID] = simnode.StartProcess(lp.t, p.NS, sandboxCgroup(p), argv...)
+			lp.pause[p.UID] = lp.node.StartPause(p, lp.pidns)
 		}
 	}
 	return nil
-}
-
-// sandboxCgroup is the cgroup of a pod's pause process: below the pod's,
-// named by a container ID (64 hex digits) derived from the pod's UID.
-func sandboxCgroup(p *simnode.Pod) string {
-	sum := sha256.Sum256([]byte(p.UID))
-	return filepath.Join(p.Cgroup, hex.EncodeToString(sum[:]))
 }
 
 // remove takes pods away again: their pause process, netns (and with it
@@ -130,44 +106,22 @@ func sandboxCgroup(p *simnode.Pod) string {
 func (lp *lightPods) remove(pods []*simnode.Pod) error {
 	var errs []error
 	for _, p := range pods {
-		if pr := lp.pause[p.UID]; pr != nil {
-			if lp.pidns != 0 {
-				// nsenter passes no signal on to the process it forked.
-				if err := os.WriteFile(filepath.Join(sandboxCgroup(p), "cgroup.kill"), []byte("1"), 0o644); err != nil {
-					errs = append(errs, fmt.Errorf("kill the pause process of %s: %w", p.Name, err))
-				}
+		if ps := lp.pause[p.UID]; ps != nil {
+			if err := ps.Stop(); err != nil {
+				errs = append(errs, fmt.Errorf("pause process of %s: %w", p.Name, err))
 			}
-			pr.Terminate(5 * time.Second)
 			delete(lp.pause, p.UID)
 		}
 		if err := netns.DeleteNamed(p.NS); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("delete netns %s: %w", p.NS, err))
 		}
 		if p.Cgroup != "" {
-			for _, cg := range []string{sandboxCgroup(p), p.Cgroup} {
-				if err := rmdirCgroup(cg); err != nil {
-					errs = append(errs, err)
-				}
+			if err := simnode.RemoveCgroup(p.Cgroup); err != nil {
+				errs = append(errs, err)
 			}
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// rmdirCgroup removes an empty cgroup; one already gone is fine. A
-// process that just died may still hold it for a moment (EBUSY).
-func rmdirCgroup(cg string) error {
-	var err error
-	for range 50 {
-		if err = unix.Rmdir(cg); err == nil || errors.Is(err, os.ErrNotExist) {
-			return nil
-		}
-		if !errors.Is(err, unix.EBUSY) {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return fmt.Errorf("remove cgroup %s: %w", cg, err)
 }
 
 func (lp *lightPods) createOne(p *simnode.Pod) error {

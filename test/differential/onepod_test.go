@@ -7,6 +7,7 @@ package differential
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"path/filepath"
@@ -41,6 +42,12 @@ type side struct {
 	runtime *istiocnireal.Runtime
 	zt      *simnode.Ztunnel
 	output  func() string // the agent's output, for failures
+	// pidns is the PID namespace the agent sees pods' processes in (0:
+	// the test's own).
+	pidns int
+	// restart restarts the agent as a rolling update of its DaemonSet
+	// does and waits until it is ready again.
+	restart func() error
 }
 
 // eachSide starts the real istio-cni, then ambient-ebpf, each on a fresh
@@ -68,7 +75,14 @@ type observed struct {
 func istioCNISide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
 	var zt *simnode.Ztunnel
 	n := istiocnireal.StartNode(t, c, nodeName, func(n *simnode.Node, zds string) { zt = n.StartZtunnelFor(zds) })
-	return &side{name: "istio-cni", node: n.Node, runtime: n.Runtime, zt: zt, output: n.Agent.Process.Output.String}
+	return &side{name: "istio-cni", node: n.Node, runtime: n.Runtime, zt: zt, output: func() string { return n.Agent.Process.Output.String() },
+		pidns: n.PIDNamespace, restart: func() error {
+			if err := n.Agent.Restart(); err != nil {
+				return err
+			}
+			_, err := n.Agent.WaitReady()
+			return err
+		}}
 }
 
 // ambientEBPFSide starts the real ambient-ebpf agent on a fresh node,
@@ -76,13 +90,33 @@ func istioCNISide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
 func ambientEBPFSide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
 	n := simnode.New(t)
 	a := agentrun.New(t, n, agentrun.Options{NodeName: nodeName, InstallCNI: true, CallerNetns: true,
-		Kube: &agentrun.Kube{Server: c.Config.Host, Token: c.Config.BearerToken, DaemonSetNamespace: "istio-system", DaemonSetName: "ambient-ebpf"}})
+		Kube: &agentrun.Kube{Server: c.Config.Host, Token: c.Config.BearerToken, DaemonSetNamespace: ourDaemonSet.Namespace, DaemonSetName: ourDaemonSet.Name}})
 	r := istiocnireal.NewRuntime(t, n, a.CNIBinDir, a.CNIConfDir, istiocnireal.PluginsDir(t))
 	a.StartReadyAgent(t)
 	zt := n.StartZtunnelFor(a.ZDS)
 	a.WaitZtunnel(t)
-	return &side{name: "ambient-ebpf", node: n, runtime: r, zt: zt, output: a.Agent.Output.String}
+	return &side{name: "ambient-ebpf", node: n, runtime: r, zt: zt, output: func() string { return a.Agent.Output.String() },
+		restart: func() error {
+			// Its DaemonSet present while it stops: it keeps the node's
+			// state, as in a rolling update; gone again afterwards, so
+			// the test's end uninstalls.
+			c.EnsureNamespace(t, ourDaemonSet.Namespace)
+			c.DaemonSet(t, ourDaemonSet.Namespace, ourDaemonSet.Name)
+			err := a.Stop(30 * time.Second)
+			if derr := c.Client.AppsV1().DaemonSets(ourDaemonSet.Namespace).Delete(context.Background(), ourDaemonSet.Name, metav1.DeleteOptions{}); derr != nil {
+				err = errors.Join(err, derr)
+			}
+			if err != nil {
+				return err
+			}
+			a.StartAgent(t)
+			_, err = a.WaitReady()
+			return err
+		}}
 }
+
+// ourDaemonSet is the DaemonSet our agent's uninstall check looks for.
+var ourDaemonSet = struct{ Namespace, Name string }{"istio-system", "ambient-ebpf"}
 
 // addPod creates pod "app" in an ambient namespace of its own on the
 // side's node, then its sandbox through the CNI chain as a runtime does,
@@ -125,6 +159,17 @@ func addPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (observe
 	})
 	o.Transcript = transcript(t, s, p)
 	return o, p, kp
+}
+
+// addEnabledPod is addPod, failing the test unless the ADD succeeded and
+// the pod is annotated enabled.
+func addEnabledPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (*simnode.Pod, *corev1.Pod) {
+	t.Helper()
+	o, p, kp := addPod(t, c, s, nodeName)
+	if o.AddErr != "" || o.Annotation != enrollment.RedirectionEnabled {
+		t.Fatalf("%s: ADD error %q, annotation %q; the agent's output:\n%s", s.name, o.AddErr, o.Annotation, s.output())
+	}
+	return p, kp
 }
 
 // transcript is what the side's stand-in received so far, with the pod's
@@ -376,10 +421,7 @@ func TestOnePodRemovedBothWays(t *testing.T) {
 	c := requireCluster(t)
 	got := map[string]removed{}
 	eachSide(t, c, func(s *side, nodeName string) {
-		o, p, kp := addPod(t, c, s, nodeName)
-		if o.AddErr != "" || o.Annotation != enrollment.RedirectionEnabled {
-			t.Fatalf("%s: ADD error %q, annotation %q; the agent's output:\n%s", s.name, o.AddErr, o.Annotation, s.output())
-		}
+		p, kp := addEnabledPod(t, c, s, nodeName)
 		r := removePod(t, c, s, p, kp)
 		t.Logf("%s after removal:\n  DEL error %q\n  node state names the pod %t\n  in-pod rules left %t\n  ztunnel received:\n    %s",
 			s.name, r.DelErr, r.NodeState, r.InPodRules, strings.Join(r.Transcript, "\n    "))
