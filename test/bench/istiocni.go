@@ -6,12 +6,14 @@
 package bench
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"regexp"
 	"testing"
 	"time"
 
@@ -140,7 +142,17 @@ type istioScale struct {
 	// and a snapshot with every pod (its netns) at the acker; adoptCPU
 	// its CPU time until then; ready the /readyz part alone.
 	adopt, adoptCPU, ready time.Duration
+	// addProfile and adoptProfile are install-cni's CPU profiles while
+	// enrolling and adopting (perf, share of the samples).
+	addProfile, adoptProfile string
+	// mounts counts the mounts in install-cni's mount namespace before the
+	// ADDs and with every pod in (each iptables call of its copies them).
+	mountsBefore, mounts int
 }
+
+// istioFrames are the functions worth naming in install-cni's profile:
+// Istio's own and the file and netlink calls they make.
+var istioFrames = regexp.MustCompile(`istio\.io/istio/(cni|pkg|tools)/|vishvananda/netlink\.|^os\.(ReadFile|Open|ReadDir)|^io/fs\.|^regexp\.|^runtime\.(gcBgMarkWorker|mallocgc)$`)
 
 // scale takes n pods (each with a pause process, as the eBPF run's)
 // through the real istio-cni: its plugin's ADDs, conc in flight, each to
@@ -167,12 +179,16 @@ func (ic *istioCNI) scale(n, conc int) (istioScale, error) {
 		return s, fmt.Errorf("memory of install-cni: %w", err)
 	}
 	s.before = mem.RSSBytes
+	s.mountsBefore = mountCount(pid)
 	z0 := ic.zdsCounts()
+	prof := startProfiler(pid, ic.t.TempDir(), true)
 	cpu0 := cpuTime(pid)
-	if s.add, err = ic.cni("ADD", pods, conc); err != nil {
+	s.add, err = ic.cni("ADD", pods, conc)
+	s.addCPU = cpuTime(pid) - cpu0
+	_, s.addProfile = prof.finish(istioFrames)
+	if err != nil {
 		return s, fmt.Errorf("ADD of %d pods: %w", n, err)
 	}
-	s.addCPU = cpuTime(pid) - cpu0
 	if got := ic.zdsCounts().Adds - z0.Adds; got < int64(n) {
 		return s, fmt.Errorf("install-cni enrolled %d pods but handed %d to ztunnel", n, got)
 	}
@@ -180,6 +196,7 @@ func (ic *istioCNI) scale(n, conc int) (istioScale, error) {
 		return s, fmt.Errorf("memory of install-cni: %w", err)
 	}
 	s.at, s.hwm = mem.RSSBytes, mem.HWMBytes
+	s.mounts = mountCount(pid)
 	// What kubelet reports once the pods run: istio-cni's removal takes
 	// a pod's addresses out of its ipsets by the pod's status.
 	for _, p := range pods {
@@ -222,11 +239,15 @@ func (ic *istioCNI) scale(n, conc int) (istioScale, error) {
 func (ic *istioCNI) adopt(s *istioScale, n int) error {
 	a := ic.node.Agent
 	z := ic.zdsCounts()
+	// The whole machine: the new process does not exist yet.
+	prof := startMachineProfiler(ic.t.TempDir())
 	if err := a.Restart(); err != nil {
+		prof.stop()
 		return err
 	}
 	var err error
 	if s.ready, err = a.WaitReady(); err != nil {
+		prof.stop()
 		return err
 	}
 	var now zdsCounts
@@ -234,11 +255,23 @@ func (ic *istioCNI) adopt(s *istioScale, n int) error {
 		now = ic.zdsCounts()
 		return now.Adds-z.Adds >= int64(n) || now.Keeps-z.Keeps > 0
 	}) || now.Adds-z.Adds < int64(n) {
+		prof.stop()
 		return fmt.Errorf("restarted install-cni sent ztunnel %d adds and %d keeps for %d pods", now.Adds-z.Adds, now.Keeps-z.Keeps, n)
 	}
 	s.adopt = time.Since(a.Started)
 	s.adoptCPU = cpuTime(a.PID())
+	_, s.adoptProfile = prof.byProcess(istiocnireal.AgentBinary, istioFrames, istiocnireal.AgentBinary)
 	return nil
+}
+
+// mountCount counts the mounts of process pid's mount namespace (0 when
+// unreadable).
+func mountCount(pid int) int {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	if err != nil {
+		return 0
+	}
+	return bytes.Count(b, []byte("\n"))
 }
 
 // deletePods deletes pods from the API server at once (grace 0, as

@@ -31,12 +31,14 @@ func (*istioCNI) batch(string, int, bool) []*simnode.Pod { return nil }
 
 // istioScale is the real istio-cni's scale run (istiocni.go).
 type istioScale struct {
-	add                    cniResult
-	remove                 time.Duration
-	addCPU, delCPU         time.Duration
-	before, at             int64
-	hwm                    int64
-	adopt, adoptCPU, ready time.Duration
+	add                      cniResult
+	remove                   time.Duration
+	addCPU, delCPU           time.Duration
+	before, at               int64
+	hwm                      int64
+	adopt, adoptCPU, ready   time.Duration
+	addProfile, adoptProfile string
+	mountsBefore, mounts     int
 }
 
 func (*istioCNI) scale(int, int) (istioScale, error) {

@@ -190,10 +190,12 @@ func (e *env) istioScale(res *Results, o ours) {
 	)
 	lat := slices.Sorted(slices.Values(s.add.Latencies))
 	res.Notes["scale: the real istio-cni"] = fmt.Sprintf("ADD of %d pods in %s (per call p50 %.2f ms, p99 %.2f ms, max %.2f ms; plugin processes %.2f ms CPU per call); "+
-		"removal in %s; restart: ready in %s, every pod adopted in %s, %s CPU; install-cni CPU %s enrolling (%.2f ms per pod), %s removing (%.2f ms per pod); VmRSS %.1f MiB before, %.1f MiB at %d pods, peak %.1f MiB",
+		"removal in %s; restart: ready in %s, every pod adopted in %s, %s CPU; install-cni CPU %s enrolling (%.2f ms per pod), %s removing (%.2f ms per pod); VmRSS %.1f MiB before, %.1f MiB at %d pods, peak %.1f MiB; %d mounts in its mount namespace before, %d at %d pods",
 		n, s.add.Total.Round(time.Millisecond), ms(percentile(lat, 50)), ms(percentile(lat, 99)), ms(lat[len(lat)-1]), ms(s.add.PluginCPU)/float64(n),
 		s.remove.Round(time.Millisecond), s.ready.Round(time.Millisecond), s.adopt.Round(time.Millisecond), s.adoptCPU.Round(time.Millisecond), s.addCPU.Round(time.Millisecond), ms(s.addCPU)/float64(n), s.delCPU.Round(time.Millisecond), ms(s.delCPU)/float64(n),
-		mib(s.before), mib(s.at), n, mib(s.hwm))
+		mib(s.before), mib(s.at), n, mib(s.hwm), s.mountsBefore, s.mounts, n)
+	res.Notes["scale: the real istio-cni's CPU profile while enrolling (perf, share of the samples)"] = s.addProfile
+	res.Notes["scale: the real istio-cni's CPU profile while adopting (perf, share of the samples)"] = s.adoptProfile
 	res.Notes["scale: ebpf over the real istio-cni"] = fmt.Sprintf("enrol %.2fx, remove %.2fx, adopt %.2fx (agent CPU %.2fx), agent CPU per enrolment %.2fx (per removal %.2fx), agent RSS %.2fx",
 		o.add.Seconds()/s.add.Total.Seconds(), o.del.Seconds()/s.remove.Seconds(), o.adopt.Seconds()/s.adopt.Seconds(), ms(o.adoptCPU)/ms(s.adoptCPU), ms(o.cpu)/ms(s.addCPU), ms(o.delCPU)/ms(s.delCPU), float64(o.rss)/float64(s.at))
 }
