@@ -53,12 +53,17 @@ type Node struct {
 // starts install-cni for nodeName against c in that namespace with the
 // chart's ambient defaults (Start), waits until it is ready, has
 // connect start the caller's ZDS peer at the agent's socket in the node,
-// and waits until the agent counts it connected. Binaries of go.mod's
-// version are required (Require); everything goes with tb's cleanup.
-func StartNode(tb testing.TB, c *kubeapi.Cluster, nodeName string, connect func(n *simnode.Node, zds string)) *Node {
+// and waits until the agent counts it connected. Each of before runs on
+// the fresh node first, for what a node has before istio-cni comes (other
+// programs' rules, say). Binaries of go.mod's version are required
+// (Require); everything goes with tb's cleanup.
+func StartNode(tb testing.TB, c *kubeapi.Cluster, nodeName string, connect func(n *simnode.Node, zds string), before ...func(*simnode.Node)) *Node {
 	tb.Helper()
 	bins := Require(tb)
 	n := simnode.New(tb)
+	for _, f := range before {
+		f(n)
+	}
 	pidns := StartPIDNamespace(tb, n)
 	r := NewRuntime(tb, n, "", "", PluginsDir(tb))
 	a := Start(tb, r, bins, Options{Cluster: c, NodeName: nodeName, PIDNamespace: pidns})
