@@ -220,16 +220,21 @@ type verdict struct {
 }
 
 func judge(samples []sample, records []standin.Record, ambient map[string]bool) verdict {
-	// A client address is used again within seconds (ephemeral ports):
-	// a record names a sample only when they are that close in time.
+	// A client address is used again within seconds (ephemeral ports),
+	// and at once towards another destination (the kernel shares a
+	// source port between connections to different peers): a record
+	// names a sample only when its client and original destination are
+	// the sample's and they are close in time.
+	flow := func(client, dst string) string { return client + " > " + dst }
 	inbound := map[string][]time.Time{}
 	for _, r := range records {
 		if r.Listener == standin.InboundPort {
-			inbound[r.Peer.String()] = append(inbound[r.Peer.String()], r.Time)
+			k := flow(r.Peer.String(), r.OrigDst.String())
+			inbound[k] = append(inbound[k], r.Time)
 		}
 	}
 	recorded := func(s sample) bool {
-		for _, at := range inbound[s.Local] {
+		for _, at := range inbound[flow(s.Local, s.Dst.String())] {
 			if d := at.Sub(s.At); d > -2*time.Second && d < 2*time.Second {
 				return true
 			}
