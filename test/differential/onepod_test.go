@@ -120,15 +120,32 @@ func ambientEBPFSide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
 // ourDaemonSet is the DaemonSet our agent's uninstall check looks for.
 var ourDaemonSet = struct{ Namespace, Name string }{"istio-system", "ambient-ebpf"}
 
-// addPod creates pod "app" in an ambient namespace of its own on the
-// side's node, then its sandbox through the CNI chain as a runtime does,
-// then marks it Running with the chain's addresses, as kubelet does; it
-// returns what the side's users and ztunnel saw once the annotation
-// settled, and the pod on the node and in the API.
+// podCase is a pod to add: its name, its namespace's labels and its own.
+type podCase struct {
+	name                string
+	nsLabels            map[string]string
+	labels, annotations map[string]string
+}
+
+// ambientApp is pod "app" in a namespace labelled ambient.
+var ambientApp = podCase{name: "app", nsLabels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}}
+
+// addPod adds ambientApp (addPodAs), waiting up to 30 s for it to be
+// annotated enabled.
 func addPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (observed, *simnode.Pod, *corev1.Pod) {
 	t.Helper()
-	ns := c.Namespace(t, "diff", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient})
-	kp := c.Pod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: "app", Node: nodeName})
+	return addPodAs(t, c, s, nodeName, ambientApp, 30*time.Second)
+}
+
+// addPodAs creates pod pc in a namespace of its own on the side's node,
+// then its sandbox through the CNI chain as a runtime does, then marks it
+// Running with the chain's addresses, as kubelet does; it returns what the
+// side's users and ztunnel saw once the annotation was enabled or settle
+// passed, and the pod on the node and in the API.
+func addPodAs(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string, pc podCase, settle time.Duration) (observed, *simnode.Pod, *corev1.Pod) {
+	t.Helper()
+	ns := c.Namespace(t, "diff", pc.nsLabels)
+	kp := c.Pod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: pc.name, Node: nodeName, Labels: pc.labels, Annotations: pc.annotations})
 	p := s.node.AddBarePod(kp.Name, kp.Namespace, string(kp.UID))
 	var o observed
 	var err error
@@ -152,7 +169,7 @@ func addPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (observe
 	p.V4, p.V6 = addrOf(res, true), addrOf(res, false)
 	c.SetStatus(t, kp, kubeapi.Status{Phase: corev1.PodRunning, IPs: ips})
 
-	testenv.Poll(30*time.Second, func() bool {
+	testenv.Poll(settle, func() bool {
 		got, err := c.Client.CoreV1().Pods(kp.Namespace).Get(context.Background(), kp.Name, metav1.GetOptions{})
 		if err == nil {
 			o.Annotation = enrollment.Redirection(got.Annotations[enrollment.RedirectionAnnotation])
