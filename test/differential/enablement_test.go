@@ -6,14 +6,21 @@
 package differential
 
 import (
+	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 )
 
 // enablementCases are pods whose enrolment the namespace's and the pod's
@@ -49,4 +56,74 @@ func TestEnablementBothWays(t *testing.T) {
 	if istio, ours := got["istio-cni"], got["ambient-ebpf"]; !slices.Equal(istio, ours) {
 		t.Errorf("enablement differs:\nistio-cni:\n  %s\nambient-ebpf:\n  %s", strings.Join(istio, "\n  "), strings.Join(ours, "\n  "))
 	}
+}
+
+// A running pod's namespace labelled ambient, then the label taken away:
+// each side enrols the pod from its informer (istio-cni finds its netns
+// from the pod's pause process), then removes it; the annotation at each
+// step and what ztunnel received are the same.
+func TestLiveLabelChangesBothWays(t *testing.T) {
+	testenv.RequireRoot(t)
+	c := requireCluster(t)
+	got := map[string][]string{}
+	eachSide(t, c, func(s *side, nodeName string) {
+		o, p, kp := addPodAs(t, c, s, nodeName, podCase{name: "live"}, 0)
+		if o.AddErr != "" {
+			t.Fatalf("%s: ADD error %q", s.name, o.AddErr)
+		}
+		s.node.StartPause(p, s.pidns)
+		var steps []string
+		for _, step := range []struct {
+			label string // the namespace's dataplane-mode, "" for none
+			want  enrollment.Redirection
+		}{{enrollment.DataplaneModeAmbient, enrollment.RedirectionEnabled}, {"", enrollment.RedirectionNone}} {
+			setNamespaceMode(t, c, kp.Namespace, step.label)
+			ann := waitAnnotation(t, c, kp, step.want, 30*time.Second)
+			steps = append(steps, fmt.Sprintf("namespace mode %q: annotation %q", step.label, ann))
+		}
+		// The del may follow the annotation's removal.
+		testenv.Poll(10*time.Second, func() bool {
+			return slices.ContainsFunc(transcript(t, s, p), func(m string) bool { return strings.Contains(m, ": del uid=<pod uid> ") })
+		})
+		for _, m := range transcript(t, s, p) {
+			if strings.Contains(m, "<pod uid>") {
+				steps = append(steps, m)
+			}
+		}
+		t.Logf("%s:\n  %s", s.name, strings.Join(steps, "\n  "))
+		got[s.name] = steps
+	})
+	if istio, ours := got["istio-cni"], got["ambient-ebpf"]; !slices.Equal(istio, ours) {
+		t.Errorf("live label changes differ:\nistio-cni:\n  %s\nambient-ebpf:\n  %s", strings.Join(istio, "\n  "), strings.Join(ours, "\n  "))
+	}
+}
+
+// setNamespaceMode sets the namespace's dataplane-mode label, or removes
+// it for "".
+func setNamespaceMode(t *testing.T, c *kubeapi.Cluster, namespace, mode string) {
+	t.Helper()
+	value := "null"
+	if mode != "" {
+		value = strconv.Quote(mode)
+	}
+	body := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enrollment.DataplaneModeLabel, value)
+	if _, err := c.Client.CoreV1().Namespaces().Patch(context.Background(), namespace, types.MergePatchType, []byte(body), metav1.PatchOptions{}); err != nil {
+		t.Fatalf("label namespace %s: %v", namespace, err)
+	}
+}
+
+// waitAnnotation waits up to timeout for the pod's redirection annotation
+// to be want and returns what it is then.
+func waitAnnotation(t *testing.T, c *kubeapi.Cluster, kp *corev1.Pod, want enrollment.Redirection, timeout time.Duration) enrollment.Redirection {
+	t.Helper()
+	var got enrollment.Redirection
+	testenv.Poll(timeout, func() bool {
+		cur, err := c.Client.CoreV1().Pods(kp.Namespace).Get(context.Background(), kp.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = enrollment.Redirection(cur.Annotations[enrollment.RedirectionAnnotation])
+		return got == want
+	})
+	return got
 }

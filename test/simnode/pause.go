@@ -11,9 +11,12 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 )
 
 // Pause is a pod's pause process: what an agent that looks for pods'
@@ -49,6 +52,12 @@ func (n *Node) StartPause(p *Pod, pidns int) *Pause {
 		argv = append([]string{"nsenter", "--target", strconv.Itoa(pidns), "--pid", "--"}, argv...)
 	}
 	ps.Process = StartProcess(n.t, p.NS, ps.Cgroup, argv...)
+	// Running once sleep is in the cgroup (nsenter forks it): an agent
+	// that looks for the pod right after must find it, as it finds a
+	// real pod's pause process, which runs long before.
+	if !testenv.Poll(10*time.Second, func() bool { return ps.sleeping() || ps.Process.Exited() }) || ps.Process.Exited() {
+		n.t.Fatalf("pause process of pod %s did not start: %s", p.Name, ps.Process.Output.String())
+	}
 	// Before the process's own cleanup: a sleep left by nsenter holds
 	// its output pipe, and its wait with it.
 	n.t.Cleanup(func() {
@@ -57,6 +66,20 @@ func (n *Node) StartPause(p *Pod, pidns int) *Pause {
 		}
 	})
 	return ps
+}
+
+// sleeping says whether a process of the sandbox's cgroup runs sleep.
+func (ps *Pause) sleeping() bool {
+	b, err := os.ReadFile(filepath.Join(ps.Cgroup, "cgroup.procs"))
+	if err != nil {
+		return false
+	}
+	for _, pid := range strings.Fields(string(b)) {
+		if comm, err := os.ReadFile("/proc/" + pid + "/comm"); err == nil && strings.TrimSpace(string(comm)) == "sleep" {
+			return true
+		}
+	}
+	return false
 }
 
 // Stop ends the pause process through its cgroup (nsenter passes no
