@@ -890,6 +890,10 @@ static __always_inline bool lookup_orig_dst(struct bpf_sockopt *ctx, struct orig
 	od = bpf_map_lookup_elem(&ae_orig_dst, &key);
 	if (od) {
 		*out = *od;
+		/* Written once, not on every read: the entry stays clean in
+		 * the other CPUs' caches. */
+		if (!od->read)
+			od->read = 1;
 		return true;
 	}
 	if (!mark_is_ztunnel(sk->mark) || !netns_enrolled(cookie))

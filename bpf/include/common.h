@@ -102,7 +102,10 @@ struct orig_dst {
 	struct ae_addr addr;
 	__be16 port;
 	__u16 family; /* AF_INET (also for IPv4-mapped sockets) or AF_INET6 */
-	__u32 pad;
+	/* Set in ae_orig_dst once the proxy asked (SO_ORIGINAL_DST): an
+	 * uninstall, having ended capture, waits for the unread ones before
+	 * the program that answers goes. */
+	__u32 read;
 };
 
 /* Key of ae_orig_dst: the redirected client socket as the proxy's accepted

@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
@@ -66,9 +67,16 @@ type Config struct {
 	// removal takes it, as istio-cni's own removal would. Unset: never.
 	SharedReturnPath func(netns string) bool `json:"-"`
 	Logger           *slog.Logger
+	// UnreadOrigDstWait bounds how long Uninstall, having ended capture,
+	// waits for ztunnel to read the original destinations of connections
+	// captured just before (SO_ORIGINAL_DST, answered by the program that
+	// is about to go). Default 5 s; ztunnel reads one right after its
+	// accept, so the wait is usually milliseconds, or nothing.
+	UnreadOrigDstWait time.Duration
 	// Failpoint, when set, is called at each step of enrolment and
-	// removal with the step's name (see Steps). The crash-injection tests
-	// kill the process there; nothing else sets it.
+	// removal with the step's name (see Steps), and of Uninstall
+	// (StepUninstallCaptureEnded). The crash-injection tests kill the
+	// process there; nothing else sets it.
 	Failpoint func(step string) `json:"-"`
 }
 
@@ -92,6 +100,12 @@ const (
 	StepRemoveDetached   = "remove/detached"    // programs and pins gone
 	StepRemoveNetns      = "remove/netns"       // rule, route and sysctl restored; slot not yet freed
 )
+
+// StepUninstallCaptureEnded is Uninstall's failpoint: no pod is captured
+// any more, its programs and pins are all still there. Not among Steps:
+// a crash there leaves an uninstall half done, which the next agent
+// adopts as it adopts any node.
+const StepUninstallCaptureEnded = "uninstall/capture-ended"
 
 func (c *Config) failpoint(step string) {
 	if c.Failpoint != nil {
@@ -133,6 +147,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.UnreadOrigDstWait <= 0 {
+		c.UnreadOrigDstWait = 5 * time.Second
 	}
 	probes, err := bpfobj.ParseProbeMode(string(c.HostProbes))
 	if err != nil {

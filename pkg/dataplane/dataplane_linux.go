@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -682,9 +683,23 @@ func (d *Dataplane) Close() error {
 
 // Uninstall removes the data path from the node: every link (which
 // detaches the programs), every pin and the pin directory. Pods' traffic
-// flows directly afterwards.
+// flows directly afterwards (or through istio-cni's rules, after a
+// hand-back).
+//
+// Capture ends first, in every pod at once; then, before any program
+// goes, ztunnel gets the time to read the original destinations of the
+// connections captured just before (awaitOrigDstReads): without
+// cgroup/getsockopt it would be told the address the socket was
+// redirected to, and the connection would fail.
 func (d *Dataplane) Uninstall() error {
 	d.mu.Lock()
+	for _, p := range d.pods {
+		d.deleteOwnedNetns(p)
+	}
+	d.cfg.failpoint(StepUninstallCaptureEnded)
+	if len(d.nodeLinks) > 0 { // not after Close
+		d.awaitOrigDstReads()
+	}
 	var errs []error
 	for uid, p := range d.pods {
 		if err := d.detachPod(p, false); err != nil {
@@ -710,6 +725,61 @@ func (d *Dataplane) Uninstall() error {
 		errs = append(errs, fmt.Errorf("remove %s: %w", d.cfg.BPFFSDir, err))
 	}
 	return errors.Join(errs...)
+}
+
+// awaitOrigDstReads waits, up to Config.UnreadOrigDstWait, until ztunnel
+// has read every original destination filed in ae_orig_dst (their read
+// flag), or their connections closed (sockops deletes the entry). Capture
+// has ended, so no new entry is filed once a connect under way passes
+// sockops (origDstSettle). An entry nobody reads (a connection whose
+// proxy never asks, or that sits in a stalled ztunnel's backlog) costs the
+// whole wait, once.
+func (d *Dataplane) awaitOrigDstReads() {
+	time.Sleep(origDstSettle)
+	deadline := time.Now().Add(d.cfg.UnreadOrigDstWait)
+	start, first := time.Now(), -1
+	for {
+		unread := d.unreadOrigDsts()
+		if first < 0 {
+			first = unread
+		}
+		if unread == 0 {
+			if first > 0 {
+				d.log.Info("ztunnel read the original destinations of connections captured before the uninstall", "connections", first, "waited", time.Since(start).Round(time.Millisecond))
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			d.log.Warn("uninstalling with original destinations ztunnel has not read: those connections will fail", "unread", unread, "of", first, "waited", d.cfg.UnreadOrigDstWait)
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// origDstSettle is how long a connect() that passed cgroup/connect before
+// capture ended may take to file its entry at TCP_CONNECT_CB: the same
+// system call, microseconds apart.
+const origDstSettle = 20 * time.Millisecond
+
+// unreadOrigDsts counts the ae_orig_dst entries ztunnel has not read.
+func (d *Dataplane) unreadOrigDsts() int {
+	var (
+		k bpfobj.SockOrigKey
+		v bpfobj.SockOrigDst
+		n int
+	)
+	it := d.sock.AeOrigDst.Iterate()
+	for it.Next(&k, &v) {
+		if v.Read == 0 {
+			n++
+		}
+	}
+	if err := it.Err(); err != nil {
+		d.log.Warn("uninstall: read ae_orig_dst", "error", err)
+		return 0
+	}
+	return n
 }
 
 // pinTraceFlag turns the data section holding ae_tracing (bpf/include/trace.h)

@@ -120,8 +120,11 @@ type AppResponse struct {
 	Err   string         `json:"err,omitempty"`
 	Reply *standin.Reply `json:"reply,omitempty"`
 	Local netip.AddrPort `json:"local,omitzero"`
-	// Remote is the peer a dial's socket names (getpeername(2)).
+	// Remote is the peer a dial's socket names (getpeername(2)), or the
+	// client of op accept-orig-dst.
 	Remote netip.AddrPort `json:"remote,omitzero"`
+	// OrigDst is what SO_ORIGINAL_DST answered op accept-orig-dst.
+	OrigDst netip.AddrPort `json:"origDst,omitzero"`
 	// Start is when a dial began (ops dial-tcp and dial-udp): the
 	// stand-in's record of that connection is made after it, while client
 	// ports come back over a run (Ztunnel.RecordSince).
@@ -170,7 +173,8 @@ func serveJSON(h handler) error {
 
 type app struct {
 	ns      *sockutil.Netns
-	streams map[string]*stream // kept connections by name
+	streams map[string]*stream      // kept connections by name
+	held    map[string]net.Listener // listeners of op listen-hold by name
 }
 
 // stream is a connection op stream-open keeps for stream-echo.
@@ -184,7 +188,7 @@ func newApp() *app {
 	if err != nil {
 		panic(err)
 	}
-	return &app{ns: ns, streams: map[string]*stream{}}
+	return &app{ns: ns, streams: map[string]*stream{}, held: map[string]net.Listener{}}
 }
 
 func (a *app) handle(line []byte) any {
@@ -235,6 +239,27 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		}
 		go serveEcho(l, req.ReadWrite)
 		return AppResponse{Local: sockutil.AddrPort(l.Addr())}, nil
+	case "listen-hold":
+		// Connections complete in the backlog; accept-orig-dst takes them
+		// one at a time, as a ztunnel that is late to accept would.
+		l, err := a.ns.Listen(req.Addr, sockutil.Opts{})
+		if err != nil {
+			return AppResponse{}, err
+		}
+		a.held[req.Name] = l
+		return AppResponse{Local: sockutil.AddrPort(l.Addr())}, nil
+	case "accept-orig-dst":
+		l := a.held[req.Name]
+		if l == nil {
+			return AppResponse{}, fmt.Errorf("no held listener %q", req.Name)
+		}
+		c, err := l.Accept()
+		if err != nil {
+			return AppResponse{}, err
+		}
+		defer c.Close()
+		dst, _, err := sockutil.OriginalDst(c)
+		return AppResponse{Remote: sockutil.AddrPort(c.RemoteAddr()), OrigDst: dst}, err
 	case "stream-open":
 		timeout := 5 * time.Second
 		if req.Timeout > 0 {
