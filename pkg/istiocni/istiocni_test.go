@@ -263,9 +263,13 @@ func TestNotEquivalent(t *testing.T) {
 		"rule-missing": {func(t *testing.T, ns string) {
 			sh(t, ns, "", "ip6tables-nft", "-t", "mangle", "-D", "ISTIO_PRERT", "1")
 		}, "not the rules istio-cni writes"},
-		"both-backends": {func(t *testing.T, ns string) {
+		"both-backends-ipv4-only-in-one": {func(t *testing.T, ns string) {
 			sh(t, ns, rules.Inpod(podopts.Options{}, rules.Loopback4, rules.Probe4), "iptables-legacy-restore", "--noflush")
-		}, "more than one backend"},
+		}, "more than one backend, for other families"},
+		"both-backends-other-options": {func(t *testing.T, ns string) {
+			sh(t, ns, rules.Inpod(podopts.Options{DNSCapture: true}, rules.Loopback4, rules.Probe4), "iptables-legacy-restore", "--noflush")
+			sh(t, ns, rules.Inpod(podopts.Options{DNSCapture: true}, rules.Loopback6, rules.Probe6), "ip6tables-legacy-restore", "--noflush")
+		}, "other options"},
 		"no-route": {func(t *testing.T, ns string) {
 			sh(t, ns, "", "ip", "-6", "route", "del", "local", "::/0", "dev", "lo", "table", "100")
 		}, "IPv6 return path"},
@@ -286,6 +290,38 @@ func TestNotEquivalent(t *testing.T) {
 				t.Errorf("found %t equivalent %t, reasons %q, want one with %q", got.Found(), got.Equivalent, got.Reasons, c.want)
 			}
 		})
+	}
+}
+
+// istio-cni restarted on a kernel with legacy iptables writes its rules
+// again in iptables-legacy, keeping the iptables-nft ones
+// (istio/istio#61020; test/takeover's real istio-cni shows it): one rule
+// set in both backends is still istio-cni's, and RemovePod takes out both.
+func TestRulesIstioCNIWroteInBothBackends(t *testing.T) {
+	ctx := context.Background()
+	mgr := istiocni.New()
+	n := simnode.New(t)
+	p := n.AddBarePod("both", "default", "uid-both")
+	ns := p.NetnsPath()
+	unrelated(t, ns)
+	before := snapshot(t, ns)
+	o := podopts.Options{DNSCapture: true}
+	applyInpod(t, ns, istiocni.NftCompat, o)
+	sh(t, ns, rules.Inpod(o, rules.Loopback4, rules.Probe4), "iptables-legacy-restore", "--noflush")
+	sh(t, ns, rules.Inpod(o, rules.Loopback6, rules.Probe6), "ip6tables-legacy-restore", "--noflush")
+	got, err := mgr.InspectPod(ctx, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Equivalent || !slices.Equal(got.Backends(), []istiocni.Backend{istiocni.Legacy, istiocni.NftCompat}) || !got.Options.Equal(o) {
+		t.Errorf("equivalent %t, backends %v, options %s, reasons %q", got.Equivalent, got.Backends(), got.Options, got.Reasons)
+	}
+	if err := mgr.RemovePod(ctx, ns, istiocni.RemoveOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	noIstio(t, ns)
+	if after := snapshot(t, ns); after != before {
+		t.Errorf("after Remove the pod's other state differs:\n got: %s\nwant: %s", after, before)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 
@@ -58,8 +59,10 @@ type Pod struct {
 	// Options as the rules express them (those of the first backend found).
 	Options podopts.Options
 	// Equivalent: istio-cni's state is exactly what it writes for Options,
-	// in one backend, with its return path: an eBPF enrolment with Options
-	// redirects the same traffic, and Remove takes out all of it.
+	// in one backend (or the same in both iptables backends, as istio-cni
+	// leaves pods after its restart: unevenBackends), with its return
+	// path: an eBPF enrolment with Options redirects the same traffic, and
+	// Remove takes out all of it.
 	Equivalent bool
 	Reasons    []string // why not (empty when Equivalent, or nothing was found)
 	// Binaries not found: those backends were not looked at.
@@ -169,8 +172,11 @@ func (p *Pod) judge() {
 	if len(backends) == 0 {
 		why = append(why, "istio-cni's return path is there without its redirection rules")
 	}
-	if len(backends) > 1 {
+	if p.Nft != nil && len(backends) > 1 {
 		why = append(why, fmt.Sprintf("istio-cni's rules are in more than one backend: %v", backends))
+	}
+	if r := p.unevenBackends(); r != "" {
+		why = append(why, r)
 	}
 	v4, v6 := false, false
 	first := true
@@ -211,6 +217,40 @@ func (p *Pod) judge() {
 	}
 	p.Reasons = why
 	p.Equivalent = len(why) == 0
+}
+
+// unevenBackends says why rules in both iptables backends are not one
+// rule set written twice. istio-cni writes its rules twice itself: its
+// backend detection probes iptables-legacy by adding a rule, which makes
+// the legacy tables of a netns show in iptables-legacy-save from then on,
+// so where the kernel has legacy iptables its first start picks
+// iptables-nft and every later start (a rolling update) picks legacy and
+// writes every running pod's rules again there, keeping the nft ones
+// (istio/istio#61020). Both copies redirect the same traffic, and
+// RemovePod takes out both; they must cover the same families (the rest,
+// exactness and options, is judged per backend and family).
+func (p *Pod) unevenBackends() string {
+	families := map[Backend][]string{}
+	for _, r := range p.Iptables {
+		families[r.Backend] = append(families[r.Backend], r.Family)
+	}
+	if len(families) < 2 {
+		return ""
+	}
+	var first []string
+	var firstB Backend
+	for _, b := range slices.Sorted(maps.Keys(families)) {
+		fs := families[b]
+		slices.Sort(fs)
+		if first == nil {
+			first, firstB = fs, b
+			continue
+		}
+		if !slices.Equal(fs, first) {
+			return fmt.Sprintf("istio-cni's rules are in more than one backend, for other families: %s has %v, %s %v", firstB, first, b, fs)
+		}
+	}
+	return ""
 }
 
 // part is istio-cni's share of one iptables-save output.
