@@ -14,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -78,7 +77,7 @@ func TestLiveLabelChangesBothWays(t *testing.T) {
 			want  enrollment.Redirection
 		}{{enrollment.DataplaneModeAmbient, enrollment.RedirectionEnabled}, {"", enrollment.RedirectionNone}} {
 			setNamespaceMode(t, c, kp.Namespace, step.label)
-			ann := waitAnnotation(t, c, kp, step.want, 30*time.Second)
+			ann := enrollment.Redirection(c.WaitAnnotation(t, kp, enrollment.RedirectionAnnotation, string(step.want), 30*time.Second))
 			steps = append(steps, fmt.Sprintf("namespace mode %q: annotation %q", step.label, ann))
 		}
 		// The del may follow the annotation's removal.
@@ -110,20 +109,4 @@ func setNamespaceMode(t *testing.T, c *kubeapi.Cluster, namespace, mode string) 
 	if _, err := c.Client.CoreV1().Namespaces().Patch(context.Background(), namespace, types.MergePatchType, []byte(body), metav1.PatchOptions{}); err != nil {
 		t.Fatalf("label namespace %s: %v", namespace, err)
 	}
-}
-
-// waitAnnotation waits up to timeout for the pod's redirection annotation
-// to be want and returns what it is then.
-func waitAnnotation(t *testing.T, c *kubeapi.Cluster, kp *corev1.Pod, want enrollment.Redirection, timeout time.Duration) enrollment.Redirection {
-	t.Helper()
-	var got enrollment.Redirection
-	testenv.Poll(timeout, func() bool {
-		cur, err := c.Client.CoreV1().Pods(kp.Namespace).Get(context.Background(), kp.Name, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		got = enrollment.Redirection(cur.Annotations[enrollment.RedirectionAnnotation])
-		return got == want
-	})
-	return got
 }

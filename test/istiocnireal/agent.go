@@ -228,6 +228,85 @@ func (a *Agent) launch() {
 	})
 }
 
+// Launch execs install-cni again after Stop, as its DaemonSet schedules
+// it back on the node, with the same folders and sockets; WaitReady waits
+// for it.
+func (a *Agent) Launch() {
+	if !a.Process.Exited() {
+		a.t.Fatalf("install-cni is still running (pid %d)", a.PID())
+	}
+	a.launch()
+}
+
+// LeaveNode stops install-cni as a node-by-node move away from it does
+// (the README's takeover runbook): its DaemonSet (the chart's) in the API
+// server with a node affinity that excludes nodes labelled label=value,
+// and its Node so labelled. It then shuts down as on an uninstall of the
+// node (its plugin and node rules go, the pods' rules stay), and says so;
+// an error if it decided otherwise. The DaemonSet and the label stay, as
+// in the cluster, until ReturnToNode.
+func (a *Agent) LeaveNode(label, value string) error {
+	ctx := context.Background()
+	c := a.opts.Cluster
+	ds := a.chart.DaemonSet.DeepCopy()
+	ds.Spec.Template.Spec.Affinity = &corev1.Affinity{NodeAffinity: &corev1.NodeAffinity{
+		RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
+			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: label, Operator: corev1.NodeSelectorOpNotIn, Values: []string{value}}}}}}}}
+	c.Apply(a.t, ReleaseNamespace, ds)
+	if err := a.labelNode(ctx, label, &value); err != nil {
+		return err
+	}
+	if err := a.Stop(30 * time.Second); err != nil {
+		return fmt.Errorf("install-cni leaving node %s: %w", a.opts.NodeName, err)
+	}
+	if out := a.Process.Output.String(); !strings.Contains(out, "due to NodeAffinity rules") {
+		return fmt.Errorf("install-cni did not leave node %s for its DaemonSet's node affinity:\n%s", a.opts.NodeName, out)
+	}
+	return nil
+}
+
+// ReturnToNode takes the label LeaveNode set off the Node and execs
+// install-cni again, as its DaemonSet schedules it back; once it is
+// ready the DaemonSet goes again, so that a later stop uninstalls as
+// before.
+func (a *Agent) ReturnToNode(label string) error {
+	ctx := context.Background()
+	if err := a.labelNode(ctx, label, nil); err != nil {
+		return err
+	}
+	a.Launch()
+	_, err := a.WaitReady()
+	if derr := a.opts.Cluster.Client.AppsV1().DaemonSets(ReleaseNamespace).Delete(ctx, a.chart.DaemonSet.Name, metav1.DeleteOptions{}); derr != nil {
+		err = errors.Join(err, fmt.Errorf("delete daemonset %s/%s: %w", ReleaseNamespace, a.chart.DaemonSet.Name, derr))
+	}
+	return err
+}
+
+// labelNode sets (value non-nil) or removes the label on the agent's
+// Node, creating the Node when it is missing.
+func (a *Agent) labelNode(ctx context.Context, label string, value *string) error {
+	nodes := a.opts.Cluster.Client.CoreV1().Nodes()
+	n, err := nodes.Get(ctx, a.opts.NodeName, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		n, err = nodes.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: a.opts.NodeName}}, metav1.CreateOptions{})
+	}
+	if err != nil {
+		return fmt.Errorf("node %s: %w", a.opts.NodeName, err)
+	}
+	if n.Labels == nil {
+		n.Labels = map[string]string{}
+	}
+	if value != nil {
+		n.Labels[label] = *value
+	} else {
+		delete(n.Labels, label)
+	}
+	if _, err := nodes.Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+		return fmt.Errorf("label node %s: %w", a.opts.NodeName, err)
+	}
+	return nil
+}
+
 // Restart stops install-cni as a rolling update stops it, with its
 // DaemonSet (the chart's) and its Node present in the API server, so it
 // leaves the node's plugin and pods in place, and execs it again with the

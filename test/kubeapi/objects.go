@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	appsv1 "k8s.io/api/apps/v1"
@@ -73,6 +74,22 @@ type Status struct {
 	// Containers, when set, replaces the container statuses; by default
 	// every container is reported running.
 	Containers []corev1.ContainerStatus
+}
+
+// WaitAnnotation waits up to timeout for the pod's annotation key to be
+// want, and returns its last value (empty when absent).
+func (c *Cluster) WaitAnnotation(tb testing.TB, pod *corev1.Pod, key, want string, timeout time.Duration) string {
+	tb.Helper()
+	var got string
+	testenv.Poll(timeout, func() bool {
+		cur, err := c.Client.CoreV1().Pods(pod.Namespace).Get(context.Background(), pod.Name, metav1.GetOptions{})
+		if err != nil {
+			tb.Fatalf("get pod %s/%s: %v", pod.Namespace, pod.Name, err)
+		}
+		got = cur.Annotations[key]
+		return got == want
+	})
+	return got
 }
 
 // SetStatus writes the pod's status through the status subresource, as the
@@ -194,11 +211,18 @@ func (c *Cluster) EnsureNamespace(tb testing.TB, name string) {
 // node's state (a rolling update).
 func (c *Cluster) DaemonSet(tb testing.TB, namespace, name string) {
 	tb.Helper()
+	c.DaemonSetOn(tb, namespace, name, nil)
+}
+
+// DaemonSetOn is DaemonSet with a nodeSelector: a node whose labels it
+// no longer matches is one the DaemonSet leaves (an uninstall there).
+func (c *Cluster) DaemonSetOn(tb testing.TB, namespace, name string, nodeSelector map[string]string) {
+	tb.Helper()
 	labels := map[string]string{"app": name}
 	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace},
 		Spec: appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels},
 			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels},
-				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "agent", Image: "registry.invalid/agent:1"}}}}}}
+				Spec: corev1.PodSpec{NodeSelector: nodeSelector, Containers: []corev1.Container{{Name: "agent", Image: "registry.invalid/agent:1"}}}}}}
 	if _, err := c.Client.AppsV1().DaemonSets(namespace).Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
 		tb.Fatalf("create daemonset %s/%s: %v", namespace, name, err)
 	}

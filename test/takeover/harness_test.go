@@ -115,17 +115,25 @@ func newScenario(t *testing.T, specs ...podSpec) *scenario {
 	s.zt = s.StartZtunnelServedAt(s.ZDS)
 	for _, p := range s.pods {
 		s.zt.Add(p.Pod)
-		// The apps run in the pod's cgroup: the agent finds the pod's
-		// netns through them.
+	}
+	s.startApps(t)
+	return s
+}
+
+// startApps starts each pod's apps (in the pod's cgroup: the agent finds
+// the pod's netns through them too) and the outside host's, serving the
+// echo and reply ports.
+func (s *scenario) startApps(t *testing.T) {
+	t.Helper()
+	wild := netip.IPv6Unspecified()
+	for _, p := range s.pods {
 		p.app, p.sampler, p.outSampler = s.StartApp(p.Pod), s.StartApp(p.Pod), s.StartOutsideApp()
-		wild := netip.IPv6Unspecified()
 		do(t, p.app, simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(wild, podEchoPort)})
 		p.app.Listen("tcp", p.Name, netip.AddrPortFrom(wild, podReplyPort))
 	}
 	s.out = s.StartOutsideApp()
-	do(t, s.out, simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), outsideEchoPort)})
-	s.out.Listen("tcp", "outside", netip.AddrPortFrom(netip.IPv6Unspecified(), outsideReplyPort))
-	return s
+	do(t, s.out, simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(wild, outsideEchoPort)})
+	s.out.Listen("tcp", "outside", netip.AddrPortFrom(wild, outsideReplyPort))
 }
 
 func do(t *testing.T, app *simnode.App, req simnode.AppRequest) simnode.AppResponse {
