@@ -75,8 +75,13 @@ type observed struct {
 // istioCNISide starts the real install-cni on a fresh node (on which
 // before runs first).
 func istioCNISide(t *testing.T, c *kubeapi.Cluster, nodeName string, before ...func(*simnode.Node)) *side {
+	return istioCNISideWith(t, c, istiocnireal.Options{NodeName: nodeName}, before...)
+}
+
+// istioCNISideWith is istioCNISide with o's chart values and environment.
+func istioCNISideWith(t *testing.T, c *kubeapi.Cluster, o istiocnireal.Options, before ...func(*simnode.Node)) *side {
 	var zt *simnode.Ztunnel
-	n := istiocnireal.StartNode(t, c, nodeName, func(n *simnode.Node, zds string) { zt = n.StartZtunnelFor(zds) }, before...)
+	n := istiocnireal.StartNodeWith(t, c, o, func(n *simnode.Node, zds string) { zt = n.StartZtunnelFor(zds) }, before...)
 	return &side{name: "istio-cni", node: n.Node, runtime: n.Runtime, zt: zt, output: func() string { return n.Agent.Process.Output.String() },
 		pidns: n.PIDNamespace, restart: func() error {
 			if err := n.Agent.Restart(); err != nil {

@@ -22,6 +22,9 @@ const (
 	ReleaseName      = "istio-cni"
 	ReleaseNamespace = "istio-system"
 	AmbientProfile   = "profile: ambient\n"
+	// NativeNftablesValues is that install with istio-cni's native
+	// nftables backend (global.nativeNftables).
+	NativeNftablesValues = AmbientProfile + "global:\n  nativeNftables: true\n"
 )
 
 // Chart is istio-cni's chart of go.mod's istio.io/istio, rendered.

@@ -6,6 +6,7 @@ package istiocnireal
 import (
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -59,6 +60,14 @@ type Node struct {
 // (Require); everything goes with tb's cleanup.
 func StartNode(tb testing.TB, c *kubeapi.Cluster, nodeName string, connect func(n *simnode.Node, zds string), before ...func(*simnode.Node)) *Node {
 	tb.Helper()
+	return StartNodeWith(tb, c, Options{NodeName: nodeName}, connect, before...)
+}
+
+// StartNodeWith is StartNode with o's chart values and environment (its
+// Cluster and PIDNamespace are set here).
+func StartNodeWith(tb testing.TB, c *kubeapi.Cluster, o Options, connect func(n *simnode.Node, zds string), before ...func(*simnode.Node)) *Node {
+	tb.Helper()
+	nodeName := o.NodeName
 	bins := Require(tb)
 	n := simnode.New(tb)
 	for _, f := range before {
@@ -66,7 +75,8 @@ func StartNode(tb testing.TB, c *kubeapi.Cluster, nodeName string, connect func(
 	}
 	pidns := StartPIDNamespace(tb, n)
 	r := NewRuntime(tb, n, "", "", PluginsDir(tb))
-	a := Start(tb, r, bins, Options{Cluster: c, NodeName: nodeName, PIDNamespace: pidns})
+	o.Cluster, o.PIDNamespace = c, pidns
+	a := Start(tb, r, bins, o)
 	if _, err := a.WaitReady(); err != nil {
 		tb.Fatal(err)
 	}
@@ -88,7 +98,23 @@ func StartPIDNamespace(tb testing.TB, n *simnode.Node) int {
 	if err := os.Mkdir(cg, 0o755); err != nil {
 		tb.Fatalf("create cgroup: %v", err)
 	}
-	p := simnode.StartProcess(tb, n.NodeNS, cg, "unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--", "sleep", "infinity")
+	// The init is sleep under the name kubelet: istio-cni's native
+	// nftables mode matches the node's probes by kubelet's uid, which it
+	// takes from a process named kubelet in /host/proc, and refuses to
+	// start without one.
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	b, err := os.ReadFile(sleep)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	kubelet := filepath.Join(tb.TempDir(), "kubelet")
+	if err := os.WriteFile(kubelet, b, 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	p := simnode.StartProcess(tb, n.NodeNS, cg, "unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--", kubelet, "infinity")
 	var pid int
 	testenv.Poll(10*time.Second, func() bool {
 		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", p.PID(), p.PID()))

@@ -313,10 +313,11 @@ func istiocniPod(t *testing.T, p *simnode.Pod) *istiocni.Pod {
 }
 
 // takenOver says whether the pod is enrolled in eBPF and istio-cni's
-// rules are gone from it.
+// rules (iptables or native nftables) are gone from it.
 func (s *scenario) takenOver(t *testing.T, p *simnode.Pod) bool {
 	t.Helper()
-	return s.pinned(t, p) && len(istiocniPod(t, p).Iptables) == 0
+	r := istiocniPod(t, p)
+	return s.pinned(t, p) && len(r.Iptables) == 0 && r.Nft == nil
 }
 
 // pinned says whether the pod is enrolled in the pinned data path.

@@ -8,6 +8,7 @@ package takeover
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"slices"
@@ -47,6 +48,12 @@ type realScenario struct {
 // each is annotated enabled by istio-cni before the apps start.
 func newRealScenario(t *testing.T, names ...string) *realScenario {
 	t.Helper()
+	return newRealScenarioWith(t, istiocnireal.AmbientProfile, names...)
+}
+
+// newRealScenarioWith is newRealScenario with istio-cni's chart values.
+func newRealScenarioWith(t *testing.T, values string, names ...string) *realScenario {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	c, err := kubeapi.Start(ctx)
 	cancel()
@@ -56,7 +63,7 @@ func newRealScenario(t *testing.T, names ...string) *realScenario {
 	t.Cleanup(c.Stop)
 	nodeName := "takeover-" + testenv.RunID()
 	var zt *simnode.Ztunnel
-	in := istiocnireal.StartNode(t, c, nodeName, func(n *simnode.Node, zds string) { zt = n.StartZtunnelFor(zds) })
+	in := istiocnireal.StartNodeWith(t, c, istiocnireal.Options{NodeName: nodeName, Values: values}, func(n *simnode.Node, zds string) { zt = n.StartZtunnelFor(zds) })
 	an := agentrun.New(t, in.Node, agentrun.Options{NodeName: nodeName, CallerNetns: true, LogLevel: "debug",
 		Kube: &agentrun.Kube{Server: c.Config.Host, Token: c.Config.BearerToken, DaemonSetNamespace: ourDaemonSet.Namespace, DaemonSetName: ourDaemonSet.Name}})
 	// ztunnel's socket is the node's one path, whoever serves it.
@@ -112,6 +119,59 @@ func (rs *realScenario) checkIstioCNIRules(t *testing.T, when string, b ...istio
 			t.Errorf("%s %s: istio-cni's rules in %v, want %v; Equivalent %v (%q)", p.Name, when, r.Backends(), b, r.Equivalent, r.Reasons)
 		}
 	}
+}
+
+// moveToEBPF runs steps 1 and 2 of the runbook: ambient-ebpf's
+// DaemonSet selecting nodes labelled for it, the node labelled, which
+// istio-cni's agent leaves (its pods' rules stay); then the agent starts
+// with flags and takes every pod over. It checks that the pods keep
+// istio-cni's rules while no agent runs, and hold nothing of istio-cni's
+// afterwards, nor the node.
+func (rs *realScenario) moveToEBPF(t *testing.T, sm *sampler, flags ...string) {
+	t.Helper()
+	rs.cluster.EnsureNamespace(t, ourDaemonSet.Namespace)
+	rs.cluster.DaemonSetOn(t, ourDaemonSet.Namespace, ourDaemonSet.Name, map[string]string{redirectorLabel: "ebpf"})
+	t.Cleanup(func() {
+		_ = rs.cluster.Client.AppsV1().DaemonSets(ourDaemonSet.Namespace).Delete(context.Background(), ourDaemonSet.Name, metav1.DeleteOptions{})
+	})
+	var before []string
+	for _, p := range rs.pods {
+		before = append(before, fmt.Sprint(istiocniPod(t, p.Pod).Backends()))
+	}
+	if err := rs.istio.Agent.LeaveNode(redirectorLabel, "ebpf"); err != nil {
+		t.Fatal(err)
+	}
+	for i, p := range rs.pods {
+		if r := istiocniPod(t, p.Pod); !r.Equivalent || fmt.Sprint(r.Backends()) != before[i] {
+			t.Errorf("%s after istio-cni left: its rules in %v, before %s; Equivalent %v (%q)", p.Name, r.Backends(), before[i], r.Equivalent, r.Reasons)
+		}
+	}
+	sm.waitSamples(t, 20) // no agent at all
+	rs.takeOver(t, sm, flags...)
+}
+
+// moveBack runs the runbook's way back: the node's label goes, so the
+// agent, no longer selected by its DaemonSet, hands the pods back in
+// iptables-nft (its --istio-cni-handback) as it stops, and istio-cni's
+// DaemonSet schedules install-cni on the node again.
+func (rs *realScenario) moveBack(t *testing.T, sm *sampler) {
+	t.Helper()
+	rs.setNodeLabel(t, "")
+	if !rs.Agent.Terminate(3 * time.Minute) {
+		t.Errorf("the agent did not hand back and exit cleanly:\n%s", rs.Agent.Output.String())
+	}
+	if out := rs.Agent.Output.String(); !strings.Contains(out, "handed back to istio-cni") {
+		t.Errorf("the agent left the node without handing back:\n%s", out)
+	}
+	rs.checkIstioCNIRules(t, "after the hand-back", istiocni.NftCompat)
+	sm.waitSamples(t, 20) // on istio-cni's rules, no agent
+	if err := rs.istio.Agent.ReturnToNode(redirectorLabel); err != nil {
+		t.Fatal(err)
+	}
+	if err := rs.istio.Agent.WaitZtunnel(); err != nil {
+		t.Fatal(err)
+	}
+	sm.waitSamples(t, 100)
 }
 
 // rollAgent restarts the agent as a rolling update of its DaemonSet
@@ -191,26 +251,8 @@ func TestTakeoverFromTheRealIstioCNIAndBack(t *testing.T) {
 	sm.waitSamples(t, 50)
 	sm.check(t, "under istio-cni")
 
-	// Step 1 and 2 of the runbook.
-	rs.cluster.EnsureNamespace(t, ourDaemonSet.Namespace)
-	rs.cluster.DaemonSetOn(t, ourDaemonSet.Namespace, ourDaemonSet.Name, map[string]string{redirectorLabel: "ebpf"})
-	t.Cleanup(func() {
-		_ = rs.cluster.Client.AppsV1().DaemonSets(ourDaemonSet.Namespace).Delete(context.Background(), ourDaemonSet.Name, metav1.DeleteOptions{})
-	})
-	if err := istio.LeaveNode(redirectorLabel, "ebpf"); err != nil {
-		t.Fatal(err)
-	}
-	rs.checkIstioCNIRules(t, "after istio-cni left", both...)
-	sm.waitSamples(t, 20) // no agent at all
 	flags := []string{"--istio-cni-takeover=true", "--istio-cni-handback=" + string(istiocni.NftCompat)}
-	rs.StartReadyAgent(t, flags...)
-	rs.WaitZtunnel(t)
-	rs.waitTakenOver(t, rs.pods...)
-	sm.waitSamples(t, 100)
-	for _, p := range rs.pods {
-		checkNoIstioCNI(t, p.NetnsPath())
-	}
-	rs.checkNodeFreeOfIstioCNI(t)
+	rs.moveToEBPF(t, sm, flags...)
 	st.check("pre-")
 	sm.check(t, "across the takeover")
 	logStatus(t, rs.scenario)
@@ -222,22 +264,7 @@ func TestTakeoverFromTheRealIstioCNIAndBack(t *testing.T) {
 	sm.check(t, "across ambient-ebpf's rolling update")
 
 	// Back: the label goes; the DaemonSet controller would stop the agent.
-	rs.setNodeLabel(t, "")
-	if !rs.Agent.Terminate(3 * time.Minute) {
-		t.Errorf("the agent did not hand back and exit cleanly:\n%s", rs.Agent.Output.String())
-	}
-	if out := rs.Agent.Output.String(); !strings.Contains(out, "handed back to istio-cni") {
-		t.Errorf("the agent left the node without handing back:\n%s", out)
-	}
-	rs.checkIstioCNIRules(t, "after the hand-back", istiocni.NftCompat)
-	sm.waitSamples(t, 20) // on istio-cni's rules, no agent
-	if err := istio.ReturnToNode(redirectorLabel); err != nil {
-		t.Fatal(err)
-	}
-	if err := istio.WaitZtunnel(); err != nil {
-		t.Fatal(err)
-	}
-	sm.waitSamples(t, 100)
+	rs.moveBack(t, sm)
 	// Its start writes its rules in iptables-legacy again, as after any
 	// restart of its on this node.
 	rs.checkIstioCNIRules(t, "with istio-cni back", both...)
@@ -258,6 +285,45 @@ func TestTakeoverFromTheRealIstioCNIAndBack(t *testing.T) {
 	sm.check(t, "across the hand-back and istio-cni's start")
 	if t.Failed() {
 		t.Logf("the hand-back agent's output:\n%s", rs.Agent.Output.String())
+		t.Logf("install-cni's output:\n%s", istio.Process.Output.String())
+	}
+}
+
+// With istio-cni's native nftables backend (global.nativeNftables) the
+// pods' rules are its istio-ambient-* nftables tables: the agent takes
+// them over as iptables rules, with the same guarantees, and nothing of
+// istio-cni's stays in the pods or on the node. The way back writes
+// iptables rules (iptables-nft): istio-cni, configured for native
+// nftables, finds them (its probe ipsets) when it starts, keeps its
+// iptables backend until the node reboots, as after its own migration
+// from iptables, and serves every pod (writing its rules again in
+// iptables-legacy too, as after every start but a node's first).
+func TestTakeoverFromTheRealIstioCNIWithNativeNftablesAndBack(t *testing.T) {
+	rs := newRealScenarioWith(t, istiocnireal.NativeNftablesValues, "a", "b")
+	istio := rs.istio.Agent
+	rs.checkIstioCNIRules(t, "under istio-cni", istiocni.Nftables)
+	st := startStreams(t)
+	rs.openStreams(st, "pre")
+	sm := rs.startSampler(t)
+	sm.waitSamples(t, 50)
+	sm.check(t, "under istio-cni")
+	rs.moveToEBPF(t, sm, "--istio-cni-takeover=true", "--istio-cni-handback="+string(istiocni.NftCompat))
+	st.check("pre-")
+	sm.check(t, "across the takeover")
+	logStatus(t, rs.scenario)
+
+	rs.moveBack(t, sm)
+	if out := istio.Process.Output.String(); !strings.Contains(out, "continuing with iptables backend") {
+		t.Errorf("install-cni did not keep the iptables backend it found:\n%s", out)
+	}
+	rs.checkIstioCNIRules(t, "with istio-cni back", istiocni.Legacy, istiocni.NftCompat)
+	for _, p := range rs.pods {
+		checkNoPrograms(t, rs.scenario, p.Pod)
+	}
+	st.check("pre-")
+	sm.check(t, "across the hand-back and istio-cni's start")
+	if t.Failed() {
+		t.Logf("the agent's output:\n%s", rs.Agent.Output.String())
 		t.Logf("install-cni's output:\n%s", istio.Process.Output.String())
 	}
 }

@@ -61,12 +61,16 @@ func (s *scenario) waitTakenOver(t *testing.T, pods ...*tpod) {
 	}
 }
 
-// takeOver starts the agent with the takeover on and waits until it took
-// every pod over; then, after more samples, checks that neither the pods
-// nor the node hold anything of istio-cni's.
-func (s *scenario) takeOver(t *testing.T, sm *sampler) {
+// takeOver starts the agent with the takeover on (takeoverFlags, or
+// flags) and waits until it took every pod over; then, after more
+// samples, checks that neither the pods nor the node hold anything of
+// istio-cni's.
+func (s *scenario) takeOver(t *testing.T, sm *sampler, flags ...string) {
 	t.Helper()
-	s.StartReadyAgent(t, takeoverFlags...)
+	if len(flags) == 0 {
+		flags = takeoverFlags
+	}
+	s.StartReadyAgent(t, flags...)
 	s.WaitZtunnel(t)
 	s.waitTakenOver(t, s.pods...)
 	sm.waitSamples(t, 100)
