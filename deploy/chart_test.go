@@ -909,6 +909,7 @@ func checkDefaults(t *testing.T, r *rendered) {
 		"cni-conf-dir":        "/host/etc/cni/net.d",
 		"cni-owned-conflist":  "00-ambient-ebpf.conflist",
 		"excluded-namespaces": "kube-system",
+		"system-namespace":    "istio-system",
 		"dns-capture":         "true",
 		"repair-mode":         "repair",
 		"log-level":           "info",

@@ -48,6 +48,7 @@ type Flags struct {
 	sockmapAccel                                string
 	repairMode                                  string
 	dsNamespace, dsName                         string
+	systemNamespace                             string
 	uninstallOnExit                             bool
 	istioCNITakeover                            bool
 	istioCNIHandBack                            string
@@ -102,6 +103,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.caPath, "ca-path", "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt", "API server CA for the plugin's kubeconfig")
 	fs.StringVar(&f.apiServer, "api-server", "", "API server URL as the host sees it (default from KUBERNETES_SERVICE_HOST/PORT)")
 	fs.StringVar(&f.excluded, "excluded-namespaces", "kube-system", "comma-separated namespaces whose pods are never enrolled")
+	fs.StringVar(&f.systemNamespace, "system-namespace", envOr("SYSTEM_NAMESPACE", enrollment.DefaultSystemNamespace), "Istio's system namespace, where ztunnel's pods (app=ztunnel) are never enrolled, as istio-cni's SYSTEM_NAMESPACE; default $SYSTEM_NAMESPACE, else istio-system")
 	fs.StringVar(&f.selectors, "enablement-selectors", "", "istio-cni's ambient enablement selectors, a JSON or YAML list of {podSelector, namespaceSelector}; a pod is ambient when one matches (empty: the istio.io/dataplane-mode label rule)")
 	fs.BoolVar(&f.dnsCapture, "dns-capture", true, "capture DNS to ztunnel's proxy (per pod: ambient.istio.io/dns-capture)")
 	fs.StringVar(&f.sockmapAccel, "sockmap-accel", envOr("AMBIENT_EBPF_SOCKMAP_ACCEL", string(accel.Off)), "sockmap acceleration of the app <-> ztunnel hop in each pod (Linux 5.15): off, ztunnel (the app's sends into ztunnel skip TCP) or both (ztunnel's into the app too; apps reading with splice(2) miss those bytes); default $AMBIENT_EBPF_SOCKMAP_ACCEL, else off (see docs/BENCHMARKS.md)")
@@ -198,6 +200,7 @@ func (f *Flags) Config() (Config, error) {
 	c.Enrollment = enrollment.DefaultConfig()
 	c.Enrollment.DNSCapture = f.dnsCapture
 	c.Enrollment.ExcludedNamespaces = nil
+	c.Enrollment.ZtunnelNamespace = f.systemNamespace
 	for _, ns := range strings.Split(f.excluded, ",") {
 		if ns = strings.TrimSpace(ns); ns != "" {
 			c.Enrollment.ExcludedNamespaces = append(c.Enrollment.ExcludedNamespaces, ns)
@@ -232,6 +235,7 @@ func (f *Flags) Config() (Config, error) {
 			OwnedConflist: f.cniOwnedConflist}
 		ic.Plugin.AgentSocket = f.cniSocket
 		ic.Plugin.ExcludeNamespaces = c.Enrollment.ExcludedNamespaces
+		ic.Plugin.ZtunnelNamespace = c.Enrollment.ZtunnelNamespace
 		if len(c.Enrollment.Selectors) > 0 {
 			sel, err := json.Marshal(c.Enrollment.Selectors)
 			if err != nil {

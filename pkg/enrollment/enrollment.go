@@ -49,8 +49,13 @@ type Config struct {
 	ExcludedNamespaces []string
 	// SelfLabels identify the agent's own pods (all must match). Empty matches nothing.
 	SelfLabels map[string]string
-	// ZtunnelLabels identify ztunnel's pods (all must match). Default: app=ztunnel.
-	ZtunnelLabels map[string]string
+	// ZtunnelLabels identify ztunnel's pods (all must match) in
+	// ZtunnelNamespace, Istio's system namespace, as istio-cni identifies
+	// them (SYSTEM_NAMESPACE): a pod labelled app=ztunnel elsewhere is
+	// an app like any other. Default: app=ztunnel in istio-system; an
+	// empty namespace matches the labels in every namespace.
+	ZtunnelLabels    map[string]string
+	ZtunnelNamespace string
 	// DNSCapture is the node default for R9, overridable per pod (R13).
 	DNSCapture bool
 	// Selectors, when set, replace the label rule of contract section 5
@@ -60,12 +65,17 @@ type Config struct {
 	Selectors []Selector
 }
 
+// DefaultSystemNamespace is Istio's system namespace by default, where
+// ztunnel runs.
+const DefaultSystemNamespace = "istio-system"
+
 // DefaultConfig returns the defaults of istio-cni.
 func DefaultConfig() Config {
 	return Config{
 		ExcludedNamespaces: []string{"kube-system"},
 		SelfLabels:         map[string]string{"app.kubernetes.io/name": "ambient-ebpf"},
 		ZtunnelLabels:      map[string]string{"app": "ztunnel"},
+		ZtunnelNamespace:   DefaultSystemNamespace,
 		DNSCapture:         true,
 	}
 }
@@ -137,7 +147,7 @@ func excluded(cfg Config, pod *corev1.Pod) (Decision, bool) {
 		return Decision{Reason: ReasonExcludedNS}, true
 	case matches(cfg.SelfLabels, pod.Labels):
 		return Decision{Reason: ReasonSelf}, true
-	case matches(cfg.ZtunnelLabels, pod.Labels):
+	case matches(cfg.ZtunnelLabels, pod.Labels) && (cfg.ZtunnelNamespace == "" || pod.Namespace == cfg.ZtunnelNamespace):
 		return Decision{Reason: ReasonZtunnel}, true
 	case pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed:
 		return Decision{Reason: ReasonTerminal}, true

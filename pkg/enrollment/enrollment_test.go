@@ -35,6 +35,9 @@ func TestDecide(t *testing.T) {
 		{"sidecar", pod("ns", ambient, map[string]string{SidecarStatusAnnotation: "{}"}), nil, false, ReasonSidecar},
 		{"kube-system", pod("kube-system", ambient, nil), nil, false, ReasonExcludedNS},
 		{"ztunnel", pod("istio-system", map[string]string{"app": "ztunnel", DataplaneModeLabel: "ambient"}, nil), nil, false, ReasonZtunnel},
+		// As istio-cni: app=ztunnel outside the system namespace is an app
+		// (test/differential's TestEnablementBothWays).
+		{"app=ztunnel elsewhere", pod("ns", map[string]string{"app": "ztunnel"}, nil), namespace(ambient), true, ReasonNamespaceLabel},
 		{"self", pod("istio-system", map[string]string{"app.kubernetes.io/name": "ambient-ebpf"}, nil), namespace(ambient), false, ReasonSelf},
 		{"succeeded", pod("ns", ambient, nil, func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded }), nil, false, ReasonTerminal},
 	})

@@ -32,13 +32,24 @@ var enablementCases = []podCase{
 	{name: "sidecar", nsLabels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient},
 		annotations: map[string]string{enrollment.SidecarStatusAnnotation: `{"containers":["istio-proxy"]}`}},
 	{name: "not-labelled"},
+	// The excluded namespace (both charts' default).
+	{name: "kube-system-ambient", namespace: "kube-system", labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}},
+	// ztunnel's pod (app=ztunnel in the system namespace), labelled
+	// ambient; and a pod labelled app=ztunnel elsewhere, an app like any
+	// other to istio-cni (ambient-ebpf excluded it until this test).
+	{name: "ztunnel", namespace: "istio-system", labels: map[string]string{"app": "ztunnel", enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}},
+	{name: "app-ztunnel-elsewhere", nsLabels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient},
+		labels: map[string]string{"app": "ztunnel"}},
+	// A hostNetwork pod labelled ambient (either agent's own pod is one,
+	// labelled dataplane-mode=none too): no ADD, the informers alone.
+	{name: "host-network", hostNetwork: true, labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}},
 }
 
 // Pods labelled and annotated each way, added one after another to each
 // side's node: the ADD's exit, the pod's annotation (given 2 s where it
 // stays unset) and whether ztunnel was handed the pod are the same on
-// both. (kubelet runs no CNI ADD for a hostNetwork pod, so there is none
-// here.)
+// both. (kubelet runs no CNI ADD for a hostNetwork pod: that one is
+// created Running in the API server alone.)
 func TestEnablementBothWays(t *testing.T) {
 	testenv.RequireRoot(t)
 	c := requireCluster(t)
@@ -52,10 +63,28 @@ func TestEnablementBothWays(t *testing.T) {
 			got[s.name] = append(got[s.name], line)
 		}
 	})
-	if istio, ours := got["istio-cni"], got["ambient-ebpf"]; !slices.Equal(istio, ours) {
+	istio, ours := got["istio-cni"], got["ambient-ebpf"]
+	for i := 0; i < len(istio) && i < len(ours); i++ {
+		for _, d := range enablementDifferences {
+			if istio[i] == d.istio && ours[i] == d.ours {
+				istio[i], ours[i] = "(the difference listed in docs/CONTRACT.md) "+istio[i], "(the difference listed in docs/CONTRACT.md) "+istio[i]
+			}
+		}
+	}
+	if !slices.Equal(istio, ours) {
 		t.Errorf("enablement differs:\nistio-cni:\n  %s\nambient-ebpf:\n  %s", strings.Join(istio, "\n  "), strings.Join(ours, "\n  "))
 	}
 }
+
+// enablementDifferences are the lines of TestEnablementBothWays that
+// differ as docs/CONTRACT.md lists: ztunnel's own pod labelled ambient is
+// enrolled by istio-cni's plugin (it leaves ztunnel out of its informers'
+// snapshot and namespace events only), never by ambient-ebpf (contract
+// section 5: ztunnel redirected into itself).
+var enablementDifferences = []struct{ istio, ours string }{{
+	istio: `ztunnel: ADD error "", annotation "enabled", handed to ztunnel true`,
+	ours:  `ztunnel: ADD error "", annotation "", handed to ztunnel false`,
+}}
 
 // A running pod's namespace labelled ambient, then the label taken away:
 // each side enrols the pod from its informer (istio-cni finds its netns

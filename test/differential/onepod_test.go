@@ -130,6 +130,12 @@ type podCase struct {
 	name                string
 	nsLabels            map[string]string
 	labels, annotations map[string]string
+	// namespace is an existing namespace to add the pod to (nsLabels
+	// unused); empty: a new one.
+	namespace string
+	// hostNetwork pods get no sandbox network: kubelet runs no CNI ADD
+	// for them, so only the informers see them.
+	hostNetwork bool
 }
 
 // ambientApp is pod "app" in a namespace labelled ambient.
@@ -149,29 +155,39 @@ func addPod(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string) (observe
 // passed, and the pod on the node and in the API.
 func addPodAs(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string, pc podCase, settle time.Duration) (observed, *simnode.Pod, *corev1.Pod) {
 	t.Helper()
-	ns := c.Namespace(t, "diff", pc.nsLabels)
-	kp := c.Pod(t, kubeapi.PodSpec{Namespace: ns.Name, Name: pc.name, Node: nodeName, Labels: pc.labels, Annotations: pc.annotations})
+	namespace, name := pc.namespace, pc.name
+	if namespace == "" {
+		namespace = c.Namespace(t, "diff", pc.nsLabels).Name
+	} else {
+		c.EnsureNamespace(t, namespace)
+		name += "-" + testenv.RunID() // the namespace is both sides'
+	}
+	kp := c.Pod(t, kubeapi.PodSpec{Namespace: namespace, Name: name, Node: nodeName, Labels: pc.labels, Annotations: pc.annotations, HostNetwork: pc.hostNetwork})
 	p := s.node.AddBarePod(kp.Name, kp.Namespace, string(kp.UID))
 	var o observed
 	var err error
 	if o.Chain, err = s.runtime.Chain(); err != nil {
 		t.Fatal(err)
 	}
-	netns := s.runtime.Sandbox(p)
-	start := time.Now()
-	res, err := s.runtime.Add(p, netns)
-	t.Logf("%s: CNI ADD took %s", s.name, time.Since(start).Round(time.Millisecond))
-	if err != nil {
-		o.AddErr = err.Error()
-		return o, p, kp
-	}
-	o.Result = istiocnireal.Comparable(res)
 	var ips []netip.Addr
-	for _, ip := range res.IPs {
-		a, _ := netip.AddrFromSlice(ip.Address.IP)
-		ips = append(ips, a.Unmap())
+	if pc.hostNetwork {
+		ips = []netip.Addr{simnode.NodeV4, simnode.NodeV6}
+	} else {
+		netns := s.runtime.Sandbox(p)
+		start := time.Now()
+		res, err := s.runtime.Add(p, netns)
+		t.Logf("%s: CNI ADD took %s", s.name, time.Since(start).Round(time.Millisecond))
+		if err != nil {
+			o.AddErr = err.Error()
+			return o, p, kp
+		}
+		o.Result = istiocnireal.Comparable(res)
+		for _, ip := range res.IPs {
+			a, _ := netip.AddrFromSlice(ip.Address.IP)
+			ips = append(ips, a.Unmap())
+		}
+		p.V4, p.V6 = addrOf(res, true), addrOf(res, false)
 	}
-	p.V4, p.V6 = addrOf(res, true), addrOf(res, false)
 	c.SetStatus(t, kp, kubeapi.Status{Phase: corev1.PodRunning, IPs: ips})
 
 	testenv.Poll(settle, func() bool {

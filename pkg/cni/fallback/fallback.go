@@ -32,6 +32,7 @@ type Request struct {
 	ExcludeNamespaces []string          `json:"excludeNamespaces,omitempty"`
 	SelfLabels        map[string]string `json:"selfLabels,omitempty"`
 	ZtunnelLabels     map[string]string `json:"ztunnelLabels,omitempty"`
+	ZtunnelNamespace  string            `json:"ztunnelNamespace,omitempty"`
 	// EnablementSelectors are the agent's enablement selectors as the
 	// plugin's config carries them (JSON); empty: the label rule.
 	EnablementSelectors json.RawMessage `json:"enablementSelectors,omitempty"`

@@ -58,6 +58,9 @@ type Settings struct {
 	// the fallback decision.
 	SelfLabels    map[string]string `json:"selfLabels,omitempty"`
 	ZtunnelLabels map[string]string `json:"ztunnelLabels,omitempty"`
+	// ZtunnelNamespace is where ztunnel's pods are (enrollment.Config);
+	// empty: the default, istio-system.
+	ZtunnelNamespace string `json:"ztunnelNamespace,omitempty"`
 	// EnablementSelectors, when set, are the agent's enablement selectors,
 	// so the fallback decides as the agent would.
 	// They are passed to the fallback as they are (the plugin does not link

@@ -39,7 +39,7 @@ const (
 func FallbackRequest(conf *Config, pod *cniv1.Pod) fallback.Request {
 	return fallback.Request{
 		Namespace: pod.GetNamespace(), Name: pod.GetName(), UID: pod.GetUid(), PodFile: conf.PodFile, Kubeconfig: conf.Kubeconfig,
-		ExcludeNamespaces: conf.ExcludeNamespaces, SelfLabels: conf.SelfLabels, ZtunnelLabels: conf.ZtunnelLabels,
+		ExcludeNamespaces: conf.ExcludeNamespaces, SelfLabels: conf.SelfLabels, ZtunnelLabels: conf.ZtunnelLabels, ZtunnelNamespace: conf.ZtunnelNamespace,
 		EnablementSelectors: conf.EnablementSelectors, Timeout: DefaultFallbackTimeout,
 	}
 }

@@ -62,6 +62,9 @@ func selection(r fallback.Request) (enrollment.Config, error) {
 	if r.ZtunnelLabels != nil {
 		e.ZtunnelLabels = r.ZtunnelLabels
 	}
+	if r.ZtunnelNamespace != "" {
+		e.ZtunnelNamespace = r.ZtunnelNamespace
+	}
 	return e, nil
 }
 
