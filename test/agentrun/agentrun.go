@@ -102,7 +102,13 @@ type Options struct {
 
 // Kube is the API server an agent watches, and its DaemonSet there.
 type Kube struct {
-	Server, Token                     string // URL and bearer token (TLS unverified)
+	Server, Token string // URL and bearer token (TLS unverified)
+	// PluginServer is the API server's URL as the node netns reaches it,
+	// for the CNI plugin's kubeconfig (--api-server); empty: Server.
+	// CA is its serving certificate (--ca-path); empty: none (the
+	// plugin then cannot read pods from it).
+	PluginServer                      string
+	CA                                []byte
 	DaemonSetNamespace, DaemonSetName string
 }
 
@@ -211,6 +217,9 @@ func (n *Node) writeKubeconfig() error {
 	if err := os.WriteFile(filepath.Join(n.Dir, "kubeconfig"), []byte(kc), 0o600); err != nil {
 		return fmt.Errorf("write kubeconfig: %w", err)
 	}
+	if err := os.WriteFile(filepath.Join(n.Dir, "ca.crt"), k.CA, 0o600); err != nil {
+		return fmt.Errorf("write ca: %w", err)
+	}
 	if err := os.WriteFile(filepath.Join(n.Dir, "token"), []byte(k.Token), 0o600); err != nil {
 		return fmt.Errorf("write token: %w", err)
 	}
@@ -224,8 +233,12 @@ func (n *Node) Args(extra ...string) []string {
 		"--bpffs-dir", n.BPFFSDir, "--cgroup-root", n.CgroupRoot, "--node-netns", simnode.NetnsPath(n.NodeNS),
 		"--zds-socket", n.ZDS, "--cni-socket", n.CNI, "--inspect-socket", n.Inspect}
 	if k := o.Kube; k != nil {
+		pluginServer := k.PluginServer
+		if pluginServer == "" {
+			pluginServer = k.Server
+		}
 		args = append(args, "--kubeconfig", filepath.Join(n.Dir, "kubeconfig"),
-			"--token-path", filepath.Join(n.Dir, "token"), "--ca-path", "/dev/null", "--api-server", k.Server,
+			"--token-path", filepath.Join(n.Dir, "token"), "--ca-path", filepath.Join(n.Dir, "ca.crt"), "--api-server", pluginServer,
 			"--daemonset-namespace", k.DaemonSetNamespace, "--daemonset-name", k.DaemonSetName)
 	} else {
 		args = append(args, "--standalone-pods", n.PodFile)

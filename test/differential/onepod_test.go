@@ -45,9 +45,18 @@ type side struct {
 	// pidns is the PID namespace the agent sees pods' processes in (0:
 	// the test's own).
 	pidns int
-	// restart restarts the agent as a rolling update of its DaemonSet
-	// does and waits until it is ready again.
-	restart func() error
+	// stop stops the agent as a rolling update of its DaemonSet does (the
+	// DaemonSet present: its plugin and the node's state stay); start
+	// execs it again and waits until it is ready.
+	stop, start func() error
+}
+
+// restart restarts the agent as a rolling update does.
+func (s *side) restart() error {
+	if err := s.stop(); err != nil {
+		return err
+	}
+	return s.start()
 }
 
 // eachSide starts the real istio-cni, then ambient-ebpf, each on a fresh
@@ -65,6 +74,7 @@ func eachSide(t *testing.T, c *kubeapi.Cluster, fn func(s *side, nodeName string
 type observed struct {
 	Chain      []string
 	AddErr     string
+	AddExit    string // cniExit of the ADD
 	Result     string // istiocnireal.Comparable
 	Annotation enrollment.Redirection
 	// Transcript is the stand-in's, with the pod's uid, namespace and
@@ -83,10 +93,8 @@ func istioCNISideWith(t *testing.T, c *kubeapi.Cluster, o istiocnireal.Options, 
 	var zt *simnode.Ztunnel
 	n := istiocnireal.StartNodeWith(t, c, o, func(n *simnode.Node, zds string) { zt = n.StartZtunnelFor(zds) }, before...)
 	return &side{name: "istio-cni", node: n.Node, runtime: n.Runtime, zt: zt, output: func() string { return n.Agent.Process.Output.String() },
-		pidns: n.PIDNamespace, restart: func() error {
-			if err := n.Agent.Restart(); err != nil {
-				return err
-			}
+		pidns: n.PIDNamespace, stop: n.Agent.StopForUpdate, start: func() error {
+			n.Agent.Launch()
 			_, err := n.Agent.WaitReady()
 			return err
 		}}
@@ -96,14 +104,21 @@ func istioCNISideWith(t *testing.T, c *kubeapi.Cluster, o istiocnireal.Options, 
 // its installer chaining its plugin into the same primary network.
 func ambientEBPFSide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
 	n := simnode.New(t)
-	a := agentrun.New(t, n, agentrun.Options{NodeName: nodeName, InstallCNI: true, CallerNetns: true,
-		Kube: &agentrun.Kube{Server: c.Config.Host, Token: c.Config.BearerToken, DaemonSetNamespace: ourDaemonSet.Namespace, DaemonSetName: ourDaemonSet.Name}})
+	ca, err := c.ServingCert()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kube := &agentrun.Kube{Server: c.Config.Host, Token: c.Config.BearerToken, CA: ca, DaemonSetNamespace: ourDaemonSet.Namespace, DaemonSetName: ourDaemonSet.Name}
+	a := agentrun.New(t, n, agentrun.Options{NodeName: nodeName, InstallCNI: true, CallerNetns: true, Kube: kube})
 	r := istiocnireal.NewRuntime(t, n, a.CNIBinDir, a.CNIConfDir, istiocnireal.PluginsDir(t))
+	// The plugin reads pods (its fallback, with the agent down) from
+	// the node netns, as istio-cni's does.
+	kube.PluginServer = "https://" + r.NodeAPI(c).String()
 	a.StartReadyAgent(t)
 	zt := n.StartZtunnelFor(a.ZDS)
 	a.WaitZtunnel(t)
 	return &side{name: "ambient-ebpf", node: n, runtime: r, zt: zt, output: func() string { return a.Agent.Output.String() },
-		restart: func() error {
+		stop: func() error {
 			// Its DaemonSet present while it stops: it keeps the node's
 			// state, as in a rolling update; gone again afterwards, so
 			// the test's end uninstalls.
@@ -113,11 +128,10 @@ func ambientEBPFSide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
 			if derr := c.Client.AppsV1().DaemonSets(ourDaemonSet.Namespace).Delete(context.Background(), ourDaemonSet.Name, metav1.DeleteOptions{}); derr != nil {
 				err = errors.Join(err, derr)
 			}
-			if err != nil {
-				return err
-			}
+			return err
+		}, start: func() error {
 			a.StartAgent(t)
-			_, err = a.WaitReady()
+			_, err := a.WaitReady()
 			return err
 		}}
 }
@@ -177,6 +191,7 @@ func addPodAs(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string, pc pod
 		start := time.Now()
 		res, err := s.runtime.Add(p, netns)
 		t.Logf("%s: CNI ADD took %s", s.name, time.Since(start).Round(time.Millisecond))
+		o.AddExit = cniExit(err)
 		if err != nil {
 			o.AddErr = err.Error()
 			return o, p, kp

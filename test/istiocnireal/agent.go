@@ -27,7 +27,6 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
-	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 )
 
 // Options is how a run differs from the chart's defaults.
@@ -167,13 +166,7 @@ func Start(t testing.TB, r *Runtime, bins Bins, o Options) *Agent {
 		}
 	}
 
-	l, err := r.node.Listen(netip.MustParseAddrPort("127.0.0.1:0"), sockutil.Opts{})
-	if err != nil {
-		t.Fatalf("listen in netns %s: %v", node.NodeNS, err)
-	}
-	t.Cleanup(func() { l.Close() })
-	sockutil.Forward(l, strings.TrimPrefix(o.Cluster.Config.Host, "https://"))
-	a.API = sockutil.AddrPort(l.Addr())
+	a.API = r.NodeAPI(o.Cluster)
 
 	env, args, err := ch.Container(Pod{NodeName: o.NodeName, Name: o.PodName, Namespace: ReleaseNamespace})
 	if err != nil {
@@ -314,6 +307,17 @@ func (a *Agent) labelNode(ctx context.Context, label string, value *string) erro
 // again once it stopped, so that a later stop uninstalls as before. It
 // does not wait for the new one (WaitReady does).
 func (a *Agent) Restart() error {
+	if err := a.StopForUpdate(); err != nil {
+		return fmt.Errorf("restart install-cni: %w", err)
+	}
+	a.launch()
+	return nil
+}
+
+// StopForUpdate stops install-cni as a rolling update stops it (Restart
+// without the exec): its plugin stays chained, its node state stays, and
+// the node has no agent until Launch.
+func (a *Agent) StopForUpdate() error {
 	ctx := context.Background()
 	c := a.opts.Cluster
 	if _, err := c.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: a.opts.NodeName}}, metav1.CreateOptions{}); err != nil &&
@@ -325,11 +329,7 @@ func (a *Agent) Restart() error {
 	if derr := c.Client.AppsV1().DaemonSets(ReleaseNamespace).Delete(ctx, a.chart.DaemonSet.Name, metav1.DeleteOptions{}); derr != nil {
 		err = errors.Join(err, fmt.Errorf("delete daemonset %s/%s: %w", ReleaseNamespace, a.chart.DaemonSet.Name, derr))
 	}
-	if err != nil {
-		return fmt.Errorf("restart install-cni: %w", err)
-	}
-	a.launch()
-	return nil
+	return err
 }
 
 // PID is install-cni's process id as the test sees it (under unshare,

@@ -7,14 +7,17 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/sockutil"
 )
@@ -151,17 +154,11 @@ func (r *Runtime) conf(p *simnode.Pod, netns string) *libcni.RuntimeConf {
 // Add runs the chain's ADD for the pod's sandbox (its netns at netns) and
 // returns the result; an error is a plugin's non-zero exit.
 func (r *Runtime) Add(p *simnode.Pod, netns string) (*current.Result, error) {
-	list, err := r.Conflist()
-	if err != nil {
-		return nil, err
-	}
 	var res *current.Result
-	err = r.node.Do(func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
+	err := r.call(p, "add", func(ctx context.Context, list *libcni.NetworkConfigList) error {
 		out, err := r.cni.AddNetworkList(ctx, list, r.conf(p, netns))
 		if err != nil {
-			return fmt.Errorf("cni add of pod %s/%s: %w", p.Namespace, p.Name, err)
+			return err
 		}
 		res, err = current.NewResultFromResult(out)
 		return err
@@ -171,6 +168,14 @@ func (r *Runtime) Add(p *simnode.Pod, netns string) (*current.Result, error) {
 
 // Del runs the chain's DEL for the pod's sandbox.
 func (r *Runtime) Del(p *simnode.Pod, netns string) error {
+	return r.call(p, "del", func(ctx context.Context, list *libcni.NetworkConfigList) error {
+		return r.cni.DelNetworkList(ctx, list, r.conf(p, netns))
+	})
+}
+
+// call runs op (a CNI call on the current conflist) on the node netns's
+// thread, bounded by a minute; errors name the call and the pod.
+func (r *Runtime) call(p *simnode.Pod, what string, op func(context.Context, *libcni.NetworkConfigList) error) error {
 	list, err := r.Conflist()
 	if err != nil {
 		return err
@@ -178,10 +183,32 @@ func (r *Runtime) Del(p *simnode.Pod, netns string) error {
 	return r.node.Do(func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		if err := r.cni.DelNetworkList(ctx, list, r.conf(p, netns)); err != nil {
-			return fmt.Errorf("cni del of pod %s/%s: %w", p.Namespace, p.Name, err)
+		if err := op(ctx, list); err != nil {
+			return fmt.Errorf("cni %s of pod %s/%s: %w", what, p.Namespace, p.Name, err)
 		}
 		return nil
+	})
+}
+
+// NodeAPI relays c's API server (on the test's loopback) into the node
+// netns and returns its address there, 127.0.0.1, where the node's
+// processes (plugins, agents) reach it. The relay ends with the test.
+func (r *Runtime) NodeAPI(c *kubeapi.Cluster) netip.AddrPort {
+	r.t.Helper()
+	l, err := r.node.Listen(netip.MustParseAddrPort("127.0.0.1:0"), sockutil.Opts{})
+	if err != nil {
+		r.t.Fatalf("listen in netns %s: %v", r.Node.NodeNS, err)
+	}
+	r.t.Cleanup(func() { l.Close() })
+	sockutil.Forward(l, strings.TrimPrefix(c.Config.Host, "https://"))
+	return sockutil.AddrPort(l.Addr())
+}
+
+// Check runs the chain's CHECK for the pod's sandbox (against the result
+// libcni cached at its ADD).
+func (r *Runtime) Check(p *simnode.Pod, netns string) error {
+	return r.call(p, "check", func(ctx context.Context, list *libcni.NetworkConfigList) error {
+		return r.cni.CheckNetworkList(ctx, list, r.conf(p, netns))
 	})
 }
 
