@@ -234,9 +234,15 @@ type Reconciler struct {
 	keyMu sync.Mutex
 	keys  map[string]*keyLock // serializes the CNI path with the workers, per pod
 
-	mu        sync.Mutex
-	members   map[string]*member // by uid
-	desired   map[string]desired // by namespace/name
+	mu      sync.Mutex
+	members map[string]*member // by uid
+	desired map[string]desired // by namespace/name
+	// outside holds, by namespace/name, the uid of each pod last decided
+	// not ambient: one that becomes ambient while running (its labels or
+	// its namespace's changed) is enrolled live, as istio-cni does, not
+	// repaired (no repair Event, never deleted or labelled by the repair
+	// modes).
+	outside   map[string]types.UID
 	listeners []func(Change)
 }
 
@@ -271,6 +277,7 @@ func New(cfg Config) (*Reconciler, error) {
 		keys:    map[string]*keyLock{},
 		members: map[string]*member{},
 		desired: map[string]desired{},
+		outside: map[string]types.UID{},
 	}, nil
 }
 
@@ -504,12 +511,18 @@ func (r *Reconciler) reconcile(ctx context.Context, key string) error {
 		r.log.Info("pod left the mesh", "pod", key, "uid", prev.uid, "reason", "deleted")
 	}
 	if pod == nil {
+		r.mu.Lock()
+		delete(r.outside, key)
+		r.mu.Unlock()
 		return nil
 	}
 	dec := r.decide(pod, d.ns)
 	change := Change{Pod: pod, UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Reason: dec.Reason}
 	mb := r.member(string(pod.UID))
 	if !dec.Ambient {
+		r.mu.Lock()
+		r.outside[key] = pod.UID
+		r.mu.Unlock()
 		if mb != nil {
 			if err := r.remove(ctx, mb); err != nil {
 				return fmt.Errorf("remove pod %s: %w", key, err)
@@ -520,7 +533,10 @@ func (r *Reconciler) reconcile(ctx context.Context, key string) error {
 		return nil
 	}
 	if mb == nil {
-		return r.repair(ctx, pod, dec, change)
+		r.mu.Lock()
+		live := r.outside[key] == pod.UID
+		r.mu.Unlock()
+		return r.repair(ctx, pod, dec, change, live)
 	}
 	if mb.serviceAccount == "" && pod.Spec.ServiceAccountName != "" {
 		mb.serviceAccount = pod.Spec.ServiceAccountName
@@ -556,8 +572,11 @@ func (r *Reconciler) reconcile(ctx context.Context, key string) error {
 	return zerr
 }
 
-// repair handles an ambient pod the data path does not redirect.
-func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment.Decision, change Change) error {
+// repair handles an ambient pod the data path does not redirect. live
+// says the pod was outside the mesh and just became ambient: it is
+// enrolled in place whatever the repair mode, and reported as a plain
+// enrolment, not a repair.
+func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment.Decision, change Change, live bool) error {
 	// Pods that have not started are the CNI plugin's: it redirects them
 	// before their first instruction, and the status update that follows
 	// brings them back here. Until then nothing redirects them.
@@ -566,7 +585,7 @@ func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment
 		r.publish(change)
 		return nil
 	}
-	if !r.cfg.RepairInPlace {
+	if !r.cfg.RepairInPlace && !live {
 		change.Repair = Unredirected
 		r.publish(change)
 		return nil
@@ -605,8 +624,15 @@ func (r *Reconciler) repair(ctx context.Context, pod *corev1.Pod, dec enrollment
 		r.publish(change)
 		return retry
 	}
-	r.log.Info("repair: redirected running pod in place", "pod", key, "uid", pod.UID, "reason", dec.Reason)
-	change.Repair = RepairedInPlace
+	r.mu.Lock()
+	delete(r.outside, key)
+	r.mu.Unlock()
+	if live {
+		r.log.Info("redirected running pod in place: it became ambient", "pod", key, "uid", pod.UID, "reason", dec.Reason)
+	} else {
+		r.log.Info("repair: redirected running pod in place", "pod", key, "uid", pod.UID, "reason", dec.Reason)
+		change.Repair = RepairedInPlace
+	}
 	r.publish(change)
 	return retry
 }

@@ -583,3 +583,41 @@ func TestCNIEnrolledPodSurvivesTheDeleteOfItsPredecessor(t *testing.T) {
 		t.Errorf("deleted pod still enrolled: %v", e.dp.enrolled)
 	}
 }
+
+// A running pod that becomes ambient (its namespace labelled) is enrolled
+// live, as istio-cni does: whatever the repair mode (never Unredirected,
+// which the delete and label modes act on), and published as a plain
+// enrolment, not a repair (test/differential's live label changes: no
+// Event). A running ambient pod first seen unredirected is still a repair.
+func TestARunningPodThatBecomesAmbientIsEnrolledNotRepaired(t *testing.T) {
+	for _, inPlace := range []bool{true, false} {
+		t.Run(fmt.Sprintf("repair in place %t", inPlace), func(t *testing.T) {
+			e := newTestEnv(t, 1, func(c *Config) { c.RepairInPlace = inPlace })
+			pod := e.web.DeepCopy()
+			plain := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop"}}
+			e.r.SetPod(pod, plain)
+			if err := e.r.reconcile(context.Background(), "shop/web"); err != nil || e.dp.has("uid-web") {
+				t.Fatalf("outside the mesh: %v, enrolled %t", err, e.dp.has("uid-web"))
+			}
+			if err := e.liveAdd(t, pod); err != nil {
+				t.Fatal(err)
+			}
+			c, _ := e.chg.last("uid-web")
+			if !e.dp.has("uid-web") || c.Repair != RepairNothing {
+				t.Errorf("labelled ambient while running: enrolled %t, published repair %v", e.dp.has("uid-web"), c.Repair)
+			}
+
+			other := e.web.DeepCopy()
+			other.Name, other.UID = "db", "uid-db"
+			err := e.liveAdd(t, other)
+			c, _ = e.chg.last("uid-db")
+			want := Unredirected
+			if inPlace {
+				want = RepairedInPlace
+			}
+			if err != nil || c.Repair != want {
+				t.Errorf("first seen ambient and unredirected: %v, published repair %v, want %v", err, c.Repair, want)
+			}
+		})
+	}
+}

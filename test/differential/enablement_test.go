@@ -14,11 +14,13 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
+	"github.com/ambient-ebpf/ambient-ebpf/test/istiocnireal"
 	"github.com/ambient-ebpf/ambient-ebpf/test/kubeapi"
 )
 
@@ -55,13 +57,7 @@ func TestEnablementBothWays(t *testing.T) {
 	c := requireCluster(t)
 	got := map[string][]string{}
 	eachSide(t, c, func(s *side, nodeName string) {
-		for _, pc := range enablementCases {
-			o, p, _ := addPodAs(t, c, s, nodeName, pc, 2*time.Second)
-			handed := slices.ContainsFunc(transcript(t, s, p), func(m string) bool { return strings.Contains(m, ": add uid=<pod uid> ") })
-			line := fmt.Sprintf("%s: ADD error %q, annotation %q, handed to ztunnel %t", pc.name, o.AddErr, o.Annotation, handed)
-			t.Logf("%s: %s", s.name, line)
-			got[s.name] = append(got[s.name], line)
-		}
+		got[s.name] = enablementOf(t, c, s, nodeName, enablementCases)
 	})
 	istio, ours := got["istio-cni"], got["ambient-ebpf"]
 	for i := 0; i < len(istio) && i < len(ours); i++ {
@@ -74,6 +70,86 @@ func TestEnablementBothWays(t *testing.T) {
 	if !slices.Equal(istio, ours) {
 		t.Errorf("enablement differs:\nistio-cni:\n  %s\nambient-ebpf:\n  %s", strings.Join(istio, "\n  "), strings.Join(ours, "\n  "))
 	}
+}
+
+// enablementOf adds the pods one after another to the side's node and
+// says, for each, the ADD's error, the annotation it got (given 2 s where
+// it stays unset) and whether ztunnel was handed it.
+func enablementOf(t *testing.T, c *kubeapi.Cluster, s *side, nodeName string, cases []podCase) []string {
+	t.Helper()
+	var lines []string
+	for _, pc := range cases {
+		o, p, _ := addPodAs(t, c, s, nodeName, pc, 2*time.Second)
+		handed := slices.ContainsFunc(transcript(t, s, p), func(m string) bool { return strings.Contains(m, ": add uid=<pod uid> ") })
+		line := fmt.Sprintf("%s: ADD error %q, annotation %q, handed to ztunnel %t", pc.name, o.AddErr, o.Annotation, handed)
+		t.Logf("%s: %s", s.name, line)
+		lines = append(lines, line)
+	}
+	return lines
+}
+
+// Enablement selectors in place of the label rule (istio-cni's chart
+// value ambient.enablementSelectors, ambient-ebpf's
+// --enablement-selectors, the same YAML): a pod selector on a label of
+// the user's, and a namespace selector on another. The same pods are
+// enrolled on both; the dataplane-mode label alone no longer enrols, and
+// the exclusions still hold.
+func TestEnablementSelectorsBothWays(t *testing.T) {
+	testenv.RequireRoot(t)
+	c := requireCluster(t)
+	const selectors = "- podSelector:\n    matchLabels: {mesh: enrolled}\n- namespaceSelector:\n    matchLabels: {team: meshed}\n"
+	values := istiocnireal.AmbientProfile + "ambient:\n  enablementSelectors:\n" + indent(selectors, "  ")
+	cases := []podCase{
+		{name: "pod-selected", labels: map[string]string{"mesh": "enrolled"}},
+		{name: "namespace-selected", nsLabels: map[string]string{"team": "meshed"}},
+		{name: "dataplane-mode-label", labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneModeAmbient}},
+		{name: "selected-in-kube-system", namespace: "kube-system", labels: map[string]string{"mesh": "enrolled"}},
+		{name: "selected-with-sidecar", labels: map[string]string{"mesh": "enrolled"},
+			annotations: map[string]string{enrollment.SidecarStatusAnnotation: `{"containers":["istio-proxy"]}`}},
+		{name: "not-selected"},
+	}
+	got := map[string][]string{}
+	for _, s := range []*side{
+		istioCNISideWith(t, c, istiocnireal.Options{NodeName: "diff-" + testenv.RunID(), Values: values}),
+		ambientEBPFSide(t, c, "diff-"+testenv.RunID(), "--enablement-selectors="+selectors),
+	} {
+		got[s.name] = enablementOf(t, c, s, s.nodeName, cases)
+	}
+	if istio, ours := got["istio-cni"], got["ambient-ebpf"]; !slices.Equal(istio, ours) {
+		t.Errorf("enablement by selectors differs:\nistio-cni:\n  %s\nambient-ebpf:\n  %s", strings.Join(istio, "\n  "), strings.Join(ours, "\n  "))
+	}
+}
+
+// indent prefixes every line of s.
+func indent(s, prefix string) string {
+	lines := strings.SplitAfter(s, "\n")
+	for i, l := range lines {
+		if l != "" {
+			lines[i] = prefix + l
+		}
+	}
+	return strings.Join(lines, "")
+}
+
+// podEvents lists the Kubernetes Events about the pod ("Type Reason by
+// component"), in the order they were first seen; "none" when there are
+// none. Neither agent posts any in a normal enrolment or removal (both
+// post Events only when they repair or delete a broken pod).
+func podEvents(t *testing.T, c *kubeapi.Cluster, kp *corev1.Pod) []string {
+	t.Helper()
+	evs, err := c.Client.CoreV1().Events(kp.Namespace).List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.uid=" + string(kp.UID)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.SortFunc(evs.Items, func(a, b corev1.Event) int { return a.FirstTimestamp.Compare(b.FirstTimestamp.Time) })
+	var out []string
+	for _, e := range evs.Items {
+		out = append(out, e.Type+" "+e.Reason+" by "+e.Source.Component)
+	}
+	if len(out) == 0 {
+		out = []string{"none"}
+	}
+	return out
 }
 
 // enablementDifferences are the lines of TestEnablementBothWays that
@@ -89,7 +165,7 @@ var enablementDifferences = []struct{ istio, ours string }{{
 // A running pod's namespace labelled ambient, then the label taken away:
 // each side enrols the pod from its informer (istio-cni finds its netns
 // from the pod's pause process), then removes it; the annotation at each
-// step and what ztunnel received are the same.
+// step, what ztunnel received and the pod's Events (none) are the same.
 func TestLiveLabelChangesBothWays(t *testing.T) {
 	testenv.RequireRoot(t)
 	c := requireCluster(t)
@@ -118,6 +194,7 @@ func TestLiveLabelChangesBothWays(t *testing.T) {
 				steps = append(steps, m)
 			}
 		}
+		steps = append(steps, "events of the pod: "+strings.Join(podEvents(t, c, kp), ", "))
 		t.Logf("%s:\n  %s", s.name, strings.Join(steps, "\n  "))
 		got[s.name] = steps
 	})

@@ -37,11 +37,12 @@ import (
 // side is one implementation on a fresh node: the runtime's CNI side, the
 // stand-in connected to the agent, and how to stop the agent.
 type side struct {
-	name    string
-	node    *simnode.Node
-	runtime *istiocnireal.Runtime
-	zt      *simnode.Ztunnel
-	output  func() string // the agent's output, for failures
+	name     string
+	nodeName string // the node's name in the API server
+	node     *simnode.Node
+	runtime  *istiocnireal.Runtime
+	zt       *simnode.Ztunnel
+	output   func() string // the agent's output, for failures
 	// pidns is the PID namespace the agent sees pods' processes in (0:
 	// the test's own).
 	pidns int
@@ -64,7 +65,8 @@ func (s *side) restart() error {
 func eachSide(t *testing.T, c *kubeapi.Cluster, fn func(s *side, nodeName string)) {
 	t.Helper()
 	istio := func(t *testing.T, c *kubeapi.Cluster, nodeName string) *side { return istioCNISide(t, c, nodeName) }
-	for _, start := range []func(*testing.T, *kubeapi.Cluster, string) *side{istio, ambientEBPFSide} {
+	ours := func(t *testing.T, c *kubeapi.Cluster, nodeName string) *side { return ambientEBPFSide(t, c, nodeName) }
+	for _, start := range []func(*testing.T, *kubeapi.Cluster, string) *side{istio, ours} {
 		nodeName := "diff-" + testenv.RunID()
 		fn(start(t, c, nodeName), nodeName)
 	}
@@ -92,7 +94,7 @@ func istioCNISide(t *testing.T, c *kubeapi.Cluster, nodeName string, before ...f
 func istioCNISideWith(t *testing.T, c *kubeapi.Cluster, o istiocnireal.Options, before ...func(*simnode.Node)) *side {
 	var zt *simnode.Ztunnel
 	n := istiocnireal.StartNodeWith(t, c, o, func(n *simnode.Node, zds string) { zt = n.StartZtunnelFor(zds) }, before...)
-	return &side{name: "istio-cni", node: n.Node, runtime: n.Runtime, zt: zt, output: func() string { return n.Agent.Process.Output.String() },
+	return &side{name: "istio-cni", nodeName: o.NodeName, node: n.Node, runtime: n.Runtime, zt: zt, output: func() string { return n.Agent.Process.Output.String() },
 		pidns: n.PIDNamespace, stop: n.Agent.StopForUpdate, start: func() error {
 			n.Agent.Launch()
 			_, err := n.Agent.WaitReady()
@@ -100,9 +102,10 @@ func istioCNISideWith(t *testing.T, c *kubeapi.Cluster, o istiocnireal.Options, 
 		}}
 }
 
-// ambientEBPFSide starts the real ambient-ebpf agent on a fresh node,
+// ambientEBPFSide starts the real ambient-ebpf agent (with flags) on a
+// fresh node,
 // its installer chaining its plugin into the same primary network.
-func ambientEBPFSide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
+func ambientEBPFSide(t *testing.T, c *kubeapi.Cluster, nodeName string, flags ...string) *side {
 	n := simnode.New(t)
 	ca, err := c.ServingCert()
 	if err != nil {
@@ -114,10 +117,10 @@ func ambientEBPFSide(t *testing.T, c *kubeapi.Cluster, nodeName string) *side {
 	// The plugin reads pods (its fallback, with the agent down) from
 	// the node netns, as istio-cni's does.
 	kube.PluginServer = "https://" + r.NodeAPI(c).String()
-	a.StartReadyAgent(t)
+	a.StartReadyAgent(t, flags...)
 	zt := n.StartZtunnelFor(a.ZDS)
 	a.WaitZtunnel(t)
-	return &side{name: "ambient-ebpf", node: n, runtime: r, zt: zt, output: func() string { return a.Agent.Output.String() },
+	return &side{name: "ambient-ebpf", nodeName: nodeName, node: n, runtime: r, zt: zt, output: func() string { return a.Agent.Output.String() },
 		stop: func() error {
 			// Its DaemonSet present while it stops: it keeps the node's
 			// state, as in a rolling update; gone again afterwards, so
