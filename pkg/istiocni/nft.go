@@ -29,24 +29,45 @@ func (mgr *RuleManager) nftTables(ctx context.Context, where string, names []str
 }
 
 // listNft returns `nft list table inet NAME` of each of the named tables
-// the thread's netns has, in the order given; "" when it has none.
+// the thread's netns has, in the order given; "" when it has none. It
+// reads them in one `nft list ruleset inet`, a consistent snapshot: a
+// table listed, then deleted by someone else before a listing of its own
+// (an agent taking the pod over), failed the read.
 func (mgr *RuleManager) listNft(ctx context.Context, where string, names []string) (string, error) {
-	have, err := mgr.nftTables(ctx, where, names)
+	out, err := run(ctx, where, "", mgr.nft, "list", "ruleset", "inet")
 	if err != nil {
 		return "", err
 	}
+	blocks := nftTableBlocks(out)
 	var b strings.Builder
 	for _, name := range names {
-		if !slices.Contains(have, name) {
-			continue
-		}
-		out, err := run(ctx, where, "", mgr.nft, "list", "table", "inet", name)
-		if err != nil {
-			return "", err
-		}
-		b.WriteString(out)
+		b.WriteString(blocks[name])
 	}
 	return b.String(), nil
+}
+
+// nftTableBlocks splits nft's listing of inet tables into each table's
+// block ("table inet NAME {" to its closing "}" line, newline included),
+// by name.
+func nftTableBlocks(out string) map[string]string {
+	blocks := map[string]string{}
+	var name string
+	var cur strings.Builder
+	for _, line := range strings.SplitAfter(out, "\n") {
+		if f := strings.Fields(line); name == "" && len(f) == 4 && f[0] == "table" && f[1] == "inet" && f[3] == "{" {
+			name = f[2]
+			cur.Reset()
+		}
+		if name == "" {
+			continue
+		}
+		cur.WriteString(line)
+		if strings.TrimRight(line, "\n") == "}" {
+			blocks[name] = cur.String()
+			name = ""
+		}
+	}
+	return blocks
 }
 
 // deleteNftTables deletes those of the named inet tables that exist, in
