@@ -34,7 +34,8 @@ func cniExit(err error) string {
 
 // The CNI calls a runtime makes, with the agent up and with it down as in
 // a rolling update of its DaemonSet (its plugin still chained, no agent
-// to answer): CHECK of an enrolled pod; then, down, ADD of an ambient pod
+// to answer): CHECK of an enrolled pod and STATUS (CNI 1.1); then, down,
+// STATUS, ADD of an ambient pod
 // (it must fail: fail closed), ADD of a pod not in the mesh (it must
 // pass: the plugin reads the pod from the API server itself), CHECK and
 // DEL of the enrolled pod. Which calls pass and which fail is the same on
@@ -49,6 +50,7 @@ func TestCNICallsWithTheAgentUpAndDownBothWays(t *testing.T) {
 		netns := filepath.Join(s.runtime.NetnsDir, p.NS)
 		var lines []string
 		lines = append(lines, "CHECK of the enrolled pod, agent up: "+cniExit(s.runtime.Check(p, netns)))
+		lines = append(lines, "STATUS, agent up: "+cniExit(s.runtime.Status()))
 		if err := s.stop(); err != nil {
 			t.Fatalf("%s: stop the agent: %v", s.name, err)
 		}
@@ -58,6 +60,7 @@ func TestCNICallsWithTheAgentUpAndDownBothWays(t *testing.T) {
 		plain, _, _ := addPodAs(t, c, s, nodeName, podCase{name: "plain-while-down"}, 0)
 		lines = append(lines, "ADD of a pod not in the mesh, agent down: "+plain.AddExit)
 		lines = append(lines, "CHECK of the enrolled pod, agent down: "+cniExit(s.runtime.Check(p, netns)))
+		lines = append(lines, "STATUS, agent down: "+cniExit(s.runtime.Status()))
 		lines = append(lines, "DEL of the enrolled pod, agent down: "+cniExit(s.runtime.Del(p, netns)))
 		t.Logf("%s:\n  %s\n  ADD errors: %q, %q", s.name, strings.Join(lines, "\n  "), ambient.AddErr, plain.AddErr)
 		got[s.name] = lines

@@ -80,7 +80,7 @@ func NewRuntime(t simnode.TB, n *simnode.Node, binDir, confDir, pluginsDir strin
 			t.Fatal(err)
 		}
 	}
-	primary := fmt.Sprintf(`{"cniVersion": "1.0.0", "name": "primary", "plugins": [
+	primary := fmt.Sprintf(`{"cniVersion": "1.1.0", "name": "primary", "plugins": [
   {"type": "ptp", "ipMasq": false, "mtu": 1500,
    "ipam": {"type": "host-local", "dataDir": %q,
             "ranges": [[{"subnet": %q}], [{"subnet": %q}]],
@@ -209,6 +209,22 @@ func (r *Runtime) NodeAPI(c *kubeapi.Cluster) netip.AddrPort {
 func (r *Runtime) Check(p *simnode.Pod, netns string) error {
 	return r.call(p, "check", func(ctx context.Context, list *libcni.NetworkConfigList) error {
 		return r.cni.CheckNetworkList(ctx, list, r.conf(p, netns))
+	})
+}
+
+// Status runs the chain's STATUS (CNI 1.1: may the runtime send ADDs).
+func (r *Runtime) Status() error {
+	list, err := r.Conflist()
+	if err != nil {
+		return err
+	}
+	return r.node.Do(func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := r.cni.GetStatusNetworkList(ctx, list); err != nil {
+			return fmt.Errorf("cni status: %w", err)
+		}
+		return nil
 	})
 }
 
