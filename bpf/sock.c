@@ -892,8 +892,8 @@ static __always_inline bool lookup_orig_dst(struct bpf_sockopt *ctx, struct orig
 		*out = *od;
 		/* Written once, not on every read: the entry stays clean in
 		 * the other CPUs' caches. */
-		if (!od->read)
-			od->read = 1;
+		if (!od->pad)
+			od->pad = 1; /* read: see struct orig_dst */
 		return true;
 	}
 	if (!mark_is_ztunnel(sk->mark) || !netns_enrolled(cookie))

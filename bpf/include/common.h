@@ -102,10 +102,14 @@ struct orig_dst {
 	struct ae_addr addr;
 	__be16 port;
 	__u16 family; /* AF_INET (also for IPv4-mapped sockets) or AF_INET6 */
-	/* Set in ae_orig_dst once the proxy asked (SO_ORIGINAL_DST): an
+	/* Set to 1 in ae_orig_dst once the proxy asked (SO_ORIGINAL_DST): an
 	 * uninstall, having ended capture, waits for the unread ones before
-	 * the program that answers goes. */
-	__u32 read;
+	 * the program that answers goes. Still named pad: a renamed field is
+	 * a new pinned layout, whose migration copies ae_orig_dst while the
+	 * old programs still file entries in the old map, and a connection
+	 * between its connect() and ztunnel's accept then lost its original
+	 * destination (seen in the upgrade test from v0.1.0). */
+	__u32 pad;
 };
 
 /* Key of ae_orig_dst: the redirected client socket as the proxy's accepted

@@ -771,7 +771,7 @@ func (d *Dataplane) unreadOrigDsts() int {
 	)
 	it := d.sock.AeOrigDst.Iterate()
 	for it.Next(&k, &v) {
-		if v.Read == 0 {
+		if v.Pad == 0 { // the read flag (bpf/include/common.h)
 			n++
 		}
 	}

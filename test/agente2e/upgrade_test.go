@@ -172,11 +172,7 @@ func (n *agentNode) replaceAgent(t *testing.T, builds []build, crashAt ...string
 		n.startConnectedAgent(t, next.args...)
 		time.Sleep(300 * time.Millisecond)
 		n.checkBuild(t, next, []*simnode.Pod{a, b}, before)
-		// v0.1.0 (recorded false) has no migration: it adopts the pins
-		// as they are, which layout 2 allows (no pinned map changed its
-		// type or sizes; ae_orig_dst's pad became a flag), and
-		// checkBuild finds its programs on every hook.
-		if prev := builds[i]; next.recorded && (prev.layout != next.layout || len(crashAt) > 0) {
+		if prev := builds[i]; prev.layout != next.layout || len(crashAt) > 0 {
 			if out := n.Agent.Output.String(); !strings.Contains(out, "migrated the pinned data path") {
 				t.Errorf("%s did not migrate the pins of %s:\n%s", next.name, prev.name, out)
 			}

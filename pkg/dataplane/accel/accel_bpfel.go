@@ -145,7 +145,7 @@ type accelOrigDst struct {
 	Addr   accelAeAddr
 	Port   uint16
 	Family uint16
-	Read   uint32
+	Pad    uint32
 }
 
 type accelOrigKey struct {

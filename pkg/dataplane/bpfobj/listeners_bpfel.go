@@ -106,7 +106,7 @@ type ListenersOrigDst struct {
 	Addr   ListenersAeAddr
 	Port   uint16
 	Family uint16
-	Read   uint32
+	Pad    uint32
 }
 
 type ListenersOrigKey struct {

@@ -106,7 +106,7 @@ type SockOrigDst struct {
 	Addr   SockAeAddr
 	Port   uint16
 	Family uint16
-	Read   uint32
+	Pad    uint32
 }
 
 type SockOrigKey struct {

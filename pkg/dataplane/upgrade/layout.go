@@ -12,7 +12,7 @@ package upgrade
 // when an agent of an older layout can no longer take the new one over by
 // the generic conversion (fields matched by name, see convert_linux.go).
 const (
-	layoutVersion = 2
+	layoutVersion = 1
 	layoutCompat  = 1
 )
 
@@ -20,6 +20,5 @@ const (
 func layoutFingerprints() map[int]string {
 	return map[int]string{
 		1: "89ba73d3f94938c3", // v0.1.0
-		2: "3ba92f1d00905a8b", // ae_orig_dst's pad became its read flag (same size)
 	}
 }

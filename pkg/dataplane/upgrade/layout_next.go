@@ -10,7 +10,7 @@ package upgrade
 // value. Agents of the shipped layout take it over, so it is compatible
 // with them.
 const (
-	layoutVersion = 3
+	layoutVersion = 2
 	layoutCompat  = 1
 )
 

@@ -106,7 +106,7 @@ type TcOrigDst struct {
 	Addr   TcAeAddr
 	Port   uint16
 	Family uint16
-	Read   uint32
+	Pad    uint32
 }
 
 type TcOrigKey struct {
