@@ -155,7 +155,7 @@ func (r *Runtime) conf(p *simnode.Pod, netns string) *libcni.RuntimeConf {
 // returns the result; an error is a plugin's non-zero exit.
 func (r *Runtime) Add(p *simnode.Pod, netns string) (*current.Result, error) {
 	var res *current.Result
-	err := r.call(p, "add", func(ctx context.Context, list *libcni.NetworkConfigList) error {
+	err := r.call("add of pod "+p.Namespace+"/"+p.Name, func(ctx context.Context, list *libcni.NetworkConfigList) error {
 		out, err := r.cni.AddNetworkList(ctx, list, r.conf(p, netns))
 		if err != nil {
 			return err
@@ -168,14 +168,14 @@ func (r *Runtime) Add(p *simnode.Pod, netns string) (*current.Result, error) {
 
 // Del runs the chain's DEL for the pod's sandbox.
 func (r *Runtime) Del(p *simnode.Pod, netns string) error {
-	return r.call(p, "del", func(ctx context.Context, list *libcni.NetworkConfigList) error {
+	return r.call("del of pod "+p.Namespace+"/"+p.Name, func(ctx context.Context, list *libcni.NetworkConfigList) error {
 		return r.cni.DelNetworkList(ctx, list, r.conf(p, netns))
 	})
 }
 
 // call runs op (a CNI call on the current conflist) on the node netns's
-// thread, bounded by a minute; errors name the call and the pod.
-func (r *Runtime) call(p *simnode.Pod, what string, op func(context.Context, *libcni.NetworkConfigList) error) error {
+// thread, bounded by a minute; errors name the call (what).
+func (r *Runtime) call(what string, op func(context.Context, *libcni.NetworkConfigList) error) error {
 	list, err := r.Conflist()
 	if err != nil {
 		return err
@@ -184,7 +184,7 @@ func (r *Runtime) call(p *simnode.Pod, what string, op func(context.Context, *li
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		if err := op(ctx, list); err != nil {
-			return fmt.Errorf("cni %s of pod %s/%s: %w", what, p.Namespace, p.Name, err)
+			return fmt.Errorf("cni %s: %w", what, err)
 		}
 		return nil
 	})
@@ -207,24 +207,15 @@ func (r *Runtime) NodeAPI(c *kubeapi.Cluster) netip.AddrPort {
 // Check runs the chain's CHECK for the pod's sandbox (against the result
 // libcni cached at its ADD).
 func (r *Runtime) Check(p *simnode.Pod, netns string) error {
-	return r.call(p, "check", func(ctx context.Context, list *libcni.NetworkConfigList) error {
+	return r.call("check of pod "+p.Namespace+"/"+p.Name, func(ctx context.Context, list *libcni.NetworkConfigList) error {
 		return r.cni.CheckNetworkList(ctx, list, r.conf(p, netns))
 	})
 }
 
 // Status runs the chain's STATUS (CNI 1.1: may the runtime send ADDs).
 func (r *Runtime) Status() error {
-	list, err := r.Conflist()
-	if err != nil {
-		return err
-	}
-	return r.node.Do(func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		if err := r.cni.GetStatusNetworkList(ctx, list); err != nil {
-			return fmt.Errorf("cni status: %w", err)
-		}
-		return nil
+	return r.call("status", func(ctx context.Context, list *libcni.NetworkConfigList) error {
+		return r.cni.GetStatusNetworkList(ctx, list)
 	})
 }
 
