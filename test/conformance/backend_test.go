@@ -26,6 +26,12 @@ type backend interface {
 	remove(t *testing.T, p *simnode.Pod)
 }
 
+// agentBackend is a backend whose node agent serves ztunnel over ZDS and
+// hands it each pod it enrols: it starts the stand-in against its socket.
+type agentBackend interface {
+	startZtunnel(t *testing.T, n *simnode.Node) *simnode.Ztunnel
+}
+
 // podOpts are the per-pod modes (R12-R14).
 type podOpts struct {
 	dns         bool     // R9/R13: DNS capture
@@ -35,13 +41,21 @@ type podOpts struct {
 
 // backends are the data paths every row runs on: ambient-ebpf's, again
 // with the sockmap acceleration in both directions (on kernels without it,
-// the flag's fallback), and istio-cni's iptables rules, the reference.
+// the flag's fallback), istio-cni's iptables rules, the reference, and,
+// built with the istiocnireal tag, the real istio-cni (realBackends).
 func backends() []backend {
-	return []backend{&ebpfBackend{}, &ebpfBackend{accel: accel.Both}, &iptablesBackend{}}
+	return append([]backend{&ebpfBackend{}, &ebpfBackend{accel: accel.Both}, &iptablesBackend{}}, realBackends()...)
 }
 
-// referenceBackend is the backend the others must agree with.
-const referenceBackend = "iptables"
+// referenceBackend is the backend the others must agree with: the real
+// istio-cni where it runs (the istiocnireal tag), else the iptables rules
+// that imitate it (on the kernels under qemu).
+func referenceBackend() string {
+	if real := realBackends(); len(real) > 0 {
+		return real[0].name()
+	}
+	return "iptables"
+}
 
 // ebpfBackend is ambient-ebpf's data path.
 type ebpfBackend struct {

@@ -2,8 +2,10 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package conformance runs every row of the ambient contract's section 2
-// on two backends, ambient-ebpf's eBPF data path and the iptables in-pod
-// rules istio-cni applies, against real traffic on a simulated node, and
+// against real traffic on a simulated node, on ambient-ebpf's eBPF data
+// path (with and without the sockmap acceleration), on the iptables in-pod
+// rules istio-cni applies (test/reference) and, built with the
+// istiocnireal tag as make test builds it, on the real istio-cni, and
 // requires identical outcomes. Test names carry backend, row and family:
 // TestConformance/ebpf/R1_outbound_tcp_v4.
 package conformance
@@ -65,9 +67,13 @@ func newEnv(t *testing.T, b backend) *env {
 	e.a, e.bpod, e.c, e.d, e.e = n.AddPod("a"), n.AddPod("b"), n.AddPod("c"), n.AddPod("d"), n.AddPod("e")
 	e.vm = n.AddVirtualInterface(e.e, "virt0")
 	b.setup(t, n)
-	e.zt = n.StartZtunnel()
+	if ab, ok := b.(agentBackend); ok {
+		e.zt = ab.startZtunnel(t, n)
+	} else {
+		e.zt = n.StartZtunnel()
+	}
 	enroll := func(p *simnode.Pod, o podOpts) {
-		e.zt.Add(p)
+		e.handToZtunnel(p)
 		b.enroll(t, p, o)
 	}
 	enroll(e.a, podOpts{dns: true})
@@ -95,6 +101,15 @@ func newEnv(t *testing.T, b backend) *env {
 	e.host.Listen("tcp", "node", netip.AddrPortFrom(simnode.ProbeV4, nodePort))
 	e.host.Listen("tcp", "node", netip.AddrPortFrom(simnode.ProbeV6, nodePort))
 	return e
+}
+
+// handToZtunnel gives the stand-in the pod's netns, where the test is
+// its ZDS server; a node agent's backend (agentBackend) hands it pods
+// itself.
+func (e *env) handToZtunnel(p *simnode.Pod) {
+	if _, ok := e.b.(agentBackend); !ok {
+		e.zt.Add(p)
+	}
 }
 
 type family string
@@ -502,7 +517,7 @@ func ipReuse(t *testing.T, e *env) (Outcome, Outcome) {
 	cur := e.node.AddPodWithAddrs("g", old.V4, old.V6)
 	app := e.node.StartApp(cur)
 	app.Listen("tcp", "g", netip.AddrPortFrom(netip.IPv6Unspecified(), appPort))
-	e.zt.Add(cur)
+	e.handToZtunnel(cur)
 	e.b.enroll(t, cur, podOpts{})
 	e.b.remove(t, old)
 	// Both families: the probe to g is still translated.
@@ -556,15 +571,15 @@ func TestConformance(t *testing.T) {
 		})
 	}
 	t.Run("parity", func(t *testing.T) {
-		all := backends()
+		all, ref := backends(), referenceBackend()
 		for name, byBackend := range seen.got {
 			if len(byBackend) != len(all) {
 				t.Errorf("%s ran on %d backends, want %d", name, len(byBackend), len(all))
 				continue
 			}
 			for _, b := range all {
-				if got, want := byBackend[b.name()], byBackend[referenceBackend]; !reflect.DeepEqual(got, want) {
-					t.Errorf("%s: %s and %s differ\n%12s: %s\n%12s: %s", name, b.name(), referenceBackend, b.name(), js(got), referenceBackend, js(want))
+				if got, want := byBackend[b.name()], byBackend[ref]; !reflect.DeepEqual(got, want) {
+					t.Errorf("%s: %s and %s differ\n%12s: %s\n%12s: %s", name, b.name(), ref, b.name(), js(got), ref, js(want))
 				}
 			}
 		}
