@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
@@ -38,9 +39,15 @@ type attachment struct {
 	// classid of a tc filter: the pod's slot + 1, which the program
 	// reads as skb->tc_classid to name its pod in trace events.
 	classid uint32
+	// cgroup of a socket program (bpfobj.CgroupHooks): the pod's cgroup
+	// directory; "" where only its pin is known (an adopted pod).
+	cgroup string
 }
 
 func (a attachment) String() string {
+	if bpfobj.IsCgroupPin(a.pin) {
+		return fmt.Sprintf("%s on cgroup %s", strings.TrimPrefix(a.pin, bpfobj.CgroupPrefix), a.cgroup)
+	}
 	switch a.attach {
 	case ebpf.AttachSkLookup:
 		return "sk_lookup in " + a.netns
@@ -56,10 +63,23 @@ func (d *Dataplane) plan(p *Pod, hostIf string, slot uint32) []attachment {
 	if d.cfg.HostProbes == bpfobj.ProbeDirect {
 		hostIf = ""
 	}
-	return planPod(p, hostIf, d.cfg.NodeNetns, slot, !d.skLookupInbound, podPrograms{
+	atts := planPod(p, hostIf, d.cfg.NodeNetns, slot, !d.skLookupInbound, podPrograms{
 		ingress: d.tc.AePodIngress, lo: d.tc.AePodLoIngress, reroute: d.tc.AePodReroute,
 		steer: d.tc.AePodSteer, hostEgress: d.tc.AeHostEgress, hostIngress: d.tc.AeHostIngress,
 	})
+	if d.cfg.SocketHooks == SocketHooksPods {
+		atts = append(atts, d.cgroupPlan(p.Cgroup)...)
+	}
+	return atts
+}
+
+// cgroupPlan lists the socket programs of a cgroup in the per-pod mode.
+func (d *Dataplane) cgroupPlan(cgroup string) []attachment {
+	var atts []attachment
+	for _, h := range bpfobj.CgroupHooks() {
+		atts = append(atts, attachment{pin: h.Name, attach: h.Attach, prog: h.Program(&d.sock.SockPrograms), cgroup: cgroup})
+	}
+	return atts
 }
 
 // podPrograms are the per-pod programs.
@@ -111,6 +131,9 @@ func (d *Dataplane) attach(uid string, a attachment) (tcProgram, error) {
 func (d *Dataplane) hooksFor(a attachment) tcHooks {
 	if a.attach == ebpf.AttachSkLookup {
 		return netnsHooks{}
+	}
+	if bpfobj.IsCgroupPin(a.pin) {
+		return cgroupHooks{}
 	}
 	return d.hooks
 }

@@ -32,6 +32,18 @@ type Config struct {
 	// host probes) attaches to CgroupRoot. Empty: every program at
 	// CgroupRoot. Changed between two agents, the second moves the links.
 	PodsCgroup string
+	// SocketHooks is where enrolled pods' socket programs attach. Empty
+	// or SocketHooksShared: once, on PodsCgroup (or the root), where every
+	// socket below it meets them, in the mesh or not. SocketHooksPods: on
+	// each enrolled pod's cgroup (Pod.Cgroup, else found by UID below
+	// PodsCgroup) and on ztunnel's (AttachZtunnel), so that sockets of
+	// what is not in the mesh meet none of them, only the node-wide half
+	// on the root; it needs PodsCgroup. A pod's cgroup is below its
+	// ancestors', so its programs run before any at the root, whenever
+	// attached. Pins of the shared mode with pods enrolled are refused:
+	// ztunnel's cgroup is not known until it connects, and its reads of
+	// original destinations would miss the programs meanwhile.
+	SocketHooks SocketHooks
 	// NodeNetns is the node's network namespace, where the node side of
 	// each pod's veth is (default: the agent's own, /proc/self/ns/net).
 	NodeNetns string
@@ -127,6 +139,17 @@ func (c *Config) setDefaults() error {
 		}
 		c.PodsCgroup = pods
 	}
+	switch c.SocketHooks {
+	case "":
+		c.SocketHooks = SocketHooksShared
+	case SocketHooksShared:
+	case SocketHooksPods:
+		if c.PodsCgroup == "" {
+			return fmt.Errorf("socket hooks %q need a pods cgroup", c.SocketHooks)
+		}
+	default:
+		return fmt.Errorf("socket hooks %q: want %q or %q", c.SocketHooks, SocketHooksShared, SocketHooksPods)
+	}
 	if c.ProcRoot == "" {
 		c.ProcRoot = "/proc"
 	}
@@ -173,3 +196,15 @@ func (c *Config) bpfConfig() bpfobj.SockAeConfig {
 	}
 	return cfg
 }
+
+// SocketHooks is where enrolled pods' socket programs attach
+// (Config.SocketHooks).
+type SocketHooks string
+
+const (
+	// SocketHooksShared: one set on the pods' cgroup (or the root).
+	SocketHooksShared SocketHooks = "shared"
+	// SocketHooksPods: a set on each enrolled pod's cgroup and on
+	// ztunnel's.
+	SocketHooksPods SocketHooks = "pods"
+)

@@ -217,6 +217,7 @@ func load(cfg Config, root, hooksAt cgroupTarget) (*Dataplane, error) {
 		d.Close()
 		return nil, err
 	}
+	d.settleZtunnelLinks()
 	err = d.upgrade.Finish()
 	d.upgrade.Close()
 	d.upgrade = nil
@@ -504,11 +505,18 @@ func (d *Dataplane) attachNodeHooks() error {
 			h.abandon()
 		}
 	}
-	full, err := d.stageHooks(d.nodeHooks(), d.hooksAt, movable)
-	staged = append(staged, full...)
-	if err != nil {
-		rollback()
-		return err
+	perPod := d.cfg.SocketHooks == SocketHooksPods
+	if perPod {
+		if err := d.refuseSharedHooksInUse(); err != nil {
+			return err
+		}
+	} else {
+		full, err := d.stageHooks(d.nodeHooks(), d.hooksAt, movable)
+		staged = append(staged, full...)
+		if err != nil {
+			rollback()
+			return err
+		}
 	}
 	if d.nodeScope != nil {
 		var hooks []nodeHook
@@ -531,6 +539,19 @@ func (d *Dataplane) attachNodeHooks() error {
 		}
 		d.nodeLinks = append(d.nodeLinks, h.link)
 	}
+	if perPod {
+		// No pod is enrolled (refuseSharedHooksInUse): nothing of the
+		// shared set is needed.
+		for _, h := range bpfobj.NodeHooks() {
+			pin := filepath.Join(linksDir(d.cfg), h.Name)
+			if _, err := os.Stat(pin); err == nil {
+				d.log.Info("removing a shared socket program: the socket hooks are per pod", "link", h.Name)
+				if err := pinnedLink(pin).detach(); err != nil {
+					return err
+				}
+			}
+		}
+	}
 	if d.nodeScope == nil {
 		for _, h := range bpfobj.NodeScopeHooks() {
 			pin := filepath.Join(linksDir(d.cfg), h.Name)
@@ -543,6 +564,21 @@ func (d *Dataplane) attachNodeHooks() error {
 		}
 	}
 	return nil
+}
+
+// refuseSharedHooksInUse refuses the per-pod socket hooks on pins of the
+// shared ones with pods enrolled: their sockets would meet no program
+// until each pod's cgroup had its own, and ztunnel's, whose reads of
+// original destinations need them, none until it connects again.
+func (d *Dataplane) refuseSharedHooksInUse() error {
+	if _, err := os.Stat(filepath.Join(linksDir(d.cfg), bpfobj.NodeHooks()[0].Name)); err != nil {
+		return nil
+	}
+	entries, _ := os.ReadDir(podsDir(d.cfg))
+	if len(entries) == 0 {
+		return nil
+	}
+	return fmt.Errorf("the pins under %s hold shared socket hooks and %d enrolled pods: per-pod socket hooks start on a node without enrolled pods (drain it, or run this agent with shared socket hooks)", d.cfg.BPFFSDir, len(entries))
 }
 
 // stagedHook is a socket program's link made ready by stageHooks and

@@ -22,11 +22,15 @@
 //
 // What runs where:
 //
-//   - bpf/sock.c, attached once to the node's cgroup v2 root: connect4 and
+//   - bpf/sock.c, attached once to the pods' cgroup (Config.PodsCgroup; a
+//     node-wide half for host probes on the root) or, with per-pod socket
+//     hooks (Config.SocketHooks), to each enrolled pod's cgroup and
+//     ztunnel's: connect4 and
 //     connect6 send enrolled pods' outbound TCP to ztunnel's :15001 (R1),
 //     sockops and getsockopt let ztunnel read the original destination with
 //     an unmodified getsockopt(SO_ORIGINAL_DST). Pods are recognised by
-//     netns cookie, so the hooks cost one hash lookup for everyone else.
+//     netns cookie, so the shared hooks cost one hash lookup for everyone
+//     else; per-pod hooks cost them nothing but the root's half.
 //     sockops also files ztunnel's inbound listeners in enrolled pods
 //     (ae_listeners) and its deliveries to the app (ae_local_flows) for
 //     the pod's sk_lookup; the agent's resync files those the full table
@@ -85,8 +89,11 @@
 //	                    sendmsg4, sendmsg6, recvmsg4, recvmsg6,
 //	                    getpeername4, getpeername6, sockops, getsockopt;
 //	                    on Config.PodsCgroup when set, else on the root
+//	                    (not with per-pod socket hooks, Config.SocketHooks)
 //	links/node_<hook>   with Config.PodsCgroup, the node-wide half on the
 //	                    root: connect4, connect6, sockops (host probes)
+//	ztunnel/<id>/cg_<hook>  per-pod socket hooks: every socket program on
+//	                    the cgroup of id, one of ztunnel's (AttachZtunnel)
 //	maps/ae_accel*, links/accel_*  the sockmap acceleration, when
 //	                    Config.SockmapAccel asks for it (package accel)
 //	pods/<uid>/sk_lookup     sk_lookup link in the pod netns (R5)
@@ -96,6 +103,8 @@
 //	pods/<uid>/host_ingress
 //	pods/<uid>/ingress       tc ingress on the pod's interface (R5, kernels
 //	                         before 5.17 only)
+//	pods/<uid>/cg_<hook>     per-pod socket hooks: every socket program on
+//	                         the pod's cgroup
 //
 // The uid is validated before it names a directory (ValidUID). Each tc
 // pin is the program of a classic tc filter: clsact qdisc (created when

@@ -20,6 +20,7 @@ import (
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/nsexec"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/fdlimit"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/hostfs"
 )
 
 // Enroll puts a pod's traffic through ztunnel. It is idempotent: enrolling
@@ -41,6 +42,9 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 		return err
 	}
 	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if err := d.podCgroup(&pod); err != nil {
 		return err
 	}
 	d.mu.Lock()
@@ -191,6 +195,25 @@ func (d *Dataplane) Enroll(ctx context.Context, pod Pod) (err error) {
 	d.pods[pod.UID] = st
 	d.cfg.failpoint(StepEnrollDone)
 	d.log.Debug("pod enrolled", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", pod.IPs, "slot", st.Slot)
+	return nil
+}
+
+// podCgroup settles where the pod's socket programs go in the per-pod
+// mode: its cgroup below the pods' cgroup, given or found by UID.
+func (d *Dataplane) podCgroup(pod *Pod) error {
+	if d.cfg.SocketHooks != SocketHooksPods {
+		return nil
+	}
+	if pod.Cgroup == "" {
+		cg, err := hostfs.PodCgroup(d.cfg.PodsCgroup, pod.UID)
+		if err != nil {
+			return fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err)
+		}
+		pod.Cgroup = cg
+	}
+	if !strings.HasPrefix(pod.Cgroup, d.cfg.PodsCgroup+"/") {
+		return fmt.Errorf("pod %s/%s: cgroup %s is not below the pods cgroup %s", pod.Namespace, pod.Name, pod.Cgroup, d.cfg.PodsCgroup)
+	}
 	return nil
 }
 
@@ -547,6 +570,9 @@ func (d *Dataplane) adoptLinks(st *podState) {
 			if isNodeSide(a.pin) {
 				d.attachNodeSide(st, a) // enrolled in the direct mode, adopted in the SNAT one
 			}
+			if bpfobj.IsCgroupPin(a.pin) {
+				d.attachCgroupHook(st, a) // a pin lost; the pod's cgroup is looked for again
+			}
 			continue
 		}
 		l, err := d.hooksFor(a).adopt(a, pin)
@@ -572,6 +598,22 @@ func (d *Dataplane) attachNodeSide(st *podState, a attachment) {
 		return
 	}
 	st.links[a.pin] = l
+}
+
+// attachCgroupHook attaches a socket program an adopted pod lacks in the
+// per-pod mode, to its cgroup found by UID. A pod whose cgroup is gone
+// has no sockets to capture.
+func (d *Dataplane) attachCgroupHook(st *podState, a attachment) {
+	cg, err := hostfs.PodCgroup(d.cfg.PodsCgroup, st.UID)
+	if err == nil {
+		a.cgroup = cg
+		var l tcProgram
+		if l, err = d.attach(st.UID, a); err == nil {
+			st.links[a.pin] = l
+			return
+		}
+	}
+	d.log.Warn("attach a socket program to an adopted pod", "pod", st.Namespace+"/"+st.Name, "uid", st.UID, "pin", a.pin, "error", err)
 }
 
 // removeUnplanned detaches the pod's pinned programs this build does not
@@ -613,7 +655,8 @@ func (d *Dataplane) pinnedAttachments(st *podState) map[string]tcProgram {
 	out := map[string]tcProgram{}
 	for _, a := range d.podPlan(st) {
 		pin := filepath.Join(podDir(d.cfg, st.UID), a.pin)
-		if _, ok := d.hooksFor(a).(netnsHooks); ok {
+		switch d.hooksFor(a).(type) {
+		case netnsHooks, cgroupHooks:
 			out[a.pin] = pinnedLink(pin)
 			continue
 		}

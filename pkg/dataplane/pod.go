@@ -29,6 +29,10 @@ type Pod struct {
 	// HostInterface is the node side of the pod's veth; empty: found from
 	// the pod interface's peer.
 	HostInterface string
+	// Cgroup is the pod's cgroup v2 directory, where its socket programs
+	// attach with per-pod socket hooks (Config.SocketHooks); empty: found
+	// by UID below Config.PodsCgroup, as kubelet names it (FindPodCgroup).
+	Cgroup string
 	// IPs are the pod's addresses; at most one per family is used for
 	// outbound redirection, all of them for inbound.
 	IPs     []netip.Addr
@@ -54,6 +58,8 @@ func (p *Pod) validate() error {
 		return fmt.Errorf("pod %q/%q: namespace or name empty, too long or not printable ASCII", p.Namespace, p.Name)
 	case p.Netns == "" || !filepath.IsAbs(p.Netns) || strings.ContainsRune(p.Netns, 0) || len(p.Netns) >= len(meta.Netns):
 		return fmt.Errorf("pod %s/%s: netns path %q is not an absolute path shorter than %d bytes", p.Namespace, p.Name, p.Netns, len(meta.Netns))
+	case p.Cgroup != "" && (!filepath.IsAbs(p.Cgroup) || filepath.Clean(p.Cgroup) != p.Cgroup):
+		return fmt.Errorf("pod %s/%s: cgroup %q is not a clean absolute path", p.Namespace, p.Name, p.Cgroup)
 	case len(p.IPs) == 0:
 		return fmt.Errorf("pod %s/%s: no IPs", p.Namespace, p.Name)
 	case !validIfname(p.Interface):

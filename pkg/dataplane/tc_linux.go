@@ -184,14 +184,46 @@ func (netnsHooks) attach(a attachment, pin string) (tcProgram, error) {
 	if err != nil {
 		return nil, fmt.Errorf("attach %s: %w", a, err)
 	}
-	defer l.Close() // the pin holds it
+	return pinAttached(l, pin)
+}
+
+// pinAttached pins a link just made at pin, which holds it from then
+// on; unpinned, it detaches as it closes.
+func pinAttached(l link.Link, pin string) (tcProgram, error) {
+	defer l.Close()
 	if err := replacePin(pin, l); err != nil {
 		return nil, err
 	}
 	return pinnedLink(pin), nil
 }
 
-func (netnsHooks) adopt(a attachment, pin string) (tcProgram, error) {
+func (netnsHooks) adopt(a attachment, pin string) (tcProgram, error) { return adoptLink(a, pin) }
+
+// cgroupHooks attaches a socket program to a cgroup (the per-pod socket
+// hooks, Config.SocketHooks) by a bpf_link, pinned as sk_lookup's is. A
+// cgroup that goes away takes its programs with it; the pin stays until
+// the pod's removal.
+type cgroupHooks struct{}
+
+func (cgroupHooks) count(string, string, ebpf.AttachType) (int, error) {
+	return 0, errors.New("a cgroup is no tc hook")
+}
+
+func (cgroupHooks) attach(a attachment, pin string) (tcProgram, error) {
+	if a.cgroup == "" {
+		return nil, fmt.Errorf("attach %s: no cgroup known", a)
+	}
+	l, err := link.AttachCgroup(link.CgroupOptions{Path: a.cgroup, Attach: a.attach, Program: a.prog})
+	if err != nil {
+		return nil, fmt.Errorf("attach %s: %w", a, err)
+	}
+	return pinAttached(l, pin)
+}
+
+func (cgroupHooks) adopt(a attachment, pin string) (tcProgram, error) { return adoptLink(a, pin) }
+
+// adoptLink moves the link pinned at pin to a's program in place.
+func adoptLink(a attachment, pin string) (tcProgram, error) {
 	l, err := link.LoadPinnedLink(pin, nil)
 	if err != nil {
 		return nil, fmt.Errorf("load pinned link %s: %w", pin, err)

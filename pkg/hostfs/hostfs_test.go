@@ -82,3 +82,58 @@ func TestEnsureBPFFSMountsOnlyWhereTheMountReachesTheHost(t *testing.T) {
 		}
 	})
 }
+
+func TestPodUIDOfCgroup(t *testing.T) {
+	const uid = "0cec9733-4eb4-435b-bdb4-c865cd115962"
+	for _, c := range []struct {
+		path, want string
+	}{
+		{"/kubepods/burstable/pod" + uid + "/cri-containerd-abc", uid},
+		{"/kubepods/pod" + uid, uid},
+		{"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0cec9733_4eb4_435b_bdb4_c865cd115962.slice/cri-containerd-1.scope", uid},
+		{"/kubepods.slice/kubepods-pod0cec9733_4eb4_435b_bdb4_c865cd115962.slice", uid},
+		{"/../../kubepods/besteffort/pod" + uid + "/x", uid},
+		{"/kubepods/burstable", ""},
+		{"/kubepods.slice/kubepods-burstable.slice", ""},
+		{"/system.slice/podman-1.scope", ""},
+		{"/kubepods/pod../etc", ""},
+	} {
+		got, ok := PodUIDOfCgroup(c.path)
+		if got != c.want || ok != (c.want != "") {
+			t.Errorf("PodUIDOfCgroup(%q) = %q, %v; want %q", c.path, got, ok, c.want)
+		}
+	}
+}
+
+func TestUnifiedCgroupPath(t *testing.T) {
+	for _, c := range []struct {
+		content, want string
+	}{
+		{"0::/kubepods/pod1/x\n", "/kubepods/pod1/x"},
+		{"12:cpu,cpuacct:/a\n1:name=systemd:/b\n0::/c/../d\n", "/d"},
+		{"12:cpu:/a\n", ""},
+		{"0::relative\n", ""},
+	} {
+		got, ok := UnifiedCgroupPath(c.content)
+		if got != c.want || ok != (c.want != "") {
+			t.Errorf("UnifiedCgroupPath(%q) = %q, %v; want %q", c.content, got, ok, c.want)
+		}
+	}
+}
+
+// A process's /proc/<pid>/cgroup names cgroups whoever made them chose:
+// the parsers never panic, and a UID they return never leaves the
+// directory it is joined to.
+func FuzzCgroupPath(f *testing.F) {
+	f.Add("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1_2.slice/c.scope\n")
+	f.Add("0::/../pod/../pod..\n1:name=systemd:/x\n")
+	f.Fuzz(func(t *testing.T, content string) {
+		path, ok := UnifiedCgroupPath(content)
+		if !ok {
+			return
+		}
+		if uid, ok := PodUIDOfCgroup(path); ok && (strings.ContainsAny(uid, "/.") || uid == "") {
+			t.Fatalf("PodUIDOfCgroup(%q) = %q", path, uid)
+		}
+	})
+}

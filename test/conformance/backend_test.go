@@ -32,6 +32,12 @@ type agentBackend interface {
 	startZtunnel(t *testing.T, n *simnode.Node) *simnode.Ztunnel
 }
 
+// ztunnelWatcher is a backend that needs to know where the stand-in runs
+// (the per-pod socket hooks attach to its cgroup).
+type ztunnelWatcher interface {
+	ztunnelStarted(t *testing.T, n *simnode.Node)
+}
+
 // podOpts are the per-pod modes (R12-R14).
 type podOpts struct {
 	dns         bool     // R9/R13: DNS capture
@@ -41,10 +47,11 @@ type podOpts struct {
 
 // backends are the data paths every row runs on: ambient-ebpf's, again
 // with the sockmap acceleration in both directions (on kernels without it,
-// the flag's fallback), istio-cni's iptables rules, the reference, and,
+// the flag's fallback) and with per-pod socket hooks, istio-cni's iptables rules, the reference, and,
 // built with the istiocnireal tag, the real istio-cni (realBackends).
 func backends() []backend {
-	return append([]backend{&ebpfBackend{}, &ebpfBackend{accel: accel.Both}, &iptablesBackend{}}, realBackends()...)
+	return append([]backend{&ebpfBackend{}, &ebpfBackend{accel: accel.Both}, &ebpfBackend{hooks: dataplane.SocketHooksPods},
+		&iptablesBackend{}}, realBackends()...)
 }
 
 // referenceBackend is the backend the others must agree with: the real
@@ -60,7 +67,8 @@ func referenceBackend() string {
 // ebpfBackend is ambient-ebpf's data path.
 type ebpfBackend struct {
 	accel  accel.Mode
-	probes bpfobj.ProbeMode // "": SNAT, as istio-cni, which the rows compare with
+	probes bpfobj.ProbeMode      // "": SNAT, as istio-cni, which the rows compare with
+	hooks  dataplane.SocketHooks // "": shared, at the node's cgroup root
 	dp     *dataplane.Dataplane
 }
 
@@ -70,6 +78,8 @@ func (b *ebpfBackend) name() string {
 		return "ebpf-sockmap"
 	case b.probes == bpfobj.ProbeDirect:
 		return "ebpf-direct"
+	case b.hooks == dataplane.SocketHooksPods:
+		return "ebpf-pods"
 	}
 	return "ebpf"
 }
@@ -79,6 +89,9 @@ func (b *ebpfBackend) setup(t *testing.T, n *simnode.Node) {
 	cfg.SockmapAccel = b.accel
 	if b.probes != "" {
 		cfg.HostProbes = b.probes
+	}
+	if b.hooks == dataplane.SocketHooksPods {
+		cfg.PodsCgroup, cfg.SocketHooks = n.PodsCgroup, b.hooks
 	}
 	dp, err := dataplane.New(cfg)
 	if err != nil {
@@ -97,6 +110,13 @@ func (b *ebpfBackend) setup(t *testing.T, n *simnode.Node) {
 // direct mode has rows of its own (probes_test.go).
 func ebpfConfig(n *simnode.Node) dataplane.Config {
 	return dataplane.Config{BPFFSDir: n.BPFFSDir, CgroupRoot: n.CgroupRoot, NodeNetns: simnode.NetnsPath(n.NodeNS), HostProbes: bpfobj.ProbeSNAT}
+}
+
+func (b *ebpfBackend) ztunnelStarted(t *testing.T, n *simnode.Node) {
+	t.Helper()
+	if err := b.dp.AttachZtunnel(n.ZtunnelCgroup()); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func (b *ebpfBackend) enroll(t *testing.T, p *simnode.Pod, o podOpts) {

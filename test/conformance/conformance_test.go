@@ -72,6 +72,9 @@ func newEnv(t *testing.T, b backend) *env {
 	} else {
 		e.zt = n.StartZtunnel()
 	}
+	if w, ok := b.(ztunnelWatcher); ok {
+		w.ztunnelStarted(t, n)
+	}
 	enroll := func(p *simnode.Pod, o podOpts) {
 		e.handToZtunnel(p)
 		b.enroll(t, p, o)

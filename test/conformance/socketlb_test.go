@@ -23,7 +23,8 @@ import (
 // (Config.PodsCgroup) the pods' sockets meet ours first, whatever the
 // order: ztunnel's original destination and the app's getpeername are the
 // Service's, a pod outside the mesh is still load-balanced, and an agent
-// restart moves the links both ways, the pods running on.
+// restart moves the links both ways, the pods running on. The same with
+// per-pod socket hooks (Config.SocketHooks).
 func TestSocketLoadBalancerRunsAfterOurs(t *testing.T) {
 	n := simnode.New(t)
 	a, backend, x := n.AddPod("a"), n.AddPod("c"), n.AddPod("x")
@@ -47,14 +48,17 @@ func TestSocketLoadBalancerRunsAfterOurs(t *testing.T) {
 			}
 		}
 	})
-	restart := func(podsCgroup string) {
+	restart := func(podsCgroup string, hooks ...dataplane.SocketHooks) {
 		t.Helper()
 		if dp != nil {
 			if err := dp.Close(); err != nil {
 				t.Fatal(err)
 			}
 		}
-		cfg.PodsCgroup = podsCgroup
+		cfg.PodsCgroup, cfg.SocketHooks = podsCgroup, ""
+		if len(hooks) > 0 {
+			cfg.SocketHooks = hooks[0]
+		}
 		var err error
 		if dp, err = dataplane.New(cfg); err != nil {
 			t.Fatalf("start the agent (pods cgroup %q): %v", podsCgroup, err)
@@ -98,10 +102,38 @@ func TestSocketLoadBalancerRunsAfterOurs(t *testing.T) {
 	// The reproduction: at the root, after the load balancer.
 	check("at the root, after the load balancer: ztunnel is handed the backend", dial(appA), meshed(be))
 
+	onPodsCgroup := func(where string) {
+		t.Helper()
+		check(where+": ztunnel is handed the Service", dial(appA), meshed(vip))
+		check(where+": a pod outside the mesh is load-balanced", dial(appX), saw{Outcome: outside, Remote: vip})
+		probesDirect(t, n, host, zt, a, where)
+	}
 	restart(n.PodsCgroup)
-	check("on the pods' cgroup: ztunnel is handed the Service", dial(appA), meshed(vip))
-	check("on the pods' cgroup: a pod outside the mesh is load-balanced", dial(appX), saw{Outcome: outside, Remote: vip})
-	// The node's own sockets meet the node-wide half at the root.
+	onPodsCgroup("on the pods' cgroup")
+
+	restart("")
+	check("moved back to the root", dial(appA), meshed(be))
+
+	// Per-pod socket hooks start on a node without enrolled pods.
+	if err := dp.Remove(context.Background(), a.UID); err != nil {
+		t.Fatal(err)
+	}
+	restart(n.PodsCgroup, dataplane.SocketHooksPods)
+	if err := dp.AttachZtunnel(n.ZtunnelCgroup()); err != nil {
+		t.Fatal(err)
+	}
+	if err := dp.Enroll(context.Background(), dataplane.Pod{UID: a.UID, Namespace: a.Namespace, Name: a.Name, Netns: a.NetnsPath(), IPs: a.IPs()}); err != nil {
+		t.Fatal(err)
+	}
+	onPodsCgroup("on each pod's cgroup")
+}
+
+// probesDirect checks that the node's own connections to pod a, host
+// probes, reach its app unredirected from the node's address (the direct
+// mode, done by the node-wide half at the root), and that their
+// translations go with them.
+func probesDirect(t *testing.T, n *simnode.Node, host *simnode.App, zt *simnode.Ztunnel, a *simnode.Pod, where string) {
+	t.Helper()
 	for _, ip := range a.IPs() {
 		dst := netip.AddrPortFrom(ip, appPort)
 		resp, err := host.Dial("tcp", simnode.AppRequest{Addr: dst})
@@ -117,11 +149,8 @@ func TestSocketLoadBalancerRunsAfterOurs(t *testing.T) {
 			want.ServerPeer = simnode.GatewayV6
 		}
 		if !reflect.DeepEqual(got, want) {
-			t.Errorf("on the pods' cgroup, a host probe to %s\n got: %s\nwant: %s", dst, js(got), js(want))
+			t.Errorf("%s, a host probe to %s\n got: %s\nwant: %s", where, dst, js(got), js(want))
 		}
 	}
 	probeEntriesGoAway(t, n)
-
-	restart("")
-	check("moved back to the root", dial(appA), meshed(be))
 }

@@ -47,6 +47,13 @@ func (n *Node) cgroup(name string) string { return n.cgroupIn(n.CgroupRoot, name
 // a pod on a real node (ztunnel).
 func (n *Node) podsCgroup(name string) string { return n.cgroupIn(n.PodsCgroup, name) }
 
+// ZtunnelCgroup is the cgroup the stand-in runs in, as ztunnel's pod's:
+// below the pods' cgroup.
+func (n *Node) ZtunnelCgroup() string { return n.podsCgroup("ztunnel") }
+
+// PodsCgroupDir is a cgroup below the pods' cgroup, made if missing.
+func (n *Node) PodsCgroupDir(name string) string { return n.podsCgroup(name) }
+
 func (n *Node) cgroupIn(parent, name string) string {
 	n.t.Helper()
 	cg := filepath.Join(parent, name)
@@ -184,9 +191,17 @@ func (z *Ztunnel) StopServer() {
 // agent, not the test, hands it pods. Add and Del are not available.
 func (n *Node) StartZtunnelFor(socketPath string, extraEnv ...string) *Ztunnel {
 	n.t.Helper()
+	return n.StartZtunnelForIn(socketPath, n.ZtunnelCgroup(), extraEnv...)
+}
+
+// StartZtunnelForIn is StartZtunnelFor with the stand-in in cgroup (a
+// ztunnel pod's that replaced the first, say).
+func (n *Node) StartZtunnelForIn(socketPath, cgroup string, extraEnv ...string) *Ztunnel {
+	n.t.Helper()
 	dir := n.t.TempDir()
 	z := &Ztunnel{t: n.t, records: filepath.Join(dir, "ztunnel-records.jsonl"), transcript: filepath.Join(dir, "zds-transcript.jsonl")}
-	z.Proc = n.startZtunnelProc(z.records, socketPath, append([]string{TranscriptEnv + "=" + z.transcript}, extraEnv...)...)
+	env := append([]string{RecordsEnv + "=" + z.records, ZDSSocketEnv + "=" + socketPath, TranscriptEnv + "=" + z.transcript}, extraEnv...)
+	z.Proc = StartHelper(n.t, RoleZtunnel, n.NodeNS, cgroup, env...)
 	return z
 }
 
@@ -224,7 +239,7 @@ func (z *Ztunnel) Transcript() ([]zdsclient.Observed, error) {
 
 func (n *Node) startZtunnelProc(records, socket string, extraEnv ...string) *Proc {
 	env := append([]string{RecordsEnv + "=" + records, ZDSSocketEnv + "=" + socket}, extraEnv...)
-	return StartHelper(n.t, RoleZtunnel, n.NodeNS, n.podsCgroup("ztunnel"), env...)
+	return StartHelper(n.t, RoleZtunnel, n.NodeNS, n.ZtunnelCgroup(), env...)
 }
 
 func (z *Ztunnel) snapshot() []zds.Workload {

@@ -52,6 +52,24 @@ func NodeScopeHooks() []NodeHook {
 // NodeScopePrefix starts the pin names of NodeScopeHooks.
 const NodeScopePrefix = "node_"
 
+// CgroupHooks are the socket programs of one cgroup in the per-pod mode
+// (dataplane.SocketHooksPods): every node hook, on an enrolled pod's
+// cgroup, pinned as pods/<uid>/cg_<name>, or on ztunnel's, pinned as
+// ztunnel/<cgroup id>/cg_<name>.
+func CgroupHooks() []NodeHook {
+	out := NodeHooks()
+	for i := range out {
+		out[i].Name = CgroupPrefix + out[i].Name
+	}
+	return out
+}
+
+// CgroupPrefix starts the pin names of CgroupHooks.
+const CgroupPrefix = "cg_"
+
+// IsCgroupPin reports whether a pod pin is one of CgroupHooks.
+func IsCgroupPin(pin string) bool { return strings.HasPrefix(pin, CgroupPrefix) }
+
 // PodHook is where one of a pod's programs goes, pinned as
 // pods/<uid>/<Pin>.
 type PodHook struct {

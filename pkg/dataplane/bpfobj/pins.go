@@ -22,6 +22,10 @@ func MapsDir(bpffsDir string) string  { return filepath.Join(bpffsDir, "maps") }
 func LinksDir(bpffsDir string) string { return filepath.Join(bpffsDir, "links") }
 func PodsDir(bpffsDir string) string  { return filepath.Join(bpffsDir, "pods") }
 
+// ZtunnelDir holds, with per-pod socket hooks, the links of ztunnel's
+// cgroups: one directory per cgroup id.
+func ZtunnelDir(bpffsDir string) string { return filepath.Join(bpffsDir, "ztunnel") }
+
 // PodDir is the directory of one pod's pins; uid must be validated first.
 func PodDir(bpffsDir, uid string) string { return filepath.Join(PodsDir(bpffsDir), uid) }
 

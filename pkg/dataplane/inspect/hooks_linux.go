@@ -56,8 +56,26 @@ func CgroupPrograms(root, bpffsDir string, maxCgroups int) (progs []CgroupProgra
 	for _, h := range slices.Concat(hooks, bpfobj.NodeScopeHooks()) {
 		pins = append(pins, h.Name)
 	}
+	paths := make([]string, 0, len(pins)+2*len(hooks))
 	for _, name := range pins {
-		l, err := link.LoadPinnedLink(filepath.Join(bpffsDir, "links", name), nil)
+		paths = append(paths, filepath.Join(bpffsDir, "links", name))
+	}
+	// Per-pod socket hooks: every pod's and ztunnel's links run the same
+	// programs, so one directory of each names them.
+	for _, dir := range []string{bpfobj.PodsDir(bpffsDir), bpfobj.ZtunnelDir(bpffsDir)} {
+		entries, _ := os.ReadDir(dir)
+		for _, e := range entries {
+			if _, err := os.Stat(filepath.Join(dir, e.Name(), bpfobj.CgroupHooks()[0].Name)); err != nil {
+				continue
+			}
+			for _, h := range bpfobj.CgroupHooks() {
+				paths = append(paths, filepath.Join(dir, e.Name(), h.Name))
+			}
+			break
+		}
+	}
+	for _, path := range paths {
+		l, err := link.LoadPinnedLink(path, nil)
 		if err != nil {
 			continue
 		}
