@@ -72,8 +72,8 @@ func checkInvariants(t *testing.T, r *rendered) {
 	if !pod.HostNetwork {
 		t.Error("hostNetwork is false")
 	}
-	if pod.HostPID {
-		t.Error("hostPID is set; /host/proc is enough")
+	if perPod := valueString(r, "agent.socketHooks") == "pods"; pod.HostPID != perPod {
+		t.Errorf("hostPID is %v with socketHooks %q: /host/proc is enough, but for ztunnel's PID with per-pod hooks", pod.HostPID, valueString(r, "agent.socketHooks"))
 	}
 	us := ds.Spec.UpdateStrategy
 	if us.Type != appsv1.RollingUpdateDaemonSetStrategyType || us.RollingUpdate == nil {
@@ -295,8 +295,9 @@ func TestChartRenders(t *testing.T) {
 		{
 			name: "host probes direct by default, snat on request",
 			check: func(t *testing.T, r *rendered) {
-				if fl := flags(t, r.agent(t)); !slices.Equal(fl["host-probes"], []string{"direct"}) || !slices.Equal(fl["pods-cgroup"], []string{"auto"}) {
-					t.Errorf("--host-probes=%v --pods-cgroup=%v, want direct and auto", fl["host-probes"], fl["pods-cgroup"])
+				if fl := flags(t, r.agent(t)); !slices.Equal(fl["host-probes"], []string{"direct"}) || !slices.Equal(fl["pods-cgroup"], []string{"auto"}) ||
+					!slices.Equal(fl["socket-hooks"], []string{"shared"}) {
+					t.Errorf("--host-probes=%v --pods-cgroup=%v --socket-hooks=%v, want direct, auto and shared", fl["host-probes"], fl["pods-cgroup"], fl["socket-hooks"])
 				}
 			},
 		},
@@ -308,6 +309,20 @@ func TestChartRenders(t *testing.T) {
 					t.Errorf("--pods-cgroup=%v, want kubepods.slice", fl["pods-cgroup"])
 				}
 			},
+		},
+		{
+			name:   "per-pod socket hooks",
+			values: "agent: {socketHooks: pods, podsCgroup: kubepods.slice}",
+			check: func(t *testing.T, r *rendered) {
+				if fl := flags(t, r.agent(t)); !slices.Equal(fl["socket-hooks"], []string{"pods"}) {
+					t.Errorf("--socket-hooks=%v, want pods", fl["socket-hooks"])
+				}
+			},
+		},
+		{
+			name:    "unknown socket hooks fail the schema",
+			values:  "agent: {socketHooks: root}",
+			wantErr: "/agent/socketHooks",
 		},
 		{
 			name:   "host probes snat",

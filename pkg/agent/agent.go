@@ -139,8 +139,10 @@ func (a *agent) run(parent context.Context) error {
 	// to ztunnel, ztunnel's acks and snapshots come back to it. The
 	// server runs (step 5) only once the reconciler exists.
 	var rec *reconciler.Reconciler
+	var dp *dataplane.Dataplane
 	zsrv, err := zds.NewServer(zds.Config{SocketPath: a.cfg.ZDSSocket, Logger: log.With("component", "zds"),
 		Snapshot:      func() []zds.Workload { return rec.Snapshot() },
+		OnHello:       func(p zds.Peer) error { return a.attachZtunnel(dp, p) },
 		OnAck:         func(ack zds.Ack) { rec.OnAck(ack) },
 		OnConnections: func(n int) { a.metrics.ztunnel.Set(float64(n)) }})
 	if err != nil {
@@ -182,7 +184,7 @@ func (a *agent) run(parent context.Context) error {
 			return has
 		}
 	}
-	dp, err := dataplane.New(dpcfg)
+	dp, err = dataplane.New(dpcfg)
 	features.Log(log)
 	a.features = map[string]bool{}
 	for _, f := range features.Report() {

@@ -32,6 +32,7 @@ type Flags struct {
 	nodeName, kubeconfig, standalone            string
 	bpffs, cgroupRoot, nodeNetns                string
 	podsCgroup                                  string
+	socketHooks                                 string
 	probeV4, probeV6                            string
 	hostProbes                                  string
 	zdsSocket, cniSocket, procRoot              string
@@ -79,6 +80,7 @@ func NewFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.bpffs, "bpffs-dir", bpfobj.DefaultBPFFSDir, "directory all pins live under (on a bpffs)")
 	fs.StringVar(&f.cgroupRoot, "cgroup-root", "", "cgroup v2 directory the socket hooks attach to; empty: the cgroup2 mount")
 	fs.StringVar(&f.podsCgroup, "pods-cgroup", "auto", "the cgroup v2 directory below --cgroup-root that holds every pod, ztunnel's included: the socket programs attach there, so pods' sockets meet them before any program at the root (a socket load balancer), and a node-wide half for the node's own sockets attaches to the root; auto: kubepods.slice or kubepods right below the root when there, else none; none: every program at the root")
+	fs.StringVar(&f.socketHooks, "socket-hooks", string(dataplane.SocketHooksShared), "where enrolled pods' socket programs attach: shared (once, on --pods-cgroup: every pod's socket meets them, in the mesh or not) or pods (on each enrolled pod's cgroup and on ztunnel's, found from its ZDS connection: sockets of what is not in the mesh meet only the node-wide half at the root); pods needs --pods-cgroup and starts on a node without pods enrolled under shared hooks")
 	fs.StringVar(&f.nodeNetns, "node-netns", "", "the node's netns (where pods' veth peers are); empty: the agent's own")
 	fs.StringVar(&f.hostProbes, "host-probes", string(bpfobj.ProbeDirect), "how the node's own connections to enrolled pods (kubelet's probes) reach the app: direct (with the node's address) or snat (from the --probe-snat addresses, as istio-cni)")
 	fs.StringVar(&f.probeV4, "probe-snat-v4", bpfobj.DefaultProbeV4.String(), "host-probe SNAT address (IPv4)")
@@ -196,6 +198,15 @@ func (f *Flags) Config() (Config, error) {
 		if !filepath.IsAbs(f.podsCgroup) {
 			c.Dataplane.PodsCgroup = filepath.Join(c.Dataplane.CgroupRoot, f.podsCgroup)
 		}
+	}
+	switch c.Dataplane.SocketHooks = dataplane.SocketHooks(f.socketHooks); c.Dataplane.SocketHooks {
+	case dataplane.SocketHooksShared:
+	case dataplane.SocketHooksPods:
+		if c.Dataplane.PodsCgroup == "" {
+			return c, fmt.Errorf("--socket-hooks=pods needs a pods cgroup: --pods-cgroup=%s found none below %s", f.podsCgroup, c.Dataplane.CgroupRoot)
+		}
+	default:
+		return c, fmt.Errorf("--socket-hooks=%s: want shared or pods", f.socketHooks)
 	}
 	c.Enrollment = enrollment.DefaultConfig()
 	c.Enrollment.DNSCapture = f.dnsCapture

@@ -9,8 +9,10 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/enrollment"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/kube"
@@ -174,6 +176,41 @@ func TestPodsCgroupFlag(t *testing.T) {
 		}
 		if cfg.Dataplane.PodsCgroup != want {
 			t.Errorf("dirs %v, --pods-cgroup %q: %q, want %q", c.dirs, c.arg, cfg.Dataplane.PodsCgroup, want)
+		}
+	}
+}
+
+// --socket-hooks: shared by default, pods with a pods cgroup; pods
+// without one and an unknown value are refused, naming the flags.
+func TestSocketHooksFlag(t *testing.T) {
+	for _, c := range []struct {
+		args    []string
+		want    dataplane.SocketHooks
+		wantErr string
+	}{
+		{nil, dataplane.SocketHooksShared, ""},
+		{[]string{"--socket-hooks=pods"}, dataplane.SocketHooksPods, ""},
+		{[]string{"--socket-hooks=pods", "--pods-cgroup=none"}, "", "--socket-hooks=pods needs a pods cgroup: --pods-cgroup=none"},
+		{[]string{"--socket-hooks=cgroup"}, "", "--socket-hooks=cgroup: want shared or pods"},
+	} {
+		root := t.TempDir()
+		if err := os.Mkdir(filepath.Join(root, "kubepods"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		fs := flag.NewFlagSet("agent", flag.ContinueOnError)
+		f := NewFlags(fs)
+		if err := fs.Parse(append([]string{"--cgroup-root", root, "--node-name", "n1"}, c.args...)); err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := f.Config()
+		if c.wantErr != "" {
+			if err == nil || !strings.Contains(err.Error(), c.wantErr) {
+				t.Errorf("%v: error %v, want %q", c.args, err, c.wantErr)
+			}
+			continue
+		}
+		if err != nil || cfg.Dataplane.SocketHooks != c.want {
+			t.Errorf("%v: %q, %v; want %q", c.args, cfg.Dataplane.SocketHooks, err, c.want)
 		}
 	}
 }

@@ -111,6 +111,25 @@ func newConn(uc *net.UnixConn, id uint64, log *slog.Logger) *conn {
 	}
 }
 
+// peer reads the connected process's credentials.
+func (c *conn) peer() (Peer, error) {
+	raw, err := c.uc.SyscallConn()
+	if err != nil {
+		return Peer{}, fmt.Errorf("peer credentials: %w", err)
+	}
+	var cred *unix.Ucred
+	var credErr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return Peer{}, fmt.Errorf("peer credentials: %w", err)
+	}
+	if credErr != nil {
+		return Peer{}, fmt.Errorf("peer credentials (SO_PEERCRED): %w", credErr)
+	}
+	return Peer{PID: int(cred.Pid), UID: cred.Uid}, nil
+}
+
 // do hands r to the connection and waits for its outcome.
 func (c *conn) do(ctx context.Context, r *request) error {
 	select {
@@ -220,6 +239,15 @@ func (s *Server) session(ctx context.Context, c *conn) error {
 	hello, err := zdswire.DecodeHello(in.data)
 	if err != nil {
 		return err
+	}
+	if s.cfg.OnHello != nil {
+		peer, err := c.peer()
+		if err != nil {
+			return err
+		}
+		if err := s.cfg.OnHello(peer); err != nil {
+			return fmt.Errorf("ztunnel (pid %d) refused: %w", peer.PID, err)
+		}
 	}
 	// Register before reading the snapshot: a live change made from here
 	// on queues on this connection, so none falls between the two (Z7).

@@ -119,9 +119,23 @@ type Config struct {
 	// is called on the connection's goroutine before the call that sent
 	// the request returns, so it must not block or call the Server.
 	OnAck func(Ack)
+	// OnHello, when set, is told who connected once ztunnel said hello,
+	// before the connection is registered or sent its snapshot: no pod
+	// reaches that ztunnel before it returns. An error ends the
+	// connection (ztunnel connects again). It runs on the connection's
+	// goroutine and must not call the Server.
+	OnHello func(Peer) error
 	// OnConnections, when set, is told the number of connections each
 	// time one registers or ends. It must not block or call the Server.
 	OnConnections func(n int)
+}
+
+// Peer is the process at the other end of a connection, from the
+// socket's credentials (SO_PEERCRED), PIDs as this process's PID
+// namespace numbers them (0 when the peer's is not visible from it).
+type Peer struct {
+	PID int
+	UID uint32
 }
 
 // Op names the request an Ack answers.

@@ -426,3 +426,40 @@ func TestZ8IdleClosedConnectionIsDropped(t *testing.T) {
 	t.Logf("dropped after %v", time.Since(start))
 	h.logs.waitLine(t, "ztunnel disconnected")
 }
+
+// OnHello is told the connected process (SO_PEERCRED) before the
+// connection takes any pod; its error ends that connection unregistered,
+// with no snapshot, and the next connection is asked again.
+func TestOnHelloSeesThePeerAndCanRefuseIt(t *testing.T) {
+	state := &pods{}
+	state.set(Workload{UID: "known", Name: "k", Namespace: "default", ServiceAccount: "sa"})
+	var mu sync.Mutex
+	var seen []Peer
+	refuse := true
+	h := startServer(t, Config{Snapshot: state.snapshot, OnHello: func(p Peer) error {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, p)
+		if refuse {
+			refuse = false
+			return errors.New("no programs for it")
+		}
+		return nil
+	}})
+	p1 := dialRaw(t, h.path)
+	p1.hello()
+	p1.expectClosed(2 * time.Second)
+	if n := h.srv.Connections(); n != 0 {
+		t.Errorf("a refused connection is registered: %d connections", n)
+	}
+	h.logs.waitLine(t, "refused: no programs for it")
+	p2 := dialRaw(t, h.path)
+	if got := uids(p2.handshake(1)); strings.Join(got, " ") != "keep:known" {
+		t.Fatalf("snapshot after the refusal %v", got)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(seen) != 2 || seen[0].PID != os.Getpid() || seen[1].PID != os.Getpid() || seen[0].UID != uint32(os.Getuid()) {
+		t.Errorf("OnHello saw %+v; want this process (pid %d) twice", seen, os.Getpid())
+	}
+}
