@@ -56,7 +56,7 @@ func (e *env) bystanderPairs() []*bystanderPair {
 	}
 	// Removed after the helpers in it are ended (cleanups run in reverse).
 	t.Cleanup(func() {
-		for _, d := range []string{"pod-c", "pod-s", "node-c", "node-s", ""} {
+		for _, d := range []string{"pod-c", "pod-s", "perpod-c", "perpod-s", "node-c", "node-s", ""} {
 			if err := unix.Rmdir(filepath.Join(outside, d)); err != nil && !os.IsNotExist(err) {
 				t.Errorf("cleanup: remove cgroup %s: %v", filepath.Join(outside, d), err)
 			}
@@ -64,26 +64,34 @@ func (e *env) bystanderPairs() []*bystanderPair {
 	})
 	var pairs []*bystanderPair
 	for _, hooked := range []bool{false, true} {
-		// Pods, as the direct pair is set up.
-		c, s := n.AddPod(fmt.Sprintf("by%v-c", hooked)), n.AddPod(fmt.Sprintf("by%v-s", hooked))
-		for _, pod := range []*simnode.Pod{c, s} {
-			n.Sysctl(pod.NS, "net/ipv4/tcp_tw_reuse", "1")
+		// Pods, as the direct pair is set up: below the pods' cgroup, and
+		// with --socket-hooks=pods, where a pod outside the mesh meets
+		// only the root's programs: what a pair in cgroups below the root
+		// but outside the pods' cgroup meets with these shared hooks.
+		for _, kind := range []string{"pod", "perpod"} {
+			c, s := n.AddPod(fmt.Sprintf("by%v-%s-c", hooked, kind)), n.AddPod(fmt.Sprintf("by%v-%s-s", hooked, kind))
+			for _, pod := range []*simnode.Pod{c, s} {
+				n.Sysctl(pod.NS, "net/ipv4/tcp_tw_reuse", "1")
+			}
+			n.Sysctl(s.NS, "net/ipv4/tcp_max_tw_buckets", "0")
+			n.Sysctl(c.NS, "net/ipv4/ip_local_port_range", "32768 46999")
+			n.Sysctl(s.NS, "net/ipv4/ip_local_port_range", "47000 60999")
+			ccg, scg := c.Cgroup, s.Cgroup
+			switch {
+			case !hooked:
+				ccg, scg = e.cgroupIn(outside, kind+"-c"), e.cgroupIn(outside, kind+"-s")
+			case kind == "perpod":
+				ccg, scg = e.cgroup("by-perpod-c"), e.cgroup("by-perpod-s")
+			}
+			srv := simnode.StartHelper(t, roleServer, s.NS, scg)
+			if err := call(srv, serverRequest{Op: "listen"}, nil); err != nil {
+				t.Fatalf("bystander server in %s: %v", s.Name, err)
+			}
+			gen := simnode.StartHelper(t, roleClient, c.NS, ccg)
+			e.pinPair(gen, srv)
+			pairs = append(pairs, &bystanderPair{kind: kind, hooked: hooked, addr: fmt.Sprintf("%s:%d", s.V4, echoPort),
+				gen: gen, cgs: []string{ccg, scg}})
 		}
-		n.Sysctl(s.NS, "net/ipv4/tcp_max_tw_buckets", "0")
-		n.Sysctl(c.NS, "net/ipv4/ip_local_port_range", "32768 46999")
-		n.Sysctl(s.NS, "net/ipv4/ip_local_port_range", "47000 60999")
-		ccg, scg := c.Cgroup, s.Cgroup
-		if !hooked {
-			ccg, scg = e.cgroupIn(outside, "pod-c"), e.cgroupIn(outside, "pod-s")
-		}
-		srv := simnode.StartHelper(t, roleServer, s.NS, scg)
-		if err := call(srv, serverRequest{Op: "listen"}, nil); err != nil {
-			t.Fatalf("bystander server in %s: %v", s.Name, err)
-		}
-		gen := simnode.StartHelper(t, roleClient, c.NS, ccg)
-		e.pinPair(gen, srv)
-		pairs = append(pairs, &bystanderPair{kind: "pod", hooked: hooked, addr: fmt.Sprintf("%s:%d", s.V4, echoPort),
-			gen: gen, cgs: []string{ccg, scg}})
 
 		// Node processes, over the node's loopback.
 		ncg, nscg, base := e.cgroup(fmt.Sprintf("by%v-node-c", hooked)), e.cgroup(fmt.Sprintf("by%v-node-s", hooked)), bystanderBase
@@ -196,8 +204,10 @@ func (e *env) bystander(res *Results) {
 	}
 	how := "direct: a pair in cgroups outside the node's root (none of the agent's programs run), ebpf: the same kind of pair in " +
 		"the cgroups the agent's programs are attached to; alternating in every repetition; "
-	for _, kind := range []string{"pod", "node"} {
+	for _, kind := range []string{"pod", "perpod", "node"} {
 		what := map[string]string{"pod": "two pods the agent does not enrol, client to server over the node",
+			"perpod": "two pods the agent does not enrol, as with --socket-hooks=pods (where such a pod meets only the programs on the node's root): " +
+				"the ebpf pair in cgroups below the node's root, outside the pods' cgroup; client to server over the node",
 			"node": "two processes of the node netns, over its loopback"}[kind]
 		res.Figures = append(res.Figures,
 			newFigure("bystander_"+kind+"_conn_rate", "conn/s", "higher", "ebpf/direct >= 0.99", conns[kind]).WithNote(how+what+"; conn_rate_seq"),
