@@ -750,6 +750,11 @@ func (d *Dataplane) Uninstall() error {
 		l.Close()
 	}
 	d.nodeLinks = nil
+	// ztunnel's cgroups' links (per-pod socket hooks) last: its reads of
+	// original destinations need them until here.
+	if err := d.detachZtunnelLinks(); err != nil {
+		errs = append(errs, err)
+	}
 	if err := accel.Uninstall(d.cfg.BPFFSDir); err != nil {
 		errs = append(errs, err)
 	}

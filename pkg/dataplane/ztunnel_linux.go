@@ -76,7 +76,7 @@ func (d *Dataplane) settleZtunnelLinks() {
 	if d.cfg.SocketHooks != SocketHooksPods {
 		if _, err := os.Stat(root); err == nil {
 			d.log.Info("removing the socket programs of ztunnel's cgroups: the socket hooks are shared")
-			if err := os.RemoveAll(root); err != nil {
+			if err := d.detachZtunnelLinks(); err != nil {
 				d.log.Warn("remove the links of ztunnel's cgroups", "dir", root, "error", err)
 			}
 		}
@@ -109,10 +109,43 @@ func (d *Dataplane) pruneZtunnelLinks() {
 			continue
 		}
 		d.log.Info("removing the socket programs of a ztunnel cgroup that is gone", "cgroup id", e.Name())
-		if err := os.RemoveAll(dir); err != nil {
+		if err := detachAll(dir); err != nil {
 			d.log.Warn("remove the links of a ztunnel cgroup", "dir", dir, "error", err)
 		}
 	}
+}
+
+// detachZtunnelLinks detaches the links of every ztunnel cgroup and
+// removes their pins (Uninstall, a switch to shared hooks).
+func (d *Dataplane) detachZtunnelLinks() error {
+	root := bpfobj.ZtunnelDir(d.cfg.BPFFSDir)
+	dirs, _ := os.ReadDir(root)
+	var errs []error
+	for _, e := range dirs {
+		errs = append(errs, detachAll(filepath.Join(root, e.Name())))
+	}
+	if err := os.RemoveAll(root); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// detachAll detaches every link pinned in dir, explicitly
+// (BPF_LINK_DETACH): removing a pin alone leaves its link attached while
+// another process holds it open (a tool listing the node's links, say).
+// Then dir goes.
+func detachAll(dir string) error {
+	pins, _ := os.ReadDir(dir)
+	var errs []error
+	for _, p := range pins {
+		if err := pinnedLink(filepath.Join(dir, p.Name())).detach(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := os.RemoveAll(dir); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
 }
 
 // cgroupLinkLive reports whether the cgroup link pinned at pin is still
