@@ -744,6 +744,10 @@ func (d *Dataplane) Uninstall() error {
 		delete(d.pods, uid)
 	}
 	for _, l := range d.nodeLinks {
+		// Detached here, not when the last reference goes: that may be
+		// another process's, or the kernel's a moment later (seen on
+		// 5.10, where the root kept the node-wide half after Uninstall).
+		_ = l.Detach()
 		if err := l.Unpin(); err != nil {
 			errs = append(errs, err)
 		}
