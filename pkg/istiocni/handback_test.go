@@ -134,8 +134,8 @@ func TestHandBackRedirectsAConnectionWithAStaleTuple(t *testing.T) {
 			out := n.StartOutsideApp()
 			app := n.StartApp(p)
 			clients := map[string]netip.AddrPort{
-				"ipv4": netip.AddrPortFrom(simnode.OutsideV4, 41007),
-				"ipv6": netip.AddrPortFrom(simnode.OutsideV6, 41007),
+				"ipv4": netip.AddrPortFrom(simnode.OutsideV4, simnode.FixedClientPort+7),
+				"ipv6": netip.AddrPortFrom(simnode.OutsideV6, simnode.FixedClientPort+7),
 			}
 			servers := map[string]netip.AddrPort{"ipv4": netip.AddrPortFrom(p.V4, 7009), "ipv6": netip.AddrPortFrom(p.V6, 7009)}
 			if _, err := app.Do(simnode.AppRequest{Op: "listen-echo", Addr: netip.AddrPortFrom(netip.IPv6Unspecified(), 7009)}); err != nil {

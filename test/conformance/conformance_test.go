@@ -228,7 +228,7 @@ func scenarios() []scenario {
 			// The server side closes first, so ztunnel's accepted socket
 			// stays in TIME_WAIT; the client comes back from the same port.
 			dst := netip.AddrPortFrom(f.pick(e.a.V4, e.a.V6), appPort)
-			src := netip.AddrPortFrom(f.pick(simnode.OutsideV4, simnode.OutsideV6), 41000+uint16(len(f)))
+			src := netip.AddrPortFrom(f.pick(simnode.OutsideV4, simnode.OutsideV6), simnode.FixedClientPort+uint16(len(f)))
 			req := simnode.AppRequest{Addr: dst, Bind: src, WaitEOF: true}
 			if _, err := e.outside.Dial("tcp", req); err != nil {
 				return Outcome{Err: "first connection: " + err.Error()}, Outcome{}

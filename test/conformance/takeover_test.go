@@ -183,8 +183,8 @@ func TestAClientBackFromThePortOfAnIstioCNIConnection(t *testing.T) {
 		name     string
 		src, dst netip.AddrPort
 	}{
-		{"ipv4", netip.AddrPortFrom(simnode.OutsideV4, 42013), netip.AddrPortFrom(p.V4, port)},
-		{"ipv6", netip.AddrPortFrom(simnode.OutsideV6, 42013), netip.AddrPortFrom(p.V6, port)},
+		{"ipv4", netip.AddrPortFrom(simnode.OutsideV4, simnode.FixedClientPort+13), netip.AddrPortFrom(p.V4, port)},
+		{"ipv6", netip.AddrPortFrom(simnode.OutsideV6, simnode.FixedClientPort+13), netip.AddrPortFrom(p.V6, port)},
 	}
 	// dial connects from f.src, waits for the server side to close first,
 	// and checks the connection went through ztunnel's :15006 to f.dst.

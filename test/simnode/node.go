@@ -49,6 +49,14 @@ var (
 	ProbeV6   = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
 )
 
+// FixedClientPort is the first of the client ports tests bind on purpose
+// (a tuple reused, a client coming back from the same port). It lies above
+// ip_local_port_range's default 32768-60999, so no ephemeral connect made
+// earlier in the same netns can hold it: a fixed port inside that range
+// meets an earlier connection's TIME_WAIT now and then and bind fails with
+// EADDRINUSE.
+const FixedClientPort = 61000
+
 // Node is one simulated node.
 type Node struct {
 	t          TB

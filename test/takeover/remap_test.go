@@ -43,7 +43,7 @@ func TestRemappedPeerFindsAPortREDIRECTRemapped(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	client := netip.AddrPortFrom(a, 40000)
+	client := netip.AddrPortFrom(a, simnode.FixedClientPort)
 	seen := map[netip.AddrPort]netip.AddrPort{} // destination -> the listener's peer
 	for _, dst := range []netip.AddrPort{netip.AddrPortFrom(a, 8080), netip.AddrPortFrom(b, 8080)} {
 		// Both bound to the client port: connections to two
