@@ -115,7 +115,9 @@ static __always_inline bool node_probe_netns(__u64 cookie, bool connect)
  */
 static __always_inline void mark_node_probe(struct bpf_sock_addr *ctx, const struct ae_addr *dst)
 {
-	if (ctx->protocol != IPPROTO_TCP_ || !bpf_map_lookup_elem(&ae_pods, dst))
+	/* Loopback first: the node's own daemons talk over it most, and no
+	 * pod has such an address; the hash lookup is the costly part. */
+	if (ctx->protocol != IPPROTO_TCP_ || addr_is_loopback(dst) || !bpf_map_lookup_elem(&ae_pods, dst))
 		return;
 	bpf_sk_storage_get(&ae_sk_probe, ctx->sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 }
@@ -179,7 +181,7 @@ static __always_inline int node_scope_connect(struct bpf_sock_addr *ctx, bool co
 	struct ae_addr dst;
 	__u32 ip6[4];
 
-	if (!ctx->sk || !node_probe_netns(bpf_get_netns_cookie(ctx), connect))
+	if (ctx->protocol != IPPROTO_TCP_ || !ctx->sk || !node_probe_netns(bpf_get_netns_cookie(ctx), connect))
 		return SYS_PROCEED;
 	if (v6) {
 		ip6[0] = ctx->user_ip6[0];
@@ -623,17 +625,14 @@ static __always_inline void trace_sockops(struct bpf_sock_ops *skops, __u8 reaso
  * ae_local_flows). Only where sk_lookup captures inbound (the flag implies
  * netns cookies in sockops).
  */
-static __always_inline void file_local_flow(struct bpf_sock_ops *skops, const struct ae_addr *remote)
+static __always_inline bool file_local_flow(struct bpf_sock_ops *skops, const struct pod_info *pod,
+					    const struct ae_addr *remote)
 {
 	struct steer_key key;
-	struct pod_info *pod;
 	__u32 one = 1;
 
-	if (!(ae_cfg.flags & AE_CFG_SK_LOOKUP_IFINDEX) || !(ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPS))
-		return;
-	pod = bpf_map_lookup_elem(&ae_pods, remote);
-	if (!pod || pod->netns_cookie != bpf_get_netns_cookie(skops))
-		return;
+	if (pod->netns_cookie != bpf_get_netns_cookie(skops))
+		return false;
 	local_flow_key(skops, &key);
 	if (bpf_map_update_elem(&ae_local_flows, &key, &one, BPF_ANY)) {
 		struct pod_stats *st = pod_stats(pod->slot);
@@ -643,7 +642,9 @@ static __always_inline void file_local_flow(struct bpf_sock_ops *skops, const st
 		count_decision(AE_R_LOCAL_FLOW_FULL);
 		if (ae_tracing)
 			trace_sockops(skops, AE_R_LOCAL_FLOW_FULL, pod->slot, &key.daddr, key.dport);
+		return false;
 	}
+	return true;
 }
 
 /*
@@ -654,14 +655,14 @@ static __always_inline void file_local_flow(struct bpf_sock_ops *skops, const st
  * taken over; one of another address is left alone, and this probe is
  * captured like any other inbound flow.
  */
-static __always_inline void file_direct_probe(struct bpf_sock_ops *skops, struct bpf_sock *sk, struct pod_info *pod)
+static __always_inline bool file_direct_probe(struct bpf_sock_ops *skops, struct bpf_sock *sk, struct pod_info *pod)
 {
 	struct probe_nat nat = {}, *old;
 	struct pod_stats *st;
 	struct probe_key key;
 
 	if (!bpf_sk_storage_get(&ae_sk_probe, sk, 0, 0))
-		return;
+		return false;
 	probe_key_of(skops, &key);
 	sockops_local(skops, &nat.host);
 	nat.last_seen_ns = bpf_ktime_get_ns();
@@ -671,21 +672,48 @@ static __always_inline void file_direct_probe(struct bpf_sock_ops *skops, struct
 			count_decision(old ? AE_R_PROBE_PORT_TAKEN : AE_R_PROBE_TABLE_FULL);
 			if (ae_tracing)
 				trace_sockops(skops, old ? AE_R_PROBE_PORT_TAKEN : AE_R_PROBE_TABLE_FULL, pod->slot, &key.pod, key.pod_port);
-			return;
+			return false;
 		}
 		old->last_seen_ns = nat.last_seen_ns;
 	}
 	st = pod_stats(pod->slot);
 	if (st)
 		st->probe_snat++;
+	return true;
+}
+
+/*
+ * Whether a socket connecting to an enrolled pod needs its close seen, so
+ * that an entry keyed by its flow goes with it: ztunnel's delivery to the
+ * app of its own pod (R10, filed here where sk_lookup captures inbound;
+ * without it the pod's lo program may file one), and a host probe of the
+ * node's netns (H1: filed here in direct mode, by the SYN leaving the node
+ * in snat mode). Every state change of a tracked socket runs this program
+ * again (five or six per connection), so the pods' own connections to
+ * other pods, and ztunnel's to other pods, which neither mode files, are
+ * not tracked where the netns can be told apart.
+ */
+static __always_inline bool track_pod_flow(struct bpf_sock_ops *skops, struct bpf_sock *sk, struct pod_info *pod,
+					   const struct ae_addr *remote)
+{
+	bool cookies = (ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPS) && (ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPT);
+
+	if (mark_is_ztunnel(sk->mark)) {
+		if ((ae_cfg.flags & AE_CFG_SK_LOOKUP_IFINDEX) && (ae_cfg.flags & AE_CFG_NETNS_COOKIE_SOCKOPS))
+			return file_local_flow(skops, pod, remote);
+		return true;
+	}
+	if (ae_cfg.flags & AE_CFG_PROBE_DIRECT)
+		return file_direct_probe(skops, sk, pod);
+	return !cookies || bpf_get_netns_cookie(skops) == ae_node_netns_cookie;
 }
 
 /*
  * A socket starts connecting (TCP_CONNECT_CB runs just before the SYN).
  * A redirected one files its original destination under the address the
- * proxy will see as its peer. A socket connecting to an enrolled pod may
- * become a probe translation. Either way a state callback is asked for,
- * so the entry goes away exactly when the socket closes.
+ * proxy will see as its peer; one connecting to an enrolled pod may file
+ * its flow (track_pod_flow). Either way a state callback is asked for, so
+ * the entry goes away exactly when the socket closes.
  */
 static __always_inline void on_connect(struct bpf_sock_ops *skops)
 {
@@ -711,11 +739,7 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 	} else {
 		sockops_remote(skops, &remote);
 		pod = bpf_map_lookup_elem(&ae_pods, &remote);
-		track = pod != NULL;
-		if (pod && mark_is_ztunnel(sk->mark))
-			file_local_flow(skops, &remote);
-		else if (pod && (ae_cfg.flags & AE_CFG_PROBE_DIRECT))
-			file_direct_probe(skops, sk, pod);
+		track = pod && track_pod_flow(skops, sk, pod, &remote);
 	}
 	if (track)
 		bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
