@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
@@ -56,7 +57,7 @@ func (e *env) bystanderPairs() []*bystanderPair {
 	}
 	// Removed after the helpers in it are ended (cleanups run in reverse).
 	t.Cleanup(func() {
-		for _, d := range []string{"pod-c", "pod-s", "perpod-c", "perpod-s", "node-c", "node-s", ""} {
+		for _, d := range []string{"pod-c", "pod-s", "perpod-c", "perpod-s", "node-c", "node-s", "floor/c", "floor/s", "floor", ""} {
 			if err := unix.Rmdir(filepath.Join(outside, d)); err != nil && !os.IsNotExist(err) {
 				t.Errorf("cleanup: remove cgroup %s: %v", filepath.Join(outside, d), err)
 			}
@@ -110,6 +111,44 @@ func (e *env) bystanderPairs() []*bystanderPair {
 	return pairs
 }
 
+// floorPair is a node pair like the others, in cgroups outside the node's
+// root below one that holds a connect4 and a sockops program returning at
+// once: the hooks the node-wide half of a split attach uses. Its run time
+// per connection is what the kernel's calls of those hooks cost, whatever
+// the programs do (BPF_ENABLE_STATS' own clock reads included, as in
+// every bpf_ns figure): the floor under the node-wide half's figures.
+func (e *env) floorPair() (*bystanderPair, []*ebpf.Program) {
+	t, n := e.t, e.node
+	floor := e.cgroupIn(n.CgroupRoot+"-bystanders", "floor")
+	c, s := e.cgroupIn(floor, "c"), e.cgroupIn(floor, "s")
+	var progs []*ebpf.Program
+	for _, h := range []struct {
+		typ    ebpf.ProgramType
+		attach ebpf.AttachType
+	}{{ebpf.CGroupSockAddr, ebpf.AttachCGroupInet4Connect}, {ebpf.SockOps, ebpf.AttachCGroupSockOps}} {
+		prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{Name: "floor", Type: h.typ, AttachType: h.attach, License: "Dual BSD/GPL",
+			Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()}})
+		if err != nil {
+			t.Fatalf("load an empty %v program: %v", h.attach, err)
+		}
+		t.Cleanup(func() { prog.Close() })
+		l, err := link.AttachCgroup(link.CgroupOptions{Path: floor, Attach: h.attach, Program: prog})
+		if err != nil {
+			t.Fatalf("attach an empty %v program to %s: %v", h.attach, floor, err)
+		}
+		t.Cleanup(func() { l.Close() })
+		progs = append(progs, prog)
+	}
+	base := bystanderBase + 200
+	srv := simnode.StartHelper(t, roleServer, n.NodeNS, s)
+	if err := call(srv, serverRequest{Op: "listen", Base: base}, nil); err != nil {
+		t.Fatalf("floor server in the node netns: %v", err)
+	}
+	gen := simnode.StartHelper(t, roleClient, n.NodeNS, c)
+	e.pinPair(gen, srv)
+	return &bystanderPair{kind: "floor", hooked: true, addr: fmt.Sprintf("127.0.0.1:%d", base), gen: gen, cgs: []string{c, s}}, progs
+}
+
 // pinPair binds every thread of a pair's client to the first CPU and of
 // its server to the last (threads made later inherit it). Left to the
 // scheduler, a round trip took either about 23 us or about 55 us
@@ -155,6 +194,8 @@ func (p *bystanderPair) column() string {
 func (e *env) bystander(res *Results) {
 	s := e.s
 	pairs := e.bystanderPairs()
+	floor, floorProgs := e.floorPair()
+	e.measureBystander(floor, loadRequest{Op: "conn", Addr: floor.addr, Duration: 200 * time.Millisecond})
 	for _, p := range pairs {
 		e.measureBystander(p, loadRequest{Op: "conn", Addr: p.addr, Duration: 200 * time.Millisecond})
 	}
@@ -199,6 +240,15 @@ func (e *env) bystander(res *Results) {
 			res.Notes["bystander "+p.kind+": per connection, each program attached to the node's root or the pods' cgroup (last repetition)"] =
 				runsNote(before, after, max(r.Conns, 1))
 		}
+		before := floorRuns(e.t, floorProgs)
+		r, _ := e.measureBystander(floor, loadRequest{Op: "conn", Addr: floor.addr, Duration: s.duration})
+		after := floorRuns(e.t, floorProgs)
+		var d time.Duration
+		for k, v := range after {
+			d += v.runtime - before[k].runtime
+		}
+		add(bpfNs, floor, float64(d)/float64(max(r.Conns, 1)))
+		res.Notes["bystander floor: per connection, each empty program (last repetition)"] = runsNote(before, after, max(r.Conns, 1))
 		stats.Close()
 		slog.Info("bystander repetition done", "rep", rep+1, "of", s.reps)
 	}
@@ -220,6 +270,23 @@ func (e *env) bystander(res *Results) {
 					"conn_rate_seq run of the hooked pair, per connection (both ends)"),
 		)
 	}
+	res.Figures = append(res.Figures, newFigure("bystander_floor_bpf_ns", "ns/conn", "lower", "", bpfNs["floor"]).WithNote(
+		"two processes of the node netns, over its loopback, in cgroups outside the node's root below one holding a connect4 and a "+
+			"sockops program that return at once (the hooks of the node-wide half): the run time (BPF_ENABLE_STATS) of the two per "+
+			"connection (both ends), what the kernel's calls cost whatever a program does"))
+}
+
+// floorRuns is the run time and count so far of the floor's programs.
+func floorRuns(t interface{ Fatalf(string, ...any) }, progs []*ebpf.Program) map[string]progRun {
+	out := map[string]progRun{}
+	for i, p := range progs {
+		st, err := p.Stats()
+		if err != nil {
+			t.Fatalf("floor program stats: %v", err)
+		}
+		out[fmt.Sprintf("floor/%s", []string{"connect4", "sockops"}[i])] = progRun{st.Runtime, st.RunCount}
+	}
+	return out
 }
 
 // measureBystander runs req on the pair's client and returns the result
