@@ -15,8 +15,9 @@
  *   sockops       when a redirected socket starts connecting, file its
  *                 original destination under its local address (the peer
  *                 the proxy sees), and forget it at close; file a node
- *                 socket's flow to an enrolled pod (H1, direct mode); close
- *                 out host-probe entries with their socket (H1).
+ *                 socket's flow to an enrolled pod (H1, direct mode, where
+ *                 bpf/probe.c does not); close out host-probe entries with
+ *                 their socket (H1).
  *   getsockopt    answer SO_ORIGINAL_DST for ztunnel's accepted sockets.
  *
  * No packet is rewritten and no conntrack entry is made: the connection
@@ -101,7 +102,8 @@ static __always_inline struct netns_info *pod_netns(struct bpf_sock_addr *ctx, _
  * attach (to know the socket is the node's at all). */
 static __always_inline bool node_probe_netns(__u64 cookie, bool connect)
 {
-	if (!connect || !cookie || cookie != ae_node_netns_cookie)
+	/* Where bpf/probe.c files the direct mode's probes nothing is marked. */
+	if ((ae_cfg.flags & AE_CFG_PROBE_CONNECT) || !connect || !cookie || cookie != ae_node_netns_cookie)
 		return false;
 	return ae_cfg.flags & (AE_CFG_PROBE_DIRECT | AE_CFG_NODE_SCOPE);
 }

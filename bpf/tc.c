@@ -294,16 +294,20 @@ static __always_inline int assign_to_listener(struct __sk_buff *skb, struct flow
 
 /*
  * H1 in direct mode: the flow a socket of the node's netns filed as it
- * connected (file_direct_probe in bpf/sock.c), seen from the pod. It
- * reaches the app with the node's own address. A packet that carries the
- * node's address from anywhere else matches no filed flow of that address
- * and port, and is captured (H2).
+ * connected (bpf/probe.c, or file_direct_probe in bpf/sock.c), seen from
+ * the pod's new flow (a SYN). It reaches the app with the node's own
+ * address, once: the entry goes as it is used (the SYN's later
+ * retransmissions meet the app's request socket first), and one no SYN
+ * used stops counting AE_PROBE_FLOW_TTL_NS after the connect. A packet that
+ * carries the node's address from anywhere else matches no filed flow of
+ * that address and port, and is captured (H2).
  */
 static __always_inline bool node_probe(const struct ae_addr *pod, __be16 pod_port, const struct ae_addr *peer,
 				       __be16 peer_port)
 {
 	struct probe_key key = {};
 	struct probe_nat *nat;
+	bool fresh;
 
 	if (!(ae_cfg.flags & AE_CFG_PROBE_DIRECT))
 		return false;
@@ -311,7 +315,11 @@ static __always_inline bool node_probe(const struct ae_addr *pod, __be16 pod_por
 	key.pod_port = pod_port;
 	key.host_port = peer_port;
 	nat = bpf_map_lookup_elem(&ae_probe_nat, &key);
-	return nat && addr_eq(&nat->host, peer);
+	if (!nat || !addr_eq(&nat->host, peer))
+		return false;
+	fresh = bpf_ktime_get_ns() - nat->last_seen_ns < AE_PROBE_FLOW_TTL_NS;
+	bpf_map_delete_elem(&ae_probe_nat, &key);
+	return fresh;
 }
 
 /* R7: from the probe SNAT address, which only SNAT mode uses; in direct

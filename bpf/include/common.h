@@ -33,6 +33,14 @@
                                                 * of a split attach: the node's own sockets
                                                 * only (host probes); the pods' cgroup has
                                                 * the rest */
+#define AE_CFG_PROBE_CONNECT        (1U << 6) /* with AE_CFG_PROBE_DIRECT: bpf/probe.c files
+                                                * the node's probes at tcp_connect(); the
+                                                * socket programs leave them alone */
+
+/* How long after its connect a host probe's filed flow lets the probe's
+ * SYN reach the app (H1, direct mode); the pod's programs remove it when
+ * they do. Covers SYN retransmissions within a kubelet probe's timeout. */
+#define AE_PROBE_FLOW_TTL_NS 10000000000ULL /* 10 s */
 
 /* struct pod_meta.state: the enrolment journal. A pod's slot is written
  * ENROLLING (with what must be restored) before the node is touched and

@@ -72,12 +72,13 @@ struct {
 
 /* Host probes (H1): connections from sockets of the node's netns to an
  * enrolled pod. In SNAT mode the translation, made by the SYN leaving the
- * node (bpf/tc.c, snat_probe); in direct mode the flow itself, filed by
- * sockops before the SYN leaves (bpf/sock.c, file_direct_probe), which the
- * pod's programs let through untranslated. Either way an entry lives
- * exactly as long as the prober's socket: the sockops state callback
- * deletes it when that socket closes, so finished probes leave nothing and
- * the table holds only live connections. */
+ * node (bpf/tc.c, snat_probe), which lives exactly as long as the prober's
+ * socket: the sockops state callback deletes it when that socket closes.
+ * In direct mode the flow itself, filed before the SYN leaves (bpf/probe.c
+ * at tcp_connect(), or sockops: bpf/sock.c, file_direct_probe), which the
+ * pod's programs let through untranslated once and delete; one no SYN used
+ * expires after AE_PROBE_FLOW_TTL_NS and the agent sweeps it. Either way
+ * the table holds only live connections or SYNs in flight. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(map_flags, BPF_F_NO_PREALLOC);

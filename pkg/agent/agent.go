@@ -276,6 +276,7 @@ func (a *agent) run(parent context.Context) error {
 	hub := newTraceHub(a.cfg.Dataplane.BPFFSDir, a.cfg.TraceHistory, log.With("component", "trace"))
 	srv.background(func() { hub.run(ctx) })
 	srv.background(func() { a.resyncListeners(ctx, dp) })
+	srv.background(func() { a.sweepProbeFlows(ctx, dp) })
 	inspectDone, err := serveInspect(ctx, a.cfg.InspectSocket, &inspector{a: a, rec: rec, trace: hub}, log.With("component", "inspect"))
 	if err != nil {
 		return stop(err)

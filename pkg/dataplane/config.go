@@ -29,20 +29,23 @@ type Config struct {
 	// attached first (a socket load balancer: Cilium's rewrites a Service
 	// address to a backend's, and ztunnel would be handed the backend);
 	// a node-wide half (connect and sockops, for the node's own sockets:
-	// host probes) attaches to CgroupRoot. Empty: every program at
-	// CgroupRoot. Changed between two agents, the second moves the links.
+	// host probes) attaches to CgroupRoot where the kernel refuses fentry
+	// on tcp_connect() (bpf/probe.c files them elsewhere). Empty: every
+	// program at CgroupRoot. Changed between two agents, the second moves
+	// the links.
 	PodsCgroup string
 	// SocketHooks is where enrolled pods' socket programs attach. Empty
 	// or SocketHooksShared: once, on PodsCgroup (or the root), where every
 	// socket below it meets them, in the mesh or not. SocketHooksPods: on
 	// each enrolled pod's cgroup (Pod.Cgroup, else found by UID below
 	// PodsCgroup) and on ztunnel's (AttachZtunnel), so that sockets of
-	// what is not in the mesh meet none of them, only the node-wide half
-	// on the root; it needs PodsCgroup. A pod's cgroup is below its
-	// ancestors', so its programs run before any at the root, whenever
-	// attached. Pins of the shared mode with pods enrolled are refused:
-	// ztunnel's cgroup is not known until it connects, and its reads of
-	// original destinations would miss the programs meanwhile.
+	// what is not in the mesh meet none of them (only the node-wide half
+	// on the root, where the kernel refuses fentry); it needs PodsCgroup.
+	// A pod's cgroup is below its ancestors', so its programs run before
+	// any at the root, whenever attached. Pins of the shared mode with
+	// pods enrolled are refused: ztunnel's cgroup is not known until it
+	// connects, and its reads of original destinations would miss the
+	// programs meanwhile.
 	SocketHooks SocketHooks
 	// NodeNetns is the node's network namespace, where the node side of
 	// each pod's veth is (default: the agent's own, /proc/self/ns/net).

@@ -83,6 +83,7 @@ type Dataplane struct {
 	bpfFlags        uint32                 // ae_cfg.flags
 	nsQuery         link.Link              // ae_netns_query, where SO_NETNS_COOKIE is missing
 	listenerIter    *ebpf.Program          // ae_file_listeners, in the sk_lookup mode
+	probeConnect    *ebpf.Program          // ae_probe_connect, where probesAtConnect
 	nodeNetns       []netnsID              // never a pod's (refuseNodeNetns)
 
 	// upgrade is what New found of the pins' layout (package upgrade);
@@ -197,6 +198,10 @@ func load(cfg Config, root, hooksAt cgroupTarget) (*Dataplane, error) {
 		d.closeObjects()
 		return nil, err
 	}
+	if err := d.loadProbeConnect(); err != nil {
+		d.closeObjects()
+		return nil, err
+	}
 	if err := d.attachNetnsQuery(); err != nil {
 		d.closeObjects()
 		return nil, err
@@ -205,7 +210,15 @@ func load(cfg Config, root, hooksAt cgroupTarget) (*Dataplane, error) {
 		d.closeObjects()
 		return nil, err
 	}
+	if err := d.attachProbeConnect(); err != nil {
+		d.closeObjects()
+		return nil, err
+	}
 	if err := d.attachNodeHooks(); err != nil {
+		d.closeObjects()
+		return nil, err
+	}
+	if err := d.removeProbeConnect(); err != nil {
 		d.closeObjects()
 		return nil, err
 	}
@@ -235,7 +248,7 @@ func (d *Dataplane) nodeHookNames() []string {
 	for _, h := range slices.Concat(bpfobj.NodeHooks(), bpfobj.NodeScopeHooks()) {
 		out = append(out, h.Name)
 	}
-	return out
+	return append(out, bpfobj.ProbeConnectPin)
 }
 
 // pickMechanisms chooses, from the kernel's features, how TC programs are
@@ -265,8 +278,16 @@ func (d *Dataplane) pickMechanisms() {
 		d.skLookupInbound = true
 		d.bpfFlags |= bpfobj.CfgSkLookupIfindex
 	}
+	// The direct mode's host probes are filed at tcp_connect() where the
+	// kernel takes fentry programs, instead of by socket programs on the
+	// node's root that every TCP connection of the node would run
+	// (probes_linux.go).
+	if d.cfg.HostProbes == bpfobj.ProbeDirect && features.HasFentryTCPConnect() {
+		d.bpfFlags |= bpfobj.CfgProbeConnect
+	}
 	d.log.Info("dataplane mechanisms", "sk_lookup_inbound", d.skLookupInbound, "tcx", features.HasTCX(), "so_netns_cookie", features.HasSONetnsCookie(),
-		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt())
+		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt(),
+		"host_probes_at_connect", d.probesAtConnect())
 }
 
 // attachNetnsQuery attaches ae_netns_query to the agent's own cgroup where
@@ -404,7 +425,7 @@ func (d *Dataplane) load() error {
 		up.Close()
 		return fmt.Errorf("write ae_node_cfg: %w", err)
 	}
-	if d.cfg.PodsCgroup != "" {
+	if d.cfg.PodsCgroup != "" && !d.probesAtConnect() {
 		if err := d.loadNodeScope(bpfCfg, tracing, opts); err != nil {
 			d.sock.Close()
 			up.Close()
@@ -469,6 +490,10 @@ func (d *Dataplane) closeObjects() {
 		d.listenerIter.Close()
 		d.listenerIter = nil
 	}
+	if d.probeConnect != nil {
+		d.probeConnect.Close()
+		d.probeConnect = nil
+	}
 	d.sock.Close()
 	d.nodeScope.Close()
 	d.nodeScope = nil
@@ -493,11 +518,13 @@ func (d *Dataplane) nodeHooks() []nodeHook {
 // needs are removed. Nothing changes unless every link could be made.
 func (d *Dataplane) attachNodeHooks() error {
 	// A pinned link elsewhere is the earlier agent's pods' cgroup, or the
-	// root it attached to before it had one; any other is refused.
+	// root it attached to before it had one; any other is refused. The
+	// earlier agent's pods' cgroup is below the root: where it filed host
+	// probes at tcp_connect, no node-wide half on the root says so.
 	_, err := os.Stat(filepath.Join(linksDir(d.cfg), bpfobj.NodeScopeHooks()[0].Name))
 	wasSplit := err == nil
 	movable := func(l link.Link) bool {
-		return wasSplit || d.hooksAt != d.root && bpfobj.SameCgroup(l, d.root.id) == nil
+		return wasSplit || d.hooksAt != d.root && bpfobj.SameCgroup(l, d.root.id) == nil || linkedBelow(l, d.root.path)
 	}
 	var staged []stagedHook
 	rollback := func() {
@@ -556,7 +583,7 @@ func (d *Dataplane) attachNodeHooks() error {
 		for _, h := range bpfobj.NodeScopeHooks() {
 			pin := filepath.Join(linksDir(d.cfg), h.Name)
 			if _, err := os.Stat(pin); err == nil {
-				d.log.Info("removing a node-wide link of a split attach: no pods cgroup is configured", "link", h.Name)
+				d.log.Info("removing a node-wide link of a split attach: no pods cgroup is configured, or host probes are filed at connect", "link", h.Name)
 				if err := pinnedLink(pin).detach(); err != nil {
 					return err
 				}

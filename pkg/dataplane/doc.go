@@ -23,7 +23,8 @@
 // What runs where:
 //
 //   - bpf/sock.c, attached once to the pods' cgroup (Config.PodsCgroup; a
-//     node-wide half for host probes on the root) or, with per-pod socket
+//     node-wide half for host probes on the root where bpf/probe.c does not
+//     file them) or, with per-pod socket
 //     hooks (Config.SocketHooks), to each enrolled pod's cgroup and
 //     ztunnel's: connect4 and
 //     connect6 send enrolled pods' outbound TCP to ztunnel's :15001 (R1),
@@ -43,8 +44,12 @@
 //     inbound flows to ztunnel's :15006 (R5); a tc program on the pod's lo
 //     gives ztunnel's deliveries the return mark (R10); in the SNAT
 //     host-probe mode (Config.HostProbes), two on the node side of the
-//     pod's veth translate host probes (H1). In the direct mode the socket
-//     programs file the node's own connections for the pod's inbound hook.
+//     pod's veth translate host probes (H1). In the direct mode the node's
+//     own connections are filed for the pod's inbound hook, which passes
+//     each one's SYN once (probes_linux.go).
+//   - bpf/probe.c, in the direct host-probe mode where the kernel takes
+//     fentry: files the node's probes at tcp_connect(), one call per
+//     connect, so that nothing of ours runs on the node's cgroup root.
 //
 // Enrolment waits for nothing: per-pod TC programs are classic tc filters
 // (a TCX attach waits for an RCU grace period, about 16 ms), the sk_lookup
@@ -91,7 +96,10 @@
 //	                    on Config.PodsCgroup when set, else on the root
 //	                    (not with per-pod socket hooks, Config.SocketHooks)
 //	links/node_<hook>   with Config.PodsCgroup, the node-wide half on the
-//	                    root: connect4, connect6, sockops (host probes)
+//	                    root: connect4, connect6, sockops (host probes),
+//	                    where links/probe_connect is not
+//	links/probe_connect bpf/probe.c's fentry link on tcp_connect() (direct
+//	                    host probes, where the kernel takes fentry)
 //	ztunnel/<id>/cg_<hook>  per-pod socket hooks: every socket program on
 //	                    the cgroup of id, one of ztunnel's (AttachZtunnel)
 //	maps/ae_accel*, links/accel_*  the sockmap acceleration, when

@@ -262,7 +262,12 @@ func checkCgroupHooks(_ context.Context, n *node) []Finding {
 		} else {
 			where := n.cgroup2
 			if pods := podsCgroupOf(progs, n.cgroup2); pods != "" {
-				where = pods + ", their node-wide half (connect4, connect6, sockops) to " + n.cgroup2
+				where = pods
+				if slices.ContainsFunc(progs, func(p inspect.CgroupProgram) bool { return p.Ours && p.Cgroup == n.cgroup2 }) {
+					where += ", their node-wide half (connect4, connect6, sockops) to " + n.cgroup2
+				} else {
+					where += ", nothing to " + n.cgroup2 + " (host probes are filed at tcp_connect)"
+				}
 			}
 			out = append(out, Finding{Check: "cgroup-hooks", Status: OK, Summary: fmt.Sprintf("our %d socket hooks are attached to %s", len(inspect.SocketHooks()), where)})
 		}

@@ -37,6 +37,12 @@ type Feature struct {
 	Has func() bool
 }
 
+// Refusable reports whether a kernel as new as f.Kernel may refuse f all
+// the same, by policy rather than by build: BPF trampolines (fentry) are
+// refused under some BPF LSM policies and lockdown setups, as on the
+// machine CI runs on.
+func (f Feature) Refusable() bool { return f.Name == "fentry_tcp_connect" }
+
 // Status is a Feature's probed answer.
 type Status struct {
 	Name      string `json:"name"`
@@ -51,6 +57,8 @@ type Status struct {
 func All() []Feature {
 	const refuse = "the agent refuses to start: there is no fallback"
 	return []Feature{
+		{"fentry_tcp_connect", "5.5", "direct host probes (H1): an fentry program on tcp_connect() files the node's probes, one call per connect; nothing of ours runs for the node's other sockets (arm64: Linux 6.0; refused under some BPF LSM policies)",
+			"a connect and a sockops program on the node's cgroup root file them: every TCP connection of the node runs them, about ten calls", false, HasFentryTCPConnect},
 		{"sk_assign", "5.7", "tc: hand inbound flows to ztunnel's listener (bpf_sk_assign)", refuse, true, HasSkAssign},
 		{"netns_cookie_sock_addr", "5.7", "connect/sendmsg hooks: scope capture to enrolled pods", refuse, true, HasNetnsCookieSockAddr},
 		{"cgroup_getpeername", "5.8", "getpeername hooks: a redirected socket names its original peer", refuse, true, HasCgroupGetpeername},

@@ -167,3 +167,28 @@ func probeSockmapLink() error {
 	}
 	return l.Close()
 }
+
+// HasFentryTCPConnect reports fentry programs on the kernel's
+// tcp_connect() (Linux 5.5 on x86-64, 6.0 on arm64: BPF trampolines and
+// kernel BTF): a trivial one loads and attaches. A kernel may refuse them
+// all the same (a BPF LSM policy, lockdown): that counts as missing.
+var HasFentryTCPConnect = sync.OnceValue(func() bool { liftMemlock(); return probeFentryTCPConnect() == nil })
+
+func probeFentryTCPConnect() error {
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type:         ebpf.Tracing,
+		AttachType:   ebpf.AttachTraceFEntry,
+		AttachTo:     "tcp_connect",
+		License:      "GPL",
+		Instructions: asm.Instructions{asm.LoadImm(asm.R0, 0, asm.DWord), asm.Return()},
+	})
+	if err != nil {
+		return err
+	}
+	defer prog.Close()
+	l, err := link.AttachTracing(link.TracingOptions{Program: prog})
+	if err != nil {
+		return err
+	}
+	return l.Close()
+}

@@ -22,4 +22,5 @@ var (
 	HasNetnsCookieSockopt  = missing
 	HasSockmapAccel        = missing
 	HasSockmapLink         = missing
+	HasFentryTCPConnect    = missing
 )

@@ -22,6 +22,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 )
 
@@ -237,7 +238,7 @@ func (e *env) bystander(res *Results) {
 				d += v.runtime - before[k].runtime
 			}
 			add(bpfNs, p, float64(d)/float64(max(r.Conns, 1)))
-			res.Notes["bystander "+p.kind+": per connection, each program attached to the node's root or the pods' cgroup (last repetition)"] =
+			res.Notes["bystander "+p.kind+": per connection, each program attached to the node's root or the pods' cgroup, or at tcp_connect (last repetition)"] =
 				runsNote(before, after, max(r.Conns, 1))
 		}
 		before := floorRuns(e.t, floorProgs)
@@ -266,8 +267,8 @@ func (e *env) bystander(res *Results) {
 			newFigure("bystander_"+kind+"_rr_p50", "us", "lower", "ebpf/direct <= 1.01", p50[kind]).WithNote(how+what),
 			newFigure("bystander_"+kind+"_rr_p99", "us", "lower", "ebpf/direct <= 1.01", p99[kind]).WithNote(how+what),
 			newFigure("bystander_"+kind+"_bpf_ns", "ns/conn", "lower", "<= 500", bpfNs[kind]).WithNote(
-				what+"; the run time (BPF_ENABLE_STATS) of every program attached to the node's root and the pods' cgroup during a "+
-					"conn_rate_seq run of the hooked pair, per connection (both ends)"),
+				what+"; the run time (BPF_ENABLE_STATS) of every program attached to the node's root and the pods' cgroup, and of the "+
+					"host-probe program at tcp_connect, during a conn_rate_seq run of the hooked pair, per connection (both ends)"),
 		)
 	}
 	res.Figures = append(res.Figures, newFigure("bystander_floor_bpf_ns", "ns/conn", "lower", "", bpfNs["floor"]).WithNote(
@@ -321,8 +322,8 @@ type progRun struct {
 }
 
 // ourRuns is the run time and count so far of every program attached
-// to the node's root cgroup and the pods' cgroup (BPF_ENABLE_STATS on), by
-// "<cgroup>/<program>(<id>)".
+// to the node's root cgroup and the pods' cgroup, and of the host-probe
+// program on tcp_connect (BPF_ENABLE_STATS on), by "<where>/<program>(<id>)".
 func (e *env) ourRuns() map[string]progRun {
 	e.t.Helper()
 	type attached struct {
@@ -345,6 +346,16 @@ func (e *env) ourRuns() map[string]progRun {
 			}
 		}
 		f.Close()
+	}
+	// bpf/probe.c's program runs at every TCP connect of the node, from
+	// whichever cgroup: attached by a pinned fentry link, not to a cgroup.
+	if prog, err := pinnedProgram(filepath.Join(e.node.BPFFSDir, "links", bpfobj.ProbeConnectPin)); err == nil {
+		if info, err := prog.Info(); err == nil {
+			if id, ok := info.ID(); ok {
+				ids = append(ids, attached{id, "tcp_connect"})
+			}
+		}
+		prog.Close()
 	}
 	out := map[string]progRun{}
 	for _, a := range ids {

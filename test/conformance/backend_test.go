@@ -77,7 +77,10 @@ type ebpfBackend struct {
 	accel  accel.Mode
 	probes bpfobj.ProbeMode      // "": SNAT, as istio-cni, which the rows compare with
 	hooks  dataplane.SocketHooks // "": shared, at the node's cgroup root
-	dp     *dataplane.Dataplane
+	// split: the shared hooks on the pods' cgroup (as the agent's
+	// --pods-cgroup=auto does on a node), the rest on the root.
+	split bool
+	dp    *dataplane.Dataplane
 }
 
 func (b *ebpfBackend) name() string {
@@ -98,7 +101,7 @@ func (b *ebpfBackend) setup(t *testing.T, n *simnode.Node) {
 	if b.probes != "" {
 		cfg.HostProbes = b.probes
 	}
-	if b.hooks == dataplane.SocketHooksPods {
+	if b.hooks == dataplane.SocketHooksPods || b.split {
 		cfg.PodsCgroup, cfg.SocketHooks = n.PodsCgroup, b.hooks
 	}
 	dp, err := dataplane.New(cfg)

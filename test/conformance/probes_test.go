@@ -14,12 +14,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 
 	"github.com/ambient-ebpf/ambient-ebpf/internal/testenv"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/inspect"
+	"github.com/ambient-ebpf/ambient-ebpf/pkg/features"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/podopts"
 	"github.com/ambient-ebpf/ambient-ebpf/test/simnode"
 	"github.com/ambient-ebpf/ambient-ebpf/test/ztunnel/standin"
@@ -32,7 +35,7 @@ import (
 // and packets from another netns that carry the node's address or the
 // probe address, are captured.
 func TestHostProbesDirect(t *testing.T) {
-	b := &ebpfBackend{probes: bpfobj.ProbeDirect}
+	b := &ebpfBackend{probes: bpfobj.ProbeDirect, split: true}
 	e := newEnv(t, b)
 	t.Run("nothing_on_the_node_side_of_the_veths", func(t *testing.T) {
 		for _, p := range []*simnode.Pod{e.a, e.bpod, e.d, e.e} {
@@ -41,6 +44,7 @@ func TestHostProbesDirect(t *testing.T) {
 			}
 		}
 	})
+	t.Run("probes_filed_at_connect_where_the_kernel_allows", func(t *testing.T) { probesFiledAtConnect(t, e.node) })
 	defer t.Run("H1_direct_flows_of_finished_probes_go_away", func(t *testing.T) { probeEntriesGoAway(t, e.node) })
 	runScenarios(t, e, directScenarios(), &outcomes{got: map[string]map[string]Outcome{}})
 }
@@ -137,6 +141,58 @@ func probeEntriesGoAway(t *testing.T, n *simnode.Node) {
 	}) {
 		t.Fatalf("%d host-probe entries left after every probe ended: %+v", len(left), left[:min(3, len(left))])
 	}
+}
+
+// probesFiledAtConnect checks where the direct mode files the node's
+// probes: at tcp_connect() (bpf/probe.c, links/probe_connect) where the
+// kernel takes fentry programs, with nothing on the node's cgroup root;
+// elsewhere by the node-wide half of the socket programs on the root (the
+// links node_*). The kernels of the matrix take fentry (make test-kernels
+// sets AMBIENT_EBPF_GUEST); the CI machine's refuses it by policy.
+func probesFiledAtConnect(t *testing.T, n *simnode.Node) {
+	t.Helper()
+	links := filepath.Join(n.BPFFSDir, "links")
+	_, err := os.Stat(filepath.Join(links, bpfobj.ProbeConnectPin))
+	atConnect := err == nil
+	if atConnect != features.HasFentryTCPConnect() {
+		t.Fatalf("links/%s pinned: %v, fentry on tcp_connect: %v", bpfobj.ProbeConnectPin, atConnect, features.HasFentryTCPConnect())
+	}
+	if os.Getenv("AMBIENT_EBPF_GUEST") != "" && !atConnect {
+		t.Errorf("a kernel of the matrix refuses fentry on tcp_connect: the node-wide half is attached instead")
+	}
+	for _, h := range bpfobj.NodeScopeHooks() {
+		_, err := os.Stat(filepath.Join(links, h.Name))
+		if pinned := err == nil; pinned == atConnect {
+			t.Errorf("links/%s pinned: %v, with probes filed at connect: %v", h.Name, pinned, atConnect)
+		}
+	}
+	root := rootPrograms(t, n)
+	t.Logf("probes filed at connect: %v; programs on the node's cgroup root: %v", atConnect, root)
+	if atConnect && len(root) != 0 {
+		t.Errorf("programs on the node's cgroup root with probes filed at connect: %v", root)
+	}
+}
+
+// rootPrograms lists the programs attached to the simulated node's cgroup
+// root, by attach type.
+func rootPrograms(t *testing.T, n *simnode.Node) []string {
+	t.Helper()
+	f, err := os.Open(n.CgroupRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var out []string
+	for _, a := range []ebpf.AttachType{ebpf.AttachCGroupInet4Connect, ebpf.AttachCGroupInet6Connect, ebpf.AttachCGroupSockOps} {
+		q, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: a})
+		if err != nil {
+			t.Fatalf("query %v programs on %s: %v", a, n.CgroupRoot, err)
+		}
+		for range q.Programs {
+			out = append(out, a.String())
+		}
+	}
+	return out
 }
 
 // nodeSideFilters lists the tc filters on the node side of a pod's veth.

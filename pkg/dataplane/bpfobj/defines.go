@@ -6,6 +6,7 @@ package bpfobj
 import (
 	"fmt"
 	"net/netip"
+	"time"
 )
 
 // The #define constants of bpf/include/common.h, copied by hand (bpf2go
@@ -25,6 +26,12 @@ const (
 	CfgSkLookupIfindex    = 1 << 3
 	CfgProbeDirect        = 1 << 4
 	CfgNodeScope          = 1 << 5
+	CfgProbeConnect       = 1 << 6
+
+	// ProbeFlowTTL is AE_PROBE_FLOW_TTL_NS: how long after its connect a
+	// host probe's filed flow (direct mode) lets its SYN through; the
+	// agent sweeps older entries no SYN used.
+	ProbeFlowTTL = 10 * time.Second
 
 	// ListenerSlots is AE_LISTENER_SLOTS: ae_listeners' slots per pod and
 	// port.

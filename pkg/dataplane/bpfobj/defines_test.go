@@ -29,6 +29,8 @@ func TestConstantsMatchCommonH(t *testing.T) {
 		"AE_CFG_SK_LOOKUP_IFINDEX":    CfgSkLookupIfindex,
 		"AE_CFG_PROBE_DIRECT":         CfgProbeDirect,
 		"AE_CFG_NODE_SCOPE":           CfgNodeScope,
+		"AE_CFG_PROBE_CONNECT":        CfgProbeConnect,
+		"AE_PROBE_FLOW_TTL_NS":        uint64(ProbeFlowTTL),
 		"AE_META_FREE":                MetaFree,
 		"AE_META_ENROLLED":            MetaEnrolled,
 		"AE_META_ENROLLING":           MetaEnrolling,

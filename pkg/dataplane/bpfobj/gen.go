@@ -7,6 +7,9 @@ package bpfobj
 // and the outputs are committed; `make check-generated` keeps them honest.
 //go:generate go tool bpf2go -tags linux,!ae_layout_next -target bpfel -type ae_addr -type pod_info -type netns_info -type pod_meta -type pod_stats -type orig_key -type orig_dst -type probe_key -type probe_nat -type ae_event -type ae_reason Sock ../../../bpf/sock.c -- -I../../../headers -I../../../bpf/include
 //go:generate go tool bpf2go -tags linux,!ae_layout_next -target bpfel Tc ../../../bpf/tc.c -- -I../../../headers -I../../../bpf/include
+// Host probes filed at tcp_connect() (fentry; the direct mode where the
+// kernel takes it); loaded next to the sock object, on its maps.
+//go:generate go tool bpf2go -tags linux,!ae_layout_next -target bpfel Probe ../../../bpf/probe.c -- -I../../../headers -I../../../bpf/include
 // The iterator that files listeners ztunnel opened before the enrolment
 // (sk_lookup mode, Linux 5.17); loaded unpinned, next to the sock object.
 // Its BTF (struct sock's whole type graph) comes out of clang-19 in an

@@ -49,6 +49,10 @@ func NodeScopeHooks() []NodeHook {
 	return out
 }
 
+// ProbeConnectPin is the pin under links/ of bpf/probe.c's fentry link on
+// tcp_connect() (the direct host-probe mode where the kernel takes it).
+const ProbeConnectPin = "probe_connect"
+
 // NodeScopePrefix starts the pin names of NodeScopeHooks.
 const NodeScopePrefix = "node_"
 

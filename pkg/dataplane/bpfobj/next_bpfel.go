@@ -186,3 +186,84 @@ type TcObjects = next.TcObjects
 type TcMaps = next.TcMaps
 type TcVariables = next.TcVariables
 type TcPrograms = next.TcPrograms
+
+// From probe_bpfel.go.
+type ProbeAeAddr = next.ProbeAeAddr
+type ProbeAeConfig = next.ProbeAeConfig
+type ProbeAeEvent = next.ProbeAeEvent
+type ProbeAeReason = next.ProbeAeReason
+
+const ProbeAeReasonAE_R_NONE = next.ProbeAeReasonAE_R_NONE
+const ProbeAeReasonAE_R_NOT_ENROLLED = next.ProbeAeReasonAE_R_NOT_ENROLLED
+const ProbeAeReasonAE_R_ZTUNNEL_MARK = next.ProbeAeReasonAE_R_ZTUNNEL_MARK
+const ProbeAeReasonAE_R_LOOPBACK = next.ProbeAeReasonAE_R_LOOPBACK
+const ProbeAeReasonAE_R_OWN_IP = next.ProbeAeReasonAE_R_OWN_IP
+const ProbeAeReasonAE_R_PROBE_DEST = next.ProbeAeReasonAE_R_PROBE_DEST
+const ProbeAeReasonAE_R_UDP_NOT_DNS = next.ProbeAeReasonAE_R_UDP_NOT_DNS
+const ProbeAeReasonAE_R_DNS_CAPTURE_OFF = next.ProbeAeReasonAE_R_DNS_CAPTURE_OFF
+const ProbeAeReasonAE_R_NOT_TCP = next.ProbeAeReasonAE_R_NOT_TCP
+const ProbeAeReasonAE_R_OUTBOUND = next.ProbeAeReasonAE_R_OUTBOUND
+const ProbeAeReasonAE_R_DNS = next.ProbeAeReasonAE_R_DNS
+const ProbeAeReasonAE_R_ORIG_DST_ERROR = next.ProbeAeReasonAE_R_ORIG_DST_ERROR
+const ProbeAeReasonAE_R_INBOUND = next.ProbeAeReasonAE_R_INBOUND
+const ProbeAeReasonAE_R_INGRESS_MODE = next.ProbeAeReasonAE_R_INGRESS_MODE
+const ProbeAeReasonAE_R_HBONE = next.ProbeAeReasonAE_R_HBONE
+const ProbeAeReasonAE_R_FROM_POD = next.ProbeAeReasonAE_R_FROM_POD
+const ProbeAeReasonAE_R_ZTUNNEL_DELIVERY = next.ProbeAeReasonAE_R_ZTUNNEL_DELIVERY
+const ProbeAeReasonAE_R_PROBE_SOURCE = next.ProbeAeReasonAE_R_PROBE_SOURCE
+const ProbeAeReasonAE_R_NO_LISTENER = next.ProbeAeReasonAE_R_NO_LISTENER
+const ProbeAeReasonAE_R_ASSIGN_ERROR = next.ProbeAeReasonAE_R_ASSIGN_ERROR
+const ProbeAeReasonAE_R_REROUTE = next.ProbeAeReasonAE_R_REROUTE
+const ProbeAeReasonAE_R_PROBE_SNAT = next.ProbeAeReasonAE_R_PROBE_SNAT
+const ProbeAeReasonAE_R_FORWARDED = next.ProbeAeReasonAE_R_FORWARDED
+const ProbeAeReasonAE_R_PROBE_PORT_TAKEN = next.ProbeAeReasonAE_R_PROBE_PORT_TAKEN
+const ProbeAeReasonAE_R_PROBE_TABLE_FULL = next.ProbeAeReasonAE_R_PROBE_TABLE_FULL
+const ProbeAeReasonAE_R_REWRITE_ERROR = next.ProbeAeReasonAE_R_REWRITE_ERROR
+const ProbeAeReasonAE_R_ORIG_DST_FULL = next.ProbeAeReasonAE_R_ORIG_DST_FULL
+const ProbeAeReasonAE_R_LOCAL_FLOW_FULL = next.ProbeAeReasonAE_R_LOCAL_FLOW_FULL
+const ProbeAeReasonAE_R_LISTENER_FULL = next.ProbeAeReasonAE_R_LISTENER_FULL
+const ProbeAeReasonAE_R_PROBE_DIRECT = next.ProbeAeReasonAE_R_PROBE_DIRECT
+const ProbeAeReasonAE_R_MAX = next.ProbeAeReasonAE_R_MAX
+
+type ProbeListenerKey = next.ProbeListenerKey
+type ProbeNetnsInfo = next.ProbeNetnsInfo
+type ProbeOrigDst = next.ProbeOrigDst
+type ProbeOrigKey = next.ProbeOrigKey
+type ProbePodInfo = next.ProbePodInfo
+type ProbePodMeta = next.ProbePodMeta
+type ProbePodStats = next.ProbePodStats
+type ProbeProbeKey = next.ProbeProbeKey
+type ProbeProbeNat = next.ProbeProbeNat
+type ProbeSteerKey = next.ProbeSteerKey
+
+const ProbeMapAeDecisions = next.ProbeMapAeDecisions
+const ProbeMapAeListeners = next.ProbeMapAeListeners
+const ProbeMapAeLocalFlows = next.ProbeMapAeLocalFlows
+const ProbeMapAeNetns = next.ProbeMapAeNetns
+const ProbeMapAeNodeCfg = next.ProbeMapAeNodeCfg
+const ProbeMapAeOrigDst = next.ProbeMapAeOrigDst
+const ProbeMapAePodMeta = next.ProbeMapAePodMeta
+const ProbeMapAePods = next.ProbeMapAePods
+const ProbeMapAeProbeNat = next.ProbeMapAeProbeNat
+const ProbeMapAeSkDst = next.ProbeMapAeSkDst
+const ProbeMapAeStats = next.ProbeMapAeStats
+const ProbeMapAeSteer = next.ProbeMapAeSteer
+const ProbeMapAeTrace = next.ProbeMapAeTrace
+const ProbeProgAeProbeConnect = next.ProbeProgAeProbeConnect
+const ProbeVarAeCfg = next.ProbeVarAeCfg
+const ProbeVarAeNodeNetnsIno = next.ProbeVarAeNodeNetnsIno
+
+func LoadProbe() (*ebpf.CollectionSpec, error) { return next.LoadProbe() }
+
+func LoadProbeObjects(obj any, opts *ebpf.CollectionOptions) error {
+	return next.LoadProbeObjects(obj, opts)
+}
+
+type ProbeSpecs = next.ProbeSpecs
+type ProbeProgramSpecs = next.ProbeProgramSpecs
+type ProbeMapSpecs = next.ProbeMapSpecs
+type ProbeVariableSpecs = next.ProbeVariableSpecs
+type ProbeObjects = next.ProbeObjects
+type ProbeMaps = next.ProbeMaps
+type ProbeVariables = next.ProbeVariables
+type ProbePrograms = next.ProbePrograms
