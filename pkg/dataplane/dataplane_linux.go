@@ -283,7 +283,11 @@ func (d *Dataplane) pickMechanisms() {
 	// node's root that every TCP connection of the node would run
 	// (probes_linux.go).
 	if d.cfg.HostProbes == bpfobj.ProbeDirect && features.HasFentryTCPConnect() {
-		d.bpfFlags |= bpfobj.CfgProbeConnect
+		if err := probeProgramLoads(); err != nil {
+			d.log.Warn("host probes are filed by the node-wide half on the cgroup root: the kernel takes fentry, not bpf/probe.c", "error", err)
+		} else {
+			d.bpfFlags |= bpfobj.CfgProbeConnect
+		}
 	}
 	d.log.Info("dataplane mechanisms", "sk_lookup_inbound", d.skLookupInbound, "tcx", features.HasTCX(), "so_netns_cookie", features.HasSONetnsCookie(),
 		"netns_cookie_sockops", features.HasNetnsCookieSockops(), "netns_cookie_sockopt", features.HasNetnsCookieSockopt(),

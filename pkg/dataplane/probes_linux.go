@@ -29,6 +29,25 @@ import (
 // probes with bpf/probe.c.
 func (d *Dataplane) probesAtConnect() bool { return d.bpfFlags&bpfobj.CfgProbeConnect != 0 }
 
+// probeProgramLoads loads bpf/probe.c on maps of its own, unpinned, and
+// closes it: whether this kernel's verifier and BTF take the program
+// itself, beyond the trivial one of the feature probe. Where they do not,
+// the node-wide half files host probes instead of the agent failing.
+func probeProgramLoads() error {
+	spec, err := bpfobj.LoadProbe()
+	if err != nil {
+		return fmt.Errorf("read the host-probe program: %w", err)
+	}
+	for _, m := range spec.Maps {
+		m.Pinning = ebpf.PinNone
+	}
+	var progs bpfobj.ProbePrograms // and the maps it uses, nothing more
+	if err := spec.LoadAndAssign(&progs, nil); err != nil {
+		return fmt.Errorf("load the host-probe program: %w", err)
+	}
+	return progs.Close()
+}
+
 // loadProbeConnect loads bpf/probe.c on the socket programs' maps.
 func (d *Dataplane) loadProbeConnect() error {
 	if !d.probesAtConnect() {
