@@ -21,11 +21,7 @@ type probeSweeper interface {
 // whose SYN never reached the pod; without the sweep such entries would
 // fill ae_probe_nat over the node's life.
 func (a *agent) sweepProbeFlows(ctx context.Context, dp probeSweeper) {
-	a.sweepProbeFlowsEvery(ctx, dp, bpfobj.ProbeFlowTTL)
-}
-
-func (a *agent) sweepProbeFlowsEvery(ctx context.Context, dp probeSweeper, every time.Duration) {
-	t := time.NewTicker(every)
+	t := time.NewTicker(bpfobj.ProbeFlowTTL)
 	defer t.Stop()
 	for {
 		select {
