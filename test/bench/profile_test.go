@@ -8,6 +8,7 @@ package bench
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"testing"
 	"time"
 
 	"github.com/ambient-ebpf/ambient-ebpf/test/bench/benchdoc"
@@ -81,6 +83,123 @@ func (e *env) profile(res *Results) {
 		_, cpu := prof.finish(leanFrames)
 		res.Notes["lean proxy CPU profile (perf, one conn_rate_seq run), "+v.name] = cpu
 	}
+	e.redirectProfile(res)
+}
+
+// redirectProfile shows where redirect_cpu_us goes: the whole machine
+// sampled (perf -a) during one conn_rate_seq run of direct+proxy, then of
+// each meshed backend through the same lean proxy, and each function's own
+// time per connection set against direct+proxy's. What both runs share
+// (the load generator, the relays, the three TCP connections) cancels;
+// what is left is the redirection, function by function.
+func (e *env) redirectProfile(res *Results) {
+	const hz = 1999
+	perConn := map[string]map[string]float64{}
+	for _, v := range e.leanVariants(res) {
+		if v.name != variantProxy && v.name != pathIptables && v.name != pathEBPF {
+			continue
+		}
+		prof := startPerf(e.t.TempDir(), true, hz, "-a")
+		r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: e.s.duration})
+		prof.stop()
+		if prof.perf == nil {
+			res.Notes["redirection CPU by function"] = prof.err
+			return
+		}
+		samples, err := perfSamples(prof.data)
+		os.Remove(prof.data)
+		if err != nil {
+			res.Notes["redirection CPU by function"] = "no CPU profile: " + err.Error()
+			return
+		}
+		m := map[string]float64{}
+		for sym, n := range samples {
+			m[sym] = float64(n) / hz * 1e6 / float64(max(r.Conns, 1))
+		}
+		perConn[v.name] = m
+	}
+	base := perConn[variantProxy]
+	for _, name := range []string{pathEBPF, pathIptables} {
+		if perConn[name] == nil || base == nil {
+			continue
+		}
+		res.Notes["redirection CPU by function (perf -a, own time in us per connection minus direct+proxy's, one conn_rate_seq run each), "+name] =
+			symbolDeltas(perConn[name], base, 14)
+	}
+}
+
+// perfSamples counts a perf.data file's samples by function (own time),
+// idle CPUs left out.
+func perfSamples(data string) (map[string]int64, error) {
+	out, err := exec.Command("perf", "report", "-i", data, "--stdio", "--no-header", "--no-children", "-n",
+		"--sort", "comm,symbol", "-g", "none").Output()
+	if err != nil {
+		return nil, fmt.Errorf("perf report: %w", err)
+	}
+	return parseSamples(string(out)), nil
+}
+
+// parseSamples reads perf report's "share samples comm [k] symbol ..."
+// lines (the columns after the symbol left aside); the idle task's
+// samples (comm swapper) are left out.
+func parseSamples(out string) map[string]int64 {
+	m := map[string]int64{}
+	for l := range strings.Lines(out) {
+		f := strings.Fields(l)
+		if len(f) < 5 || !strings.HasSuffix(f[0], "%") {
+			continue
+		}
+		n, err := strconv.ParseInt(f[1], 10, 64)
+		if err != nil {
+			continue
+		}
+		// The comm may hold spaces: the symbol follows the [k] or [.] tag.
+		i := slices.IndexFunc(f[2:], func(s string) bool { return s == "[k]" || s == "[.]" })
+		if i < 0 || 2+i+1 >= len(f) {
+			continue
+		}
+		if strings.Join(f[2:2+i], " ") == "swapper" {
+			continue
+		}
+		m[f[2+i+1]] += n
+	}
+	return m
+}
+
+// symbolDeltas lists the total difference and the n functions whose own
+// time per connection grew most from base to got.
+func symbolDeltas(got, base map[string]float64, n int) string {
+	type delta struct {
+		sym string
+		d   float64
+	}
+	var ds []delta
+	var total, all float64
+	for sym, v := range got {
+		all += v
+		total += v - base[sym]
+		ds = append(ds, delta{sym, v - base[sym]})
+	}
+	for sym, v := range base {
+		if _, ok := got[sym]; !ok {
+			total -= v
+			ds = append(ds, delta{sym, -v})
+		}
+	}
+	slices.SortFunc(ds, func(a, b delta) int {
+		if a.d != b.d {
+			if a.d > b.d {
+				return -1
+			}
+			return 1
+		}
+		return strings.Compare(a.sym, b.sym)
+	})
+	parts := []string{fmt.Sprintf("total %+.1f of %.1f", total, all)}
+	for _, d := range ds[:min(n, len(ds))] {
+		parts = append(parts, fmt.Sprintf("%s %+.1f", d.sym, d.d))
+	}
+	return strings.Join(parts, "; ")
 }
 
 // leanFrames are the functions worth naming in the lean proxy's profile:
@@ -318,4 +437,24 @@ func perfTop(data, key string, children bool, n int, match *regexp.Regexp, of fl
 		return "no samples", nil
 	}
 	return strings.Join(parts, "; "), nil
+}
+
+func TestParseSamples(t *testing.T) {
+	out := `# Overhead       Samples  Command          Symbol                                         IPC   [IPC Coverage]
+# ........  ............  ...............  .............................................  ....................
+#
+     9.33%           373  gzip             [.] 0x000000000000cc5c                         -      -
+     6.65%           266  gzip             [k] copy_folio_from_iter_atomic                -      -
+     5.00%           200  swapper          [k] pv_native_safe_halt                        -      -
+     1.00%            40  kworker/0:1 H    [k] copy_folio_from_iter_atomic                -      -
+     0.50%            20  lean proxy       [k] tcp_v4_rcv
+`
+	got := parseSamples(out)
+	want := map[string]int64{"0x000000000000cc5c": 373, "copy_folio_from_iter_atomic": 306, "tcp_v4_rcv": 20}
+	if !maps.Equal(got, want) {
+		t.Errorf("parseSamples = %v, want %v", got, want)
+	}
+	if d := symbolDeltas(map[string]float64{"a": 3, "b": 1}, map[string]float64{"a": 1, "c": 0.5}, 2); d != "total +2.5 of 4.0; a +2.0; b +1.0" {
+		t.Errorf("symbolDeltas = %q", d)
+	}
 }
