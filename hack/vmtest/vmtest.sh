@@ -16,7 +16,10 @@
 # panics (no exit marker).
 #
 # A VMTEST_PKGS entry PKG:PATTERN runs only PKG's tests matching PATTERN
-# (a -test.run pattern). Packages whose tests run the real agent get
+# (a -test.run pattern); KERNELS@PKG[:PATTERN] runs it only on the
+# kernels of the comma-separated KERNELS (names as given on the command
+# line: 5.10,6.1), so that one boot per kernel carries everything that
+# kernel runs. Packages whose tests run the real agent get
 # their binaries prebuilt here (hack/testbins: this tree's agent, its
 # next-layout build, the last release's), since the guest has no Go
 # toolchain or git; the guest finds them through AMBIENT_EBPF_TEST_BINS.
@@ -56,21 +59,41 @@ log() { echo "vmtest: $*" >&2; }
 karch() { case $1 in arm64-*) echo arm64 ;; *) echo amd64 ;; esac; }
 kseries() { echo "${1#arm64-}"; }
 
+# asked ARCH KERNELS: whether a kernel of this run (run_kernels) of
+# architecture ARCH is among the comma-separated KERNELS.
+asked() {
+	local k
+	for k in $run_kernels; do
+		[ "$(karch "$k")" = "$1" ] || continue
+		case ",$2," in *",$k,"*) return 0 ;; esac
+	done
+	return 1
+}
+
 # build_tests [ARCH]: the test binaries, into $work/tests (amd64, the
 # default) or $work/tests.arm64.
 build_tests() {
 	local arch=${1:-amd64} dir=$work/tests pkgs=$VMTEST_PKGS
 	[ "$arch" = amd64 ] || dir=$work/tests.$arch pkgs=$VMTEST_ARM64_PKGS
 	mkdir -p "$dir"
-	local entry pkg run name
+	local entry pkg run name kernels
 	for entry in $pkgs; do
+		kernels=""
+		case $entry in *@*) kernels=${entry%%@*} entry=${entry#*@} ;; esac
+		# Left out: what no kernel of this run and this architecture asks for.
+		[ -z "$kernels" ] || asked "$arch" "$kernels" || continue
 		pkg=${entry%%:*} run=""
 		[ "$pkg" = "$entry" ] || run=${entry#*:}
 		name=$(echo "${pkg#./}" | tr / _)
+		if [ -e "$dir/$name.test" ]; then
+			log "$pkg is named twice in the package list: one entry per package"
+			exit 2
+		fi
 		(cd "$root" && CGO_ENABLED=0 GOARCH=$arch $GO test -c -o "$dir/$name.test" "$pkg")
 		(cd "$root" && $GO list -f '{{.ImportPath}}' "$pkg") >"$dir/$name.test.pkg"
 		(cd "$root" && $GO list -f '{{.Dir}}' "$pkg") >"$work/dir.$name"
 		[ -z "$run" ] || echo "$run" >"$dir/$name.test.run"
+		[ -z "$kernels" ] || echo "$kernels" | tr , '\n' >"$dir/$name.test.kernels"
 		if [ "$arch" != amd64 ] && { [ "$pkg" = ./test/agente2e ] || [ "$pkg" = ./test/takeover ]; }; then
 			log "$pkg needs prebuilt agent binaries, built for amd64 only: not on $arch"
 			exit 2
@@ -111,6 +134,7 @@ run_host() {
 	local rel t rc=0
 	rel=$(uname -r)
 	for t in "$work"/tests/*.test; do
+		[ ! -e "$t.kernels" ] || grep -qx host "$t.kernels" || continue
 		echo "VMTEST-PKG $(cat "$t.pkg")"
 		local run=${VMTEST_RUN:-}
 		[ -n "$run" ] || [ ! -e "$t.run" ] || run=$(cat "$t.run")
@@ -242,7 +266,7 @@ run_vm() {
 	: >"$results"
 	local bins=""
 	[ ! -d "$work/bins" ] || bins=/bins
-	local env="CI=${CI:-} VMTEST_RUN=${VMTEST_RUN:-} VMTEST_SKIP=$VMTEST_GUEST_SKIP AMBIENT_EBPF_TEST_BINS=$bins AMBIENT_EBPF_GUEST=1"
+	local env="CI=${CI:-} VMTEST_KERNEL=$k VMTEST_RUN=${VMTEST_RUN:-} VMTEST_SKIP=$VMTEST_GUEST_SKIP AMBIENT_EBPF_TEST_BINS=$bins AMBIENT_EBPF_GUEST=1"
 	local qemu=(qemu-system-x86_64 -accel tcg,thread=multi -cpu max)
 	local io=(-serial "file:$console" -serial "file:$results")
 	local console_dev=ttyS0
@@ -277,6 +301,7 @@ for k in "$@"; do
 	*) log "unknown kernel $k (want host, 5.10, 6.1, 6.12, arm64-6.1 or arm64-6.12)"; exit 2 ;;
 	esac
 done
+run_kernels="$*"
 build_tests
 case " $* " in *" arm64-"*) build_tests arm64 ;; esac
 for k in "$@"; do
