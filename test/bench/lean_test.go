@@ -244,7 +244,7 @@ func (e *env) lean(res *Results) {
 		newFigure("lean_rr_latency_p99", "us", "lower", "<= 0.8x iptables", p99),
 		newFigure("lean_throughput", "Gbit/s", "higher", "", tput).WithNote("as throughput, through the lean proxy (128 KiB writes; the proxy relays up to 64 KiB a read)"),
 		newFigure("lean_conn_cpu_us", "us CPU/conn", "lower", "", cpu).WithNote(cpuNote+"; direct: no proxy"),
-		newFigure("redirect_cpu_us", "us CPU/conn", "lower", "ebpf <= 0.5x iptables", redirect).WithNote(
+		newFigure("redirect_cpu_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", redirect).WithNote(
 			"lean_conn_cpu_us of the meshed path minus direct+proxy's of the same repetition: what the redirection costs (capture, "+
 				"SO_ORIGINAL_DST, the return path, conntrack and NAT where there are any), the relays and the three TCP connections being "+
 				"the same on both sides"),

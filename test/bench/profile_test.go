@@ -87,45 +87,116 @@ func (e *env) profile(res *Results) {
 }
 
 // redirectProfile shows where redirect_cpu_us goes: the whole machine
-// sampled (perf -a) during one conn_rate_seq run of direct+proxy, then of
-// each meshed backend through the same lean proxy, and each function's own
-// time per connection set against direct+proxy's. What both runs share
-// (the load generator, the relays, the three TCP connections) cancels;
-// what is left is the redirection, function by function.
+// sampled (perf -a) during conn_rate_seq runs of direct+proxy and of each
+// meshed backend through the same lean proxy, alternating, three rounds;
+// each function's own time per connection is set against direct+proxy's
+// of the same round. What both share (the load generator, the relays, the
+// three TCP connections) cancels; what is left is the redirection, by
+// function and by kind (BPF, netfilter, locks, routing). Unlike
+// redirect_cpu_us (the pods' and the proxy's cgroups), perf -a also sees
+// softirq work that lands on an idle CPU.
 func (e *env) redirectProfile(res *Results) {
-	const hz = 1999
-	perConn := map[string]map[string]float64{}
-	for _, v := range e.leanVariants(res) {
-		if v.name != variantProxy && v.name != pathIptables && v.name != pathEBPF {
-			continue
+	const hz, rounds = 1999, 3
+	deltas := map[string][]float64{}            // per round: the variant's total minus direct+proxy's
+	sums := map[string]map[string]float64{}     // over the rounds: us per connection by function
+	byKind := map[string]map[string][]float64{} // per round: the difference by kind
+	for range rounds {
+		round := map[string]map[string]float64{}
+		for _, v := range e.leanVariants(res) {
+			if v.name != variantProxy && v.name != pathIptables && v.name != pathEBPF {
+				continue
+			}
+			prof := startPerf(e.t.TempDir(), true, hz, "-a")
+			r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: e.s.duration})
+			prof.stop()
+			if prof.perf == nil {
+				res.Notes["redirection CPU by function"] = prof.err
+				return
+			}
+			samples, err := perfSamples(prof.data)
+			os.Remove(prof.data)
+			if err != nil {
+				res.Notes["redirection CPU by function"] = "no CPU profile: " + err.Error()
+				return
+			}
+			m := map[string]float64{}
+			for sym, n := range samples {
+				m[sym] = float64(n) / hz * 1e6 / float64(max(r.Conns, 1))
+			}
+			round[v.name] = m
+			if sums[v.name] == nil {
+				sums[v.name] = map[string]float64{}
+			}
+			for sym, us := range m {
+				sums[v.name][sym] += us / rounds
+			}
 		}
-		prof := startPerf(e.t.TempDir(), true, hz, "-a")
-		r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: e.s.duration})
-		prof.stop()
-		if prof.perf == nil {
-			res.Notes["redirection CPU by function"] = prof.err
-			return
+		base := round[variantProxy]
+		for _, name := range []string{pathEBPF, pathIptables} {
+			if round[name] == nil || base == nil {
+				continue
+			}
+			got, want := kinds(round[name]), kinds(base)
+			var total float64
+			for k := range got {
+				total += got[k] - want[k]
+			}
+			for k := range want {
+				if _, ok := got[k]; !ok {
+					total -= want[k]
+				}
+			}
+			deltas[name] = append(deltas[name], total)
+			if byKind[name] == nil {
+				byKind[name] = map[string][]float64{}
+			}
+			for _, k := range profileKinds {
+				byKind[name][k.name] = append(byKind[name][k.name], got[k.name]-want[k.name])
+			}
 		}
-		samples, err := perfSamples(prof.data)
-		os.Remove(prof.data)
-		if err != nil {
-			res.Notes["redirection CPU by function"] = "no CPU profile: " + err.Error()
-			return
-		}
-		m := map[string]float64{}
-		for sym, n := range samples {
-			m[sym] = float64(n) / hz * 1e6 / float64(max(r.Conns, 1))
-		}
-		perConn[v.name] = m
 	}
-	base := perConn[variantProxy]
+	res.Figures = append(res.Figures, newFigure("redirect_profile_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", deltas).WithNote(
+		"the whole machine's CPU (perf -a, cpu-clock at 1999 Hz, idle left out) per connection of a conn_rate_seq run through the lean "+
+			"proxy minus direct+proxy's in the same round, three rounds: the redirection, softirq on idle CPUs included"))
 	for _, name := range []string{pathEBPF, pathIptables} {
-		if perConn[name] == nil || base == nil {
+		if sums[name] == nil || sums[variantProxy] == nil {
 			continue
 		}
-		res.Notes["redirection CPU by function (perf -a, own time in us per connection minus direct+proxy's, one conn_rate_seq run each), "+name] =
-			symbolDeltas(perConn[name], base, 14)
+		var parts []string
+		for _, k := range profileKinds {
+			parts = append(parts, fmt.Sprintf("%s %+.1f", k.name, summarize(byKind[name][k.name]).Median))
+		}
+		res.Notes["redirection CPU by kind (perf -a, us per connection minus direct+proxy's, median of three rounds), "+name] = strings.Join(parts, "; ")
+		res.Notes["redirection CPU by function (perf -a, own time in us per connection minus direct+proxy's, mean of three rounds), "+name] =
+			symbolDeltas(sums[name], sums[variantProxy], 14)
 	}
+}
+
+// profileKinds sort the kernel's functions by what they do; the last,
+// with no pattern, takes the rest.
+var profileKinds = []struct {
+	name string
+	re   *regexp.Regexp
+}{
+	{"bpf", regexp.MustCompile(`^(bpf_|__bpf|___bpf|htab_|__htab|sock_hash|sock_map|__cgroup_bpf|cgroup_bpf|bpf_prog_|bpf_sk|sk_storage|bpf_local)`)},
+	{"netfilter", regexp.MustCompile(`^(nf_|__nf|nft_|__nft|ipt_|ip6t_|xt_|ipv4_conntrack|ipv6_conntrack|hash_conntrack|iptable_|ip6table_|nf_nat|ipv4_confirm|ipv6_confirm)`)},
+	{"locks", regexp.MustCompile(`(spin_lock|spin_unlock|queued_spin|_raw_read_lock|_raw_write_lock)`)},
+	{"routing", regexp.MustCompile(`^(fib_|fib6_|__fib|ip_route|ip6_route|ip6_pol_route|rt_|rt6_|ip_rt|__ip_route|ip_mkroute|__mkroute|dst_|ipv4_dst|ip6_dst)`)},
+	{"rest", nil},
+}
+
+// kinds sums us per connection by profileKinds.
+func kinds(m map[string]float64) map[string]float64 {
+	out := map[string]float64{}
+	for sym, us := range m {
+		for _, k := range profileKinds {
+			if k.re == nil || k.re.MatchString(sym) {
+				out[k.name] += us
+				break
+			}
+		}
+	}
+	return out
 }
 
 // perfSamples counts a perf.data file's samples by function (own time),
@@ -456,5 +527,10 @@ func TestParseSamples(t *testing.T) {
 	}
 	if d := symbolDeltas(map[string]float64{"a": 3, "b": 1}, map[string]float64{"a": 1, "c": 0.5}, 2); d != "total +2.5 of 4.0; a +2.0; b +1.0" {
 		t.Errorf("symbolDeltas = %q", d)
+	}
+	k := kinds(map[string]float64{"bpf_prog_10b9f1ec5d33c153_ae_pod_lo_ingress": 1, "htab_map_update_elem": 2, "nft_do_chain": 4,
+		"__pv_queued_spin_lock_slowpath": 8, "fib_table_lookup": 16, "tcp_v4_rcv": 32})
+	if want := map[string]float64{"bpf": 3, "netfilter": 4, "locks": 8, "routing": 16, "rest": 32}; !maps.Equal(k, want) {
+		t.Errorf("kinds = %v, want %v", k, want)
 	}
 }
