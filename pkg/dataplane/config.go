@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/cilium/ebpf/btf"
+
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/accel"
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
 )
@@ -93,6 +95,10 @@ type Config struct {
 	// (StepUninstallCaptureEnded). The crash-injection tests kill the
 	// process there; nothing else sets it.
 	Failpoint func(step string) `json:"-"`
+	// KernelBTF, when set, is the kernel's BTF decoded once for every
+	// New of a process that creates many data paths (the test suites);
+	// unset, each New decodes it once for its own loads.
+	KernelBTF *btf.Cache `json:"-"`
 }
 
 // Steps are the failpoints of Enroll and Remove, in order: after each the

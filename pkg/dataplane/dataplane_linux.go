@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
 	"github.com/vishvananda/netlink"
@@ -85,6 +86,10 @@ type Dataplane struct {
 	listenerIter    *ebpf.Program          // ae_file_listeners, in the sk_lookup mode
 	probeConnect    *ebpf.Program          // ae_probe_connect, where probesAtConnect
 	nodeNetns       []netnsID              // never a pod's (refuseNodeNetns)
+	// kernelBTF is decoded once for every collection New loads (up to
+	// seven: each would otherwise decode the kernel's BTF again, the
+	// largest part of a load's own CPU).
+	kernelBTF *btf.Cache
 
 	// upgrade is what New found of the pins' layout (package upgrade);
 	// used from load until the links run the new programs, nil afterwards.
@@ -189,7 +194,11 @@ func load(cfg Config, root, hooksAt cgroupTarget) (*Dataplane, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Dataplane{cfg: cfg, log: cfg.Logger, pods: map[string]*podState{}, nodeNetns: nodeNetns, root: root, hooksAt: hooksAt}
+	d := &Dataplane{cfg: cfg, log: cfg.Logger, pods: map[string]*podState{}, nodeNetns: nodeNetns, root: root, hooksAt: hooksAt,
+		kernelBTF: cfg.KernelBTF}
+	if d.kernelBTF == nil {
+		d.kernelBTF = btf.NewCache()
+	}
 	d.pickMechanisms()
 	if err := d.load(); err != nil {
 		return nil, err
@@ -224,7 +233,7 @@ func load(cfg Config, root, hooksAt cgroupTarget) (*Dataplane, error) {
 	}
 	d.accel, d.accelStatus = accel.Setup(accel.Options{
 		Mode: d.cfg.SockmapAccel, BPFFSDir: d.cfg.BPFFSDir, CgroupRoot: d.hooksAt.path, CgroupID: d.hooksAt.id,
-		Config: d.loadConfig(), Log: d.log,
+		Config: d.loadConfig(), Log: d.log, KernelBTF: d.kernelBTF,
 	})
 	if err := d.adoptPods(); err != nil {
 		d.Close()
@@ -283,7 +292,7 @@ func (d *Dataplane) pickMechanisms() {
 	// node's root that every TCP connection of the node would run
 	// (probes_linux.go).
 	if d.cfg.HostProbes == bpfobj.ProbeDirect && features.HasFentryTCPConnect() {
-		if err := probeProgramLoads(); err != nil {
+		if err := probeProgramLoads(d.kernelBTF); err != nil {
 			d.log.Warn("host probes are filed by the node-wide half on the cgroup root: the kernel takes fentry, not bpf/probe.c", "error", err)
 		} else {
 			d.bpfFlags |= bpfobj.CfgProbeConnect
@@ -417,7 +426,7 @@ func (d *Dataplane) load() error {
 	d.upgrade = up
 
 	opts := func(cs *ebpf.CollectionSpec) *ebpf.CollectionOptions {
-		return &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: mapsDir(d.cfg)}, MapReplacements: up.Replacements(cs)}
+		return &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: mapsDir(d.cfg)}, MapReplacements: up.Replacements(cs), Cache: d.kernelBTF}
 	}
 	if err := sockSpec.LoadAndAssign(&d.sock, opts(sockSpec)); err != nil {
 		d.logVerifier(err)

@@ -41,7 +41,7 @@ func (d *Dataplane) loadListenerIterator() error {
 		return fmt.Errorf("configure the listener iterator: %w", err)
 	}
 	var progs bpfobj.ListenersPrograms
-	if err := spec.LoadAndAssign(&progs, &ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{"ae_listeners": d.sock.AeListeners}}); err != nil {
+	if err := spec.LoadAndAssign(&progs, &ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{"ae_listeners": d.sock.AeListeners}, Cache: d.kernelBTF}); err != nil {
 		d.logVerifier(err)
 		return fmt.Errorf("load the listener iterator: %w", err)
 	}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
@@ -33,7 +34,7 @@ func (d *Dataplane) probesAtConnect() bool { return d.bpfFlags&bpfobj.CfgProbeCo
 // closes it: whether this kernel's verifier and BTF take the program
 // itself, beyond the trivial one of the feature probe. Where they do not,
 // the node-wide half files host probes instead of the agent failing.
-func probeProgramLoads() error {
+func probeProgramLoads(kernelBTF *btf.Cache) error {
 	spec, err := bpfobj.LoadProbe()
 	if err != nil {
 		return fmt.Errorf("read the host-probe program: %w", err)
@@ -42,7 +43,7 @@ func probeProgramLoads() error {
 		m.Pinning = ebpf.PinNone
 	}
 	var progs bpfobj.ProbePrograms // and the maps it uses, nothing more
-	if err := spec.LoadAndAssign(&progs, nil); err != nil {
+	if err := spec.LoadAndAssign(&progs, &ebpf.CollectionOptions{Cache: kernelBTF}); err != nil {
 		return fmt.Errorf("load the host-probe program: %w", err)
 	}
 	return progs.Close()
@@ -75,7 +76,7 @@ func (d *Dataplane) loadProbeConnect() error {
 	var progs bpfobj.ProbePrograms
 	err = spec.LoadAndAssign(&progs, &ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{
 		"ae_probe_nat": m.AeProbeNat, "ae_node_cfg": m.AeNodeCfg, "ae_pods": m.AePods, "ae_stats": m.AeStats, "ae_decisions": m.AeDecisions,
-	}})
+	}, Cache: d.kernelBTF})
 	if err != nil {
 		d.logVerifier(err)
 		return fmt.Errorf("load the host-probe program: %w", err)

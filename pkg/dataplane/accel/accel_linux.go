@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/link"
 
 	"github.com/ambient-ebpf/ambient-ebpf/pkg/dataplane/bpfobj"
@@ -52,6 +53,9 @@ type Options struct {
 	// Config is the node-wide ae_cfg the other objects were loaded with.
 	Config bpfobj.SockAeConfig
 	Log    *slog.Logger
+	// KernelBTF is the kernel's BTF as the caller's other loads decoded
+	// it (nil: decoded again).
+	KernelBTF *btf.Cache
 }
 
 // Accel is the loaded acceleration: its programs and maps, and the links
@@ -139,7 +143,7 @@ func start(o Options) (*Accel, error) {
 		return nil, fmt.Errorf("configure sockmap programs: %w", err)
 	}
 	a := &Accel{}
-	if err := spec.LoadAndAssign(&a.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: bpfobj.MapsDir(o.BPFFSDir)}}); err != nil {
+	if err := spec.LoadAndAssign(&a.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: bpfobj.MapsDir(o.BPFFSDir)}, Cache: o.KernelBTF}); err != nil {
 		removePins(fresh)
 		return nil, fmt.Errorf("load sockmap programs: %w", err)
 	}
