@@ -90,7 +90,9 @@ type AppRequest struct {
 	// whether or not it is local (IP_TRANSPARENT and IP_FREEBIND), as
 	// ztunnel does to deliver from the client's address.
 	Transparent bool `json:"transparent,omitempty"`
-	// Timeout bounds the connect of op stream-open (default 5 s).
+	// Timeout bounds the connect of op stream-open (default 5 s) and of
+	// op dial-tcp (default 3 s): a dial that is meant to fail need not
+	// wait the default out.
 	Timeout time.Duration `json:"timeout,omitempty"`
 	// DNS: the name to query (op dns) or the address every query is
 	// answered with (op dns-server); Proto udp or tcp; Connected uses a
@@ -316,7 +318,11 @@ func (a *app) do(req AppRequest) (AppResponse, error) {
 		var err error
 		start := time.Now()
 		if req.Op == "dial-tcp" {
-			c, err = a.ns.Dial(dst, opts, 3*time.Second)
+			timeout := 3 * time.Second
+			if req.Timeout > 0 {
+				timeout = req.Timeout
+			}
+			c, err = a.ns.Dial(dst, opts, timeout)
 		} else {
 			c, err = a.ns.DialUDP(dst, opts)
 		}
