@@ -216,8 +216,15 @@ test-one: hooks ## run one package's tests matching RUN: make test-one PKG=./pkg
 	@test -n "$(PKG)" || { echo "test-one: name the package: make test-one PKG=./pkg/zds RUN=TestZ9"; exit 2; }
 	CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test $(GOTESTFLAGS) -v -run '$(RUN)' $(PKG)
 
+# What make test builds and checks before its first test: .ci/run makes it
+# first, so that an emulated kernel leg can run beside the tests (which
+# leave most of a core idle) rather than beside the builds (which take
+# both).
+.PHONY: test-deps
+test-deps: hooks deps vet cni-plugins kube-bins istio-cni-bins ## build and check what make test needs before its first test
+
 .PHONY: test
-test: hooks deps vet cni-plugins kube-bins istio-cni-bins ## run every test, kernel suites included (as root), then the fuzzers; the README's test command
+test: test-deps ## run every test, kernel suites included (as root), then the fuzzers; the README's test command
 	$(GO) build -o $(CACHE)/bin/testreport ./hack/testreport
 	CNI_PLUGINS_DIR=$(CNI_PLUGINS_DIR) $(GO) test -tags istiocnireal $(GOTESTFLAGS) -json ./... 2>&1 | $(CACHE)/bin/testreport $(TESTREPORT_FLAGS)
 	$(MAKE) --no-print-directory fuzz
