@@ -88,7 +88,9 @@ type Dataplane struct {
 	nodeNetns       []netnsID              // never a pod's (refuseNodeNetns)
 	// kernelBTF is decoded once for every collection New loads (up to
 	// seven: each would otherwise decode the kernel's BTF again, the
-	// largest part of a load's own CPU).
+	// largest part of a load's own CPU), and let go when New returns:
+	// nothing is loaded later, and the decoded types would stay in the
+	// agent's memory for its lifetime.
 	kernelBTF *btf.Cache
 
 	// upgrade is what New found of the pins' layout (package upgrade);
@@ -199,6 +201,7 @@ func load(cfg Config, root, hooksAt cgroupTarget) (*Dataplane, error) {
 	if d.kernelBTF == nil {
 		d.kernelBTF = btf.NewCache()
 	}
+	defer func() { d.kernelBTF = nil }()
 	d.pickMechanisms()
 	if err := d.load(); err != nil {
 		return nil, err
