@@ -153,7 +153,7 @@ func TestBench(t *testing.T) {
 		"scale pods":        strconv.Itoa(s.scalePods),
 		"traffic":           "IPv4, client pod to server pod on the same node; meshed: both pods enrolled (outbound and inbound capture, two relays: the stand-in's, or the lean proxy's on the lean paths)",
 		"dns capture":       "on for both backends, Istio's default: the iptables pods' rules include istio-cni's DNS rules (nat REDIRECT to 15053, raw CT zone 1), the agent enrolls with its default --dns-capture=true (checked in the pinned pod options); the benchmark sends no DNS",
-		"lean proxy":        "test/bench/leanproxy.go: one process in the node netns serving every lean pod (as ztunnel), one thread, level-triggered epoll, read/write relay; per pod listeners [::]:15001 and [::]:15006 with SO_MARK 0x539, SO_REUSEPORT, IP_TRANSPARENT; SO_ORIGINAL_DST on every accepted connection; upstream marked 0x539 and made in the pod's netns, inbound bound to the client's address; direct+proxy: the direct pods through the same proxy addressed explicitly (15101 -> 15106 -> server)",
+		"lean proxy":        "test/bench/leanproxy.go: one process in the node netns serving every lean pod (as ztunnel), one thread, level-triggered epoll, read/write relay; per pod listeners [::]:15001 and [::]:15006 with SO_MARK 0x539, SO_REUSEPORT, IP_TRANSPARENT; SO_ORIGINAL_DST on every accepted connection; upstream marked 0x539 and made in the pod's netns, inbound bound to the client's address; direct+proxy: the direct pods through the same proxy addressed explicitly (15101 -> 15106 -> server); direct+transparent: the same (15201 -> 15206 -> server) with SO_ORIGINAL_DST asked (and refused) and the inbound upstream bound to the client's address, its replies brought back by a policy route in the server pod (to the client, TCP, the server pod's ephemeral ports: a local route on lo)",
 		"parts":             s.partList(),
 		"connection close":  map[bool]string{false: "client first; tcp_tw_reuse=1 in the pods, no TIME_WAIT in server pods (tcp_max_tw_buckets=0); ephemeral ports 32768-46999 in client pods, 47000-60999 in server pods (see below)", true: "server first, shared ephemeral port range (BENCH_EXPOSE_COLLISIONS=1)"}[s.exposeCollisions],
 		"ztunnel stand-in":  "test/ztunnel/standin (Go, a read/write relay per direction: splice would miss bytes the sockmap acceleration redirects), one process serving both meshed paths",
@@ -217,7 +217,7 @@ type env struct {
 	tracer   *simnode.Proc
 	tracerCG string
 	// leanpx is the lean proxy serving the lean paths' pods (ztunnel's
-	// listeners) and the direct pods (explicit ones, direct+proxy), in
+	// listeners) and the direct pods (explicit ones, direct+proxy and direct+transparent), in
 	// cgroup leanCG.
 	leanpx *simnode.Proc
 	leanCG string

@@ -36,6 +36,14 @@ const (
 	// with no redirection and no conntrack in the pods. redirect_cpu_us
 	// is the meshed paths' CPU less this one's.
 	variantProxy = "direct+proxy"
+	// variantTransparent is the direct pair through the same lean
+	// proxies addressed explicitly, with ztunnel's socket work all the
+	// same (leanListener.Contract): the original destination asked for,
+	// the inbound upstream transparent from the client's address and its
+	// replies routed back to it by a policy route. What a meshed
+	// connection costs beyond it (redirect_own_cpu_us) is the redirection
+	// alone: capture, the original destination's answer, the return path.
+	variantTransparent = "direct+transparent"
 )
 
 // The explicit listeners of the direct+proxy baseline (clear of ztunnel's
@@ -43,7 +51,18 @@ const (
 const (
 	explicitOutPort = 15101
 	explicitInPort  = 15106
+	// direct+transparent's
+	contractOutPort = 15201
+	contractInPort  = 15206
 )
+
+// contractTable is the routing table of the direct server pod's policy
+// route that brings the replies to direct+transparent's upstream sockets
+// (bound to the client's address) back to them, as the return mark's
+// route does on a meshed path. The rule takes the server pod's ephemeral
+// ports, where those sockets get theirs; the client's own connections to
+// the server come from the client pod's.
+const contractTable = "1534"
 
 // agentVariants are variants of the ebpf-lean pair that need the node
 // agent started with flags: before each of a variant's measurements the
@@ -68,7 +87,7 @@ var agentVariants = []struct {
 
 // leanVariant is one column of the lean figures: a path, and how it runs.
 type leanVariant struct {
-	name string // direct, iptables, ebpf, direct+proxy, or a variant of ebpf
+	name string // direct, iptables, ebpf, direct+proxy, direct+transparent, or a variant of ebpf
 	path *path
 	addr string // where the client connects
 	// proxied: the lean proxy relays the variant's connections (all but
@@ -111,7 +130,15 @@ func (e *env) leanVariants(res *Results) []leanVariant {
 	proxy.addr = fmt.Sprintf("%s:%d", direct.client.V4, explicitOutPort)
 	trace := meshed(variantTrace, ebpf)
 	trace.trace = true
-	vs := []leanVariant{{name: pathDirect, path: direct, addr: direct.echo}, proxy, meshed(pathIptables, ipt), meshed(pathEBPF, ebpf), trace}
+	vs := []leanVariant{{name: pathDirect, path: direct, addr: direct.echo}, proxy}
+	if e.s.exposeCollisions {
+		res.Notes["variant "+variantTransparent] = "not measured: its return route takes the server pod's ephemeral ports, which BENCH_EXPOSE_COLLISIONS=1 shares with the client pod's"
+	} else {
+		transparent := meshed(variantTransparent, direct)
+		transparent.addr = fmt.Sprintf("%s:%d", direct.client.V4, contractOutPort)
+		vs = append(vs, transparent)
+	}
+	vs = append(vs, meshed(pathIptables, ipt), meshed(pathEBPF, ebpf), trace)
 	for _, av := range agentVariants {
 		if missing := e.agent.unknownFlags(av.flags); len(missing) > 0 {
 			res.Notes["variant "+av.name] = "not measured: the agent has no " + strings.Join(missing, ", ") + " (agentVariants in test/bench/lean_test.go)"
@@ -126,18 +153,30 @@ func (e *env) leanVariants(res *Results) []leanVariant {
 
 // addLean has the lean proxy serve a path's two pods: ztunnel's
 // listeners in meshed pods; in the direct pair explicit listeners for the
-// direct+proxy baseline (client pod: to the server pod's; server pod: to
-// the server). The proxy runs in the node netns like ztunnel, in a cgroup
-// below the node's root (where the socket hooks apply, as to ztunnel's),
-// on one OS thread (GOMAXPROCS=1).
+// direct+proxy and direct+transparent baselines (client pod: to the
+// server pod's; server pod: to the server), and the server pod's policy
+// route for the latter's replies. The proxy runs in the node netns like
+// ztunnel, in a cgroup below the node's root (where the socket hooks
+// apply, as to ztunnel's), on one OS thread (GOMAXPROCS=1).
 func (e *env) addLean(p *path) {
+	if p.name == pathDirect && !e.s.exposeCollisions {
+		e.node.IP(p.server.NS, "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", contractTable)
+		e.node.IP(p.server.NS, "rule", "add", "to", p.client.V4.String(), "ipproto", "tcp", "dport", "47000-60999",
+			"lookup", contractTable, "priority", "100")
+	}
 	for i, pod := range []*simnode.Pod{p.client, p.server} {
 		var ls []leanListener
 		if p.name == pathDirect {
-			ls = []leanListener{
-				{Port: explicitOutPort, To: netip.AddrPortFrom(p.server.V4, explicitInPort)},
-				{Port: explicitInPort, Inbound: true, To: netip.AddrPortFrom(p.server.V4, echoPort)},
-			}[i : i+1]
+			ls = [][]leanListener{
+				{
+					{Port: explicitOutPort, To: netip.AddrPortFrom(p.server.V4, explicitInPort)},
+					{Port: contractOutPort, To: netip.AddrPortFrom(p.server.V4, contractInPort), Contract: true},
+				},
+				{
+					{Port: explicitInPort, Inbound: true, To: netip.AddrPortFrom(p.server.V4, echoPort)},
+					{Port: contractInPort, Inbound: true, To: netip.AddrPortFrom(p.server.V4, echoPort), Contract: true},
+				},
+			}[i]
 		}
 		if err := call(e.leanpx, leanRequest{Op: "add", Pod: pod.Name, Netns: pod.NetnsPath(), Listeners: ls}, nil); err != nil {
 			e.t.Fatalf("lean proxy for %s: %v", pod.Name, err)
@@ -162,11 +201,14 @@ func (e *env) leanCounts(pod *simnode.Pod) leanCountsReply {
 func (e *env) lean(res *Results) {
 	s := e.s
 	vs := e.leanVariants(res)
-	for _, v := range vs[:4] {
-		e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: 200 * time.Millisecond})
+	for _, v := range vs {
+		if !v.trace && v.agentFlags == nil { // a warm-up of every column the agent runs plainly for
+			e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: 200 * time.Millisecond})
+		}
 	}
 	seq, conc, p50, p99 := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	cpu, redirect, meshExtra, softirqd := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
+	redirectOwn := map[string][]float64{}
 	proxyCPU, clientCPU, serverCPU := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	ctPod, ctNode, tput := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	var tracerCPU, events, lost []float64
@@ -175,7 +217,7 @@ func (e *env) lean(res *Results) {
 	// measured seconds apart; the agent is restarted only where a
 	// variant's flags differ from the previous one's.
 	for rep := range s.reps {
-		var directCPU, proxiedCPU float64
+		var directCPU, proxiedCPU, transparentCPU float64
 		for _, v := range vs {
 			e.agentFlags(v.agentFlags)
 			r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: s.duration})
@@ -197,9 +239,16 @@ func (e *env) lean(res *Results) {
 			case variantProxy:
 				proxiedCPU = c
 				meshExtra[v.name] = append(meshExtra[v.name], c-directCPU)
+			case variantTransparent:
+				transparentCPU = c
+				meshExtra[v.name] = append(meshExtra[v.name], c-directCPU)
+				redirect[v.name] = append(redirect[v.name], c-proxiedCPU) // the contract's socket work alone
 			default:
 				redirect[v.name] = append(redirect[v.name], c-proxiedCPU)
 				meshExtra[v.name] = append(meshExtra[v.name], c-directCPU)
+				if transparentCPU != 0 {
+					redirectOwn[v.name] = append(redirectOwn[v.name], c-transparentCPU)
+				}
 			}
 			if v.trace {
 				tracerCPU = append(tracerCPU, us(r.tracerCPU)/float64(r.Conns))
@@ -218,7 +267,7 @@ func (e *env) lean(res *Results) {
 			p99[v.name] = append(p99[v.name], us(percentile(rr.RTTs, 99)))
 		}
 		for _, v := range vs {
-			if v.name == variantProxy { // its explicit listeners lead to the echo server only
+			if v.name == variantProxy || v.name == variantTransparent { // their explicit listeners lead to the echo server only
 				continue
 			}
 			e.agentFlags(v.agentFlags)
@@ -246,8 +295,13 @@ func (e *env) lean(res *Results) {
 		newFigure("lean_conn_cpu_us", "us CPU/conn", "lower", "", cpu).WithNote(cpuNote+"; direct: no proxy"),
 		newFigure("redirect_cpu_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", redirect).WithNote(
 			"lean_conn_cpu_us of the meshed path minus direct+proxy's of the same repetition: what the redirection costs (capture, "+
-				"SO_ORIGINAL_DST, the return path, conntrack and NAT where there are any), the relays and the three TCP connections being "+
-				"the same on both sides"),
+				"SO_ORIGINAL_DST, the return path, conntrack and NAT where there are any) and ztunnel's socket contract (its transparent "+
+				"inbound upstream), the relays and the three TCP connections being the same on both sides; direct+transparent: the "+
+				"contract's socket work alone"),
+		newFigure("redirect_own_cpu_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", redirectOwn).WithNote(
+			"lean_conn_cpu_us of the meshed path minus direct+transparent's of the same repetition: the redirection alone (capture, "+
+				"the original destination's answer, the return path, conntrack and NAT where there are any), the proxy's socket work "+
+				"(SO_ORIGINAL_DST asked, the inbound upstream bound to the client's address) being the same on both sides"),
 		newFigure("meshed_extra_cpu_us", "us CPU/conn", "lower", "", meshExtra).WithNote(
 			"lean_conn_cpu_us minus direct's (no proxy) of the same repetition: the redirection plus the proxy's two relays and the two "+
 				"extra TCP connections a meshed connection makes"),

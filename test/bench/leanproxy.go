@@ -101,9 +101,17 @@ type leanListener struct {
 	// To is a fixed upstream for the connections of this listener,
 	// addressed to the proxy explicitly: no original destination, and
 	// the upstream socket gets the pod's own address (no transparent
-	// bind). The direct+proxy baseline: the same relays, no redirection.
-	To  netip.AddrPort `json:"to,omitzero"`
-	pod *leanPod
+	// bind) unless Contract. The direct+proxy baseline: the same relays,
+	// no redirection.
+	To netip.AddrPort `json:"to,omitzero"`
+	// Contract, with To, has the listener do ztunnel's socket work all
+	// the same: ask for the original destination (there is none without
+	// redirection; the refusal is ignored) and, inbound, bind the
+	// upstream to the client's address, whose replies a policy route in
+	// the pod brings back. The direct+transparent baseline: what a meshed
+	// connection costs beyond it is the redirection's alone.
+	Contract bool `json:"contract,omitempty"`
+	pod      *leanPod
 }
 
 func (p *leanProxy) handle(line []byte) (any, error) {
@@ -282,7 +290,10 @@ func (p *leanProxy) accept(lfd int, l *leanListener) {
 // downstream joins the loop once it is connected.
 func (p *leanProxy) open(fd int, peer unix.Sockaddr, l *leanListener) error {
 	dst := l.To
-	if !dst.IsValid() {
+	switch {
+	case l.Contract:
+		_, _ = sockutil.OriginalDst4FD(fd) // the benchmark's traffic is IPv4
+	case !dst.IsValid():
 		var err error
 		if dst, err = sockutil.OriginalDstFD(fd); err != nil {
 			return fmt.Errorf("getsockopt SO_ORIGINAL_DST on :%d: %w", l.Port, err)
@@ -306,7 +317,7 @@ func (p *leanProxy) open(fd int, peer unix.Sockaddr, l *leanListener) error {
 	if err != nil {
 		return fmt.Errorf("socket: %w", err)
 	}
-	if err := p.dial(up, family, dst, peer, l.Inbound && !l.To.IsValid()); err != nil {
+	if err := p.dial(up, family, dst, peer, l.Inbound && (!l.To.IsValid() || l.Contract)); err != nil {
 		unix.Close(up)
 		return err
 	}

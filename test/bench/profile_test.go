@@ -97,13 +97,16 @@ func (e *env) profile(res *Results) {
 // softirq work that lands on an idle CPU.
 func (e *env) redirectProfile(res *Results) {
 	const hz, rounds = 1999, 3
-	deltas := map[string][]float64{}            // per round: the variant's total minus direct+proxy's
-	sums := map[string]map[string]float64{}     // over the rounds: us per connection by function
-	byKind := map[string]map[string][]float64{} // per round: the difference by kind
+	bases := []string{variantProxy, variantTransparent}
+	// per base and round: the variant's total minus the base's
+	deltas := map[string]map[string][]float64{variantProxy: {}, variantTransparent: {}}
+	sums := map[string]map[string]float64{} // over the rounds: us per connection by function
+	// per base, variant and round: the difference by kind
+	byKind := map[string]map[string]map[string][]float64{variantProxy: {}, variantTransparent: {}}
 	for range rounds {
 		round := map[string]map[string]float64{}
 		for _, v := range e.leanVariants(res) {
-			if v.name != variantProxy && v.name != pathIptables && v.name != pathEBPF {
+			if v.name != variantProxy && v.name != variantTransparent && v.name != pathIptables && v.name != pathEBPF {
 				continue
 			}
 			prof := startPerf(e.t.TempDir(), true, hz, "-a")
@@ -131,44 +134,56 @@ func (e *env) redirectProfile(res *Results) {
 				sums[v.name][sym] += us / rounds
 			}
 		}
-		base := round[variantProxy]
-		for _, name := range []string{pathEBPF, pathIptables} {
-			if round[name] == nil || base == nil {
-				continue
+		for _, b := range bases {
+			base := round[b]
+			names := []string{pathEBPF, pathIptables}
+			if b == variantProxy {
+				names = append(names, variantTransparent) // the contract's socket work alone
 			}
-			got, want := kinds(round[name]), kinds(base)
-			var total float64
-			for k := range got {
-				total += got[k] - want[k]
-			}
-			for k := range want {
-				if _, ok := got[k]; !ok {
-					total -= want[k]
+			for _, name := range names {
+				if round[name] == nil || base == nil {
+					continue
 				}
-			}
-			deltas[name] = append(deltas[name], total)
-			if byKind[name] == nil {
-				byKind[name] = map[string][]float64{}
-			}
-			for _, k := range profileKinds {
-				byKind[name][k.name] = append(byKind[name][k.name], got[k.name]-want[k.name])
+				got, want := kinds(round[name]), kinds(base)
+				var total float64
+				for k := range got {
+					total += got[k] - want[k]
+				}
+				for k := range want {
+					if _, ok := got[k]; !ok {
+						total -= want[k]
+					}
+				}
+				deltas[b][name] = append(deltas[b][name], total)
+				if byKind[b][name] == nil {
+					byKind[b][name] = map[string][]float64{}
+				}
+				for _, k := range profileKinds {
+					byKind[b][name][k.name] = append(byKind[b][name][k.name], got[k.name]-want[k.name])
+				}
 			}
 		}
 	}
-	res.Figures = append(res.Figures, newFigure("redirect_profile_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", deltas).WithNote(
-		"the whole machine's CPU (perf -a, cpu-clock at 1999 Hz, idle left out) per connection of a conn_rate_seq run through the lean "+
-			"proxy minus direct+proxy's in the same round, three rounds: the redirection, softirq on idle CPUs included"))
-	for _, name := range []string{pathEBPF, pathIptables} {
-		if sums[name] == nil || sums[variantProxy] == nil {
-			continue
+	const how = "the whole machine's CPU (perf -a, cpu-clock at 1999 Hz, idle left out) per connection of a conn_rate_seq run through the lean proxy minus "
+	res.Figures = append(res.Figures,
+		newFigure("redirect_profile_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", deltas[variantProxy]).WithNote(
+			how+"direct+proxy's in the same round, three rounds: the redirection and ztunnel's socket contract, softirq on idle CPUs included; "+
+				"direct+transparent: the contract's socket work alone"),
+		newFigure("redirect_own_profile_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", deltas[variantTransparent]).WithNote(
+			how+"direct+transparent's in the same round, three rounds: the redirection alone, softirq on idle CPUs included"))
+	for _, b := range bases {
+		for _, name := range []string{pathEBPF, pathIptables, variantTransparent} {
+			if sums[name] == nil || sums[b] == nil || byKind[b][name] == nil {
+				continue
+			}
+			var parts []string
+			for _, k := range profileKinds {
+				parts = append(parts, fmt.Sprintf("%s %+.1f", k.name, summarize(byKind[b][name][k.name]).Median))
+			}
+			res.Notes["redirection CPU by kind (perf -a, us per connection minus "+b+"'s, median of three rounds), "+name] = strings.Join(parts, "; ")
+			res.Notes["redirection CPU by function (perf -a, own time in us per connection minus "+b+"'s, mean of three rounds), "+name] =
+				symbolDeltas(sums[name], sums[b], 14)
 		}
-		var parts []string
-		for _, k := range profileKinds {
-			parts = append(parts, fmt.Sprintf("%s %+.1f", k.name, summarize(byKind[name][k.name]).Median))
-		}
-		res.Notes["redirection CPU by kind (perf -a, us per connection minus direct+proxy's, median of three rounds), "+name] = strings.Join(parts, "; ")
-		res.Notes["redirection CPU by function (perf -a, own time in us per connection minus direct+proxy's, mean of three rounds), "+name] =
-			symbolDeltas(sums[name], sums[variantProxy], 14)
 	}
 }
 
@@ -178,7 +193,9 @@ var profileKinds = []struct {
 	name string
 	re   *regexp.Regexp
 }{
-	{"bpf", regexp.MustCompile(`^(bpf_|__bpf|___bpf|htab_|__htab|sock_hash|sock_map|__cgroup_bpf|cgroup_bpf|bpf_prog_|bpf_sk|sk_storage|bpf_local)`)},
+	// unit_alloc and unit_free are BPF's memory allocator's (hash map
+	// elements), the *_elem_raw the hash maps' bucket walks.
+	{"bpf", regexp.MustCompile(`^(bpf_|__bpf|___bpf|htab_|__htab|sock_hash|sock_map|__cgroup_bpf|cgroup_bpf|bpf_prog_|bpf_sk|sk_storage|bpf_local|unit_alloc$|unit_free$|lookup_nulls_elem_raw$|lookup_elem_raw$)`)},
 	{"netfilter", regexp.MustCompile(`^(nf_|__nf|nft_|__nft|ipt_|ip6t_|xt_|ipv4_conntrack|ipv6_conntrack|hash_conntrack|iptable_|ip6table_|nf_nat|ipv4_confirm|ipv6_confirm)`)},
 	{"locks", regexp.MustCompile(`(spin_lock|spin_unlock|queued_spin|_raw_read_lock|_raw_write_lock)`)},
 	{"routing", regexp.MustCompile(`^(fib_|fib6_|__fib|ip_route|ip6_route|ip6_pol_route|rt_|rt6_|ip_rt|__ip_route|ip_mkroute|__mkroute|dst_|ipv4_dst|ip6_dst)`)},
@@ -529,8 +546,8 @@ func TestParseSamples(t *testing.T) {
 		t.Errorf("symbolDeltas = %q", d)
 	}
 	k := kinds(map[string]float64{"bpf_prog_10b9f1ec5d33c153_ae_pod_lo_ingress": 1, "htab_map_update_elem": 2, "nft_do_chain": 4,
-		"__pv_queued_spin_lock_slowpath": 8, "fib_table_lookup": 16, "tcp_v4_rcv": 32})
-	if want := map[string]float64{"bpf": 3, "netfilter": 4, "locks": 8, "routing": 16, "rest": 32}; !maps.Equal(k, want) {
+		"__pv_queued_spin_lock_slowpath": 8, "fib_table_lookup": 16, "tcp_v4_rcv": 32, "unit_free": 64, "lookup_nulls_elem_raw": 128})
+	if want := map[string]float64{"bpf": 195, "netfilter": 4, "locks": 8, "routing": 16, "rest": 32}; !maps.Equal(k, want) {
 		t.Errorf("kinds = %v, want %v", k, want)
 	}
 }

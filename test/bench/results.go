@@ -91,6 +91,12 @@ func newFigure(name, unit, better, target string, samples map[string][]float64) 
 		if r := ratio(v, f.EBPF); r != nil && strings.HasPrefix(k, pathEBPF+"+") {
 			f.RatioVariantEBPF[k] = *r
 		}
+		if r := ratio(f.EBPF, v); r != nil && strings.HasPrefix(k, pathDirect+"+") {
+			if f.RatioEBPFBaseline == nil {
+				f.RatioEBPFBaseline = map[string]float64{}
+			}
+			f.RatioEBPFBaseline[k] = *r
+		}
 	}
 	return f
 }

@@ -374,6 +374,10 @@ func OriginalDstFD(fd int) (netip.AddrPort, error) {
 	return netip.AddrPort{}, err
 }
 
+// OriginalDst4FD reads SO_ORIGINAL_DST at SOL_IP alone, the one call a
+// proxy makes for an IPv4 connection.
+func OriginalDst4FD(fd int) (netip.AddrPort, error) { return getOrigDst(fd, unix.SOL_IP) }
+
 type syscallConn interface {
 	SyscallConn() (syscall.RawConn, error)
 }

@@ -41,10 +41,12 @@ type Figure struct {
 	// Variants are more columns measured in the same repetitions, by
 	// name: variants of the ebpf path (ebpf+trace: someone tracing; an
 	// agent flag's variant), with the ratio of each median to ebpf's, and
-	// direct+proxy (the direct pair through the lean proxies, addressed
-	// explicitly).
-	Variants         map[string]*Summary `json:"variants,omitempty"`
-	RatioVariantEBPF map[string]float64  `json:"ratio_variant_ebpf,omitempty"`
+	// the baselines direct+proxy and direct+transparent (the direct pair
+	// through the lean proxies, addressed explicitly; the latter doing
+	// ztunnel's socket work too), with the ratio of ebpf's median to each.
+	Variants          map[string]*Summary `json:"variants,omitempty"`
+	RatioVariantEBPF  map[string]float64  `json:"ratio_variant_ebpf,omitempty"`
+	RatioEBPFBaseline map[string]float64  `json:"ratio_ebpf_baseline,omitempty"`
 	// Target is the issue's goal for this figure, for the table.
 	Target string `json:"target,omitempty"`
 	// Note says how the figure is measured where the table cannot.
@@ -117,8 +119,9 @@ func Markdown(r *Results) string {
 	}
 	b.WriteString("\nEach cell: median (min to max) over the repetitions. The `lean_*`, `redirect_*`, `conntrack_*` and `churn_*` figures go through " +
 		"the lean proxy (iptables: the iptables-lean pair, ebpf: the ebpf-lean pair). Variants are more columns of the same repetitions: " +
-		"direct+proxy, the direct pair through the same lean proxies addressed explicitly (no redirection), and variants of the ebpf-lean pair " +
-		"(ebpf+trace: someone tracing), with their ratio to ebpf.\n\n")
+		"direct+proxy, the direct pair through the same lean proxies addressed explicitly (no redirection), direct+transparent, the same with " +
+		"ztunnel's socket work (SO_ORIGINAL_DST asked, the inbound upstream transparent from the client's address), each with ebpf's ratio " +
+		"to it, and variants of the ebpf-lean pair (ebpf+trace: someone tracing), with their ratio to ebpf.\n\n")
 	b.WriteString("| figure | unit | better | direct | iptables | ebpf | ebpf / iptables | ebpf / direct | variants | target |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, f := range r.Figures {
@@ -127,6 +130,9 @@ func Markdown(r *Results) string {
 			v := k + ": " + Cell(f.Variants[k])
 			if rv, ok := f.RatioVariantEBPF[k]; ok {
 				v += fmt.Sprintf(", %.2fx ebpf", rv)
+			}
+			if rb, ok := f.RatioEBPFBaseline[k]; ok {
+				v += fmt.Sprintf(", ebpf %.2fx", rb)
 			}
 			vs = append(vs, v)
 		}
