@@ -176,14 +176,33 @@ func (e *env) pinPair(client, server *simnode.Proc) {
 	}
 }
 
-// column is the pair's column in the figures: direct for the node
-// without the agent, ebpf with its programs.
+// column is the pair's column in the timed figures: direct for the node
+// without the agent, ebpf with its programs, direct+floor for the floor
+// pair (the node without the agent, its pair below two programs that
+// return at once).
 func (p *bystanderPair) column() string {
-	if p.hooked {
+	switch {
+	case p.kind == "floor":
+		return variantFloor
+	case p.hooked:
 		return pathEBPF
 	}
 	return pathDirect
 }
+
+// figureKind is the kind whose timed figures carry the pair: the floor
+// pair is a node pair.
+func (p *bystanderPair) figureKind() string {
+	if p.kind == "floor" {
+		return "node"
+	}
+	return p.kind
+}
+
+// variantFloor is the floor pair's column in the node figures: what any
+// connect4 and sockops program on the root costs a node connection,
+// against which the ebpf column's difference is ours.
+const variantFloor = "direct+floor"
 
 // bystander runs, in every repetition and for both kinds, each pair's
 // conn_rate_seq (with the CPU of its two cgroups and ksoftirqd per
@@ -202,25 +221,27 @@ func (e *env) bystander(res *Results) {
 	}
 	conns, cpu, p50, p99, bpfNs := map[string]map[string][]float64{}, map[string]map[string][]float64{},
 		map[string]map[string][]float64{}, map[string]map[string][]float64{}, map[string]map[string][]float64{}
-	add := func(m map[string]map[string][]float64, p *bystanderPair, v float64) {
-		if m[p.kind] == nil {
-			m[p.kind] = map[string][]float64{}
+	add := func(m map[string]map[string][]float64, kind, column string, v float64) {
+		if m[kind] == nil {
+			m[kind] = map[string][]float64{}
 		}
-		m[p.kind][p.column()] = append(m[p.kind][p.column()], v)
+		m[kind][column] = append(m[kind][column], v)
 	}
+	// The floor pair runs its timed figures as a column of the node's.
+	timed := append(slices.Clone(pairs), floor)
 	for rep := range s.reps {
 		// Hooked first in every other repetition: neither side always
 		// runs on a machine the other just warmed.
-		slices.Reverse(pairs)
-		for _, p := range pairs {
+		slices.Reverse(timed)
+		for _, p := range timed {
 			r, c := e.measureBystander(p, loadRequest{Op: "conn", Addr: p.addr, Duration: s.duration})
-			add(conns, p, rate(run{loadResult: r}))
-			add(cpu, p, us(c)/float64(max(r.Conns, 1)))
+			add(conns, p.figureKind(), p.column(), rate(run{loadResult: r}))
+			add(cpu, p.figureKind(), p.column(), us(c)/float64(max(r.Conns, 1)))
 		}
-		for _, p := range pairs {
+		for _, p := range timed {
 			r, _ := e.measureBystander(p, loadRequest{Op: "rr", Addr: p.addr, Count: s.rtts})
-			add(p50, p, us(percentile(r.RTTs, 50)))
-			add(p99, p, us(percentile(r.RTTs, 99)))
+			add(p50, p.figureKind(), p.column(), us(percentile(r.RTTs, 50)))
+			add(p99, p.figureKind(), p.column(), us(percentile(r.RTTs, 99)))
 		}
 		stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
 		if err != nil {
@@ -237,7 +258,7 @@ func (e *env) bystander(res *Results) {
 			for k, v := range after {
 				d += v.runtime - before[k].runtime
 			}
-			add(bpfNs, p, float64(d)/float64(max(r.Conns, 1)))
+			add(bpfNs, p.kind, pathEBPF, float64(d)/float64(max(r.Conns, 1)))
 			res.Notes["bystander "+p.kind+": per connection, each program attached to the node's root or the pods' cgroup, or at tcp_connect (last repetition)"] =
 				runsNote(before, after, max(r.Conns, 1))
 		}
@@ -248,7 +269,7 @@ func (e *env) bystander(res *Results) {
 		for k, v := range after {
 			d += v.runtime - before[k].runtime
 		}
-		add(bpfNs, floor, float64(d)/float64(max(r.Conns, 1)))
+		add(bpfNs, floor.kind, pathEBPF, float64(d)/float64(max(r.Conns, 1)))
 		res.Notes["bystander floor: per connection, each empty program (last repetition)"] = runsNote(before, after, max(r.Conns, 1))
 		stats.Close()
 		slog.Info("bystander repetition done", "rep", rep+1, "of", s.reps)
@@ -259,7 +280,8 @@ func (e *env) bystander(res *Results) {
 		what := map[string]string{"pod": "two pods the agent does not enrol, client to server over the node",
 			"perpod": "two pods the agent does not enrol, as with --socket-hooks=pods (where such a pod meets only the programs on the node's root): " +
 				"the ebpf pair in cgroups below the node's root, outside the pods' cgroup; client to server over the node",
-			"node": "two processes of the node netns, over its loopback"}[kind]
+			"node": "two processes of the node netns, over its loopback; direct+floor: the same in cgroups outside the node's root " +
+				"below one holding a connect4 and a sockops program that return at once (bystander_floor_bpf_ns), alternating with the others"}[kind]
 		res.Figures = append(res.Figures,
 			newFigure("bystander_"+kind+"_conn_rate", "conn/s", "higher", "ebpf/direct >= 0.99", conns[kind]).WithNote(how+what+"; conn_rate_seq"),
 			newFigure("bystander_"+kind+"_conn_cpu_us", "us CPU/conn", "lower", "ebpf/direct <= 1.01", cpu[kind]).WithNote(
