@@ -156,22 +156,30 @@ func (e *env) floorPair() (*bystanderPair, []*ebpf.Program) {
 // depending on where the two landed, whichever pair it was: the pairs'
 // rr figures differed by 2.5x, hooked or not, in the order they ran.
 func (e *env) pinPair(client, server *simnode.Proc) {
-	last := runtime.NumCPU() - 1
-	for _, p := range []struct {
-		proc *simnode.Proc
-		cpu  int
-	}{{client, 0}, {server, last}} {
-		var set unix.CPUSet
-		set.Set(p.cpu)
-		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", p.proc.PID()))
-		if err != nil {
-			e.t.Fatal(err)
+	e.pin(client, 0)
+	e.pin(server, runtime.NumCPU()-1)
+}
+
+// pin binds every thread of proc to the CPUs (threads made later
+// inherit it); with none, to every CPU again.
+func (e *env) pin(proc *simnode.Proc, cpus ...int) {
+	var set unix.CPUSet
+	if len(cpus) == 0 {
+		for cpu := range runtime.NumCPU() {
+			set.Set(cpu)
 		}
-		for _, task := range tasks {
-			tid, _ := strconv.Atoi(task.Name())
-			if err := unix.SchedSetaffinity(tid, &set); err != nil {
-				e.t.Fatalf("pin thread %d of %d to CPU %d: %v", tid, p.proc.PID(), p.cpu, err)
-			}
+	}
+	for _, cpu := range cpus {
+		set.Set(cpu)
+	}
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", proc.PID()))
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	for _, task := range tasks {
+		tid, _ := strconv.Atoi(task.Name())
+		if err := unix.SchedSetaffinity(tid, &set); err != nil {
+			e.t.Fatalf("pin thread %d of %d to CPUs %v: %v", tid, proc.PID(), cpus, err)
 		}
 	}
 }

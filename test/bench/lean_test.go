@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -211,22 +212,35 @@ func (e *env) lean(res *Results) {
 	redirectOwn := map[string][]float64{}
 	proxyCPU, clientCPU, serverCPU := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	ctPod, ctNode, tput := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
+	phases := [3]map[string][]float64{{}, {}, {}} // connect, exchange, close
+	seq1, redirect1, redirectOwn1, busy1 := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
 	var tracerCPU, events, lost []float64
 	// Each kind of measurement goes round every variant before the next
 	// kind starts, so that the columns a figure subtracts or divides are
 	// measured seconds apart; the agent is restarted only where a
 	// variant's flags differ from the previous one's.
 	for rep := range s.reps {
+		// Each repetition starts one column further on: a column's runs
+		// follow different columns' (their TIME_WAIT sockets, the CPU
+		// they leave busy), not always the same one's.
+		order := append(slices.Clone(vs[rep%len(vs):]), vs[:rep%len(vs)]...)
+		runs := map[string]leanRun{}
+		for _, v := range order {
+			e.agentFlags(v.agentFlags)
+			runs[v.name] = e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: s.duration})
+		}
 		var directCPU, proxiedCPU, transparentCPU float64
 		for _, v := range vs {
-			e.agentFlags(v.agentFlags)
-			r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: s.duration})
+			r := runs[v.name]
 			seq[v.name] = append(seq[v.name], rate(r.run()))
 			if r.Conns == 0 {
 				continue
 			}
 			c := us(r.cpu) / float64(r.Conns)
 			cpu[v.name] = append(cpu[v.name], c)
+			for i, d := range []time.Duration{r.Phases.Connect, r.Phases.Exchange, r.Phases.Close} {
+				phases[i][v.name] = append(phases[i][v.name], us(d)/float64(r.Conns))
+			}
 			softirqd[v.name] = append(softirqd[v.name], us(r.softirqd)/float64(r.Conns))
 			clientCPU[v.name] = append(clientCPU[v.name], us(r.clientCPU)/float64(r.Conns))
 			serverCPU[v.name] = append(serverCPU[v.name], us(r.serverCPU)/float64(r.Conns))
@@ -256,17 +270,17 @@ func (e *env) lean(res *Results) {
 				lost = append(lost, float64(r.lost))
 			}
 		}
-		for _, v := range vs {
+		for _, v := range order {
 			e.agentFlags(v.agentFlags)
 			conc[v.name] = append(conc[v.name], rate(e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: s.duration, Conc: s.conc}).run()))
 		}
-		for _, v := range vs {
+		for _, v := range order {
 			e.agentFlags(v.agentFlags)
 			rr := e.measureLean(v, loadRequest{Op: "rr", Addr: v.addr, Count: s.rtts})
 			p50[v.name] = append(p50[v.name], us(percentile(rr.RTTs, 50)))
 			p99[v.name] = append(p99[v.name], us(percentile(rr.RTTs, 99)))
 		}
-		for _, v := range vs {
+		for _, v := range order {
 			if v.name == variantProxy || v.name == variantTransparent { // their explicit listeners lead to the echo server only
 				continue
 			}
@@ -281,6 +295,7 @@ func (e *env) lean(res *Results) {
 				ctPod[v.name], ctNode[v.name] = append(ctPod[v.name], pod), append(ctNode[v.name], node)
 			}
 		}
+		e.leanOneCPU(order, seq1, redirect1, redirectOwn1, busy1)
 		slog.Info("lean repetition done", "rep", rep+1, "of", s.reps, "conn_seq", last(seq), "rr_p50_us", last(p50), "redirect_cpu_us", last(redirect))
 	}
 	e.agentFlags(nil)
@@ -291,6 +306,13 @@ func (e *env) lean(res *Results) {
 		newFigure("lean_conn_rate_conc", "conn/s", "higher", ">= 1.3x iptables", conc),
 		newFigure("lean_rr_latency_p50", "us", "lower", "<= 0.8x iptables", p50),
 		newFigure("lean_rr_latency_p99", "us", "lower", "<= 0.8x iptables", p99),
+		newFigure("lean_conn_rate_seq_1cpu", "conn/s", "higher", "ebpf >= 0.97x direct+proxy", seq1).WithNote(oneCPUNote),
+		newFigure("redirect_1cpu_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", redirect1).WithNote(
+			"1/lean_conn_rate_seq_1cpu of the meshed path minus direct+proxy's of the same repetition: with every process of the "+
+				"connection on one CPU, kept busy, a connection's time is the CPU it costs, all of it (softirq, kernel threads, what "+
+				"no cgroup is charged); direct+transparent: ztunnel's socket work alone"),
+		newFigure("redirect_own_1cpu_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", redirectOwn1).WithNote(
+			"the same minus direct+transparent's: the redirection alone"),
 		newFigure("lean_throughput", "Gbit/s", "higher", "", tput).WithNote("as throughput, through the lean proxy (128 KiB writes; the proxy relays up to 64 KiB a read)"),
 		newFigure("lean_conn_cpu_us", "us CPU/conn", "lower", "", cpu).WithNote(cpuNote+"; direct: no proxy"),
 		newFigure("redirect_cpu_us", "us CPU/conn", "lower", "ebpf <= 0.3x iptables", redirect).WithNote(
@@ -318,6 +340,17 @@ func (e *env) lean(res *Results) {
 			"%.1f us (the agent's ring-buffer reader and gRPC stream plus ambient-ebpf trace -o json; not in redirect_cpu_us), %.1f events per connection, %.0f lost per run (median)",
 			sm.Median, summarize(events).Median, summarize(lost).Median)
 	}
+	var phaseParts, busyParts []string
+	for _, v := range vs {
+		if sm := summarize(phases[0][v.name]); sm != nil {
+			phaseParts = append(phaseParts, fmt.Sprintf("%s: %.0f / %.0f / %.0f", v.name, sm.Median, summarize(phases[1][v.name]).Median, summarize(phases[2][v.name]).Median))
+		}
+		if sm := summarize(busy1[v.name]); sm != nil {
+			busyParts = append(busyParts, fmt.Sprintf("%s %.1f%%", v.name, sm.Median))
+		}
+	}
+	res.Notes["lean: a connection's phases (us, medians of the conn_rate_seq runs): connect / request to response / close"] = strings.Join(phaseParts, "; ")
+	res.Notes["lean: the pinned CPU's busy share during lean_conn_rate_seq_1cpu (medians)"] = strings.Join(busyParts, "; ")
 	var parts []string
 	for _, v := range vs {
 		if sm := summarize(clientCPU[v.name]); sm != nil {
@@ -329,6 +362,83 @@ func (e *env) lean(res *Results) {
 		}
 	}
 	res.Notes["lean: CPU per connection by where it ran (us, medians of the conn_rate_seq runs; ksoftirqd machine-wide)"] = strings.Join(parts, "; ")
+}
+
+// oneCPUNote says what lean_conn_rate_seq_1cpu is.
+const oneCPUNote = "lean_conn_rate_seq with the client, the server and the lean proxy of every lean pair bound to the last CPU, runs twice as long as the others: a " +
+	"connection's steps run one after the other on a CPU kept busy (see the busy-share note), so the rate is the inverse of what a " +
+	"connection costs there, without the waits for another CPU to wake that make the two-CPU rates a latency"
+
+// leanOneCPU runs conn_rate_seq on every variant, in order, with every
+// process of the lean pairs (load generators, servers, the lean proxy)
+// bound to the last CPU, and files the rate, its inverse less
+// direct+proxy's and direct+transparent's, and how busy the CPU was.
+// On two CPUs a sequential connection waits, at each hop between the
+// client, the proxy and the server, for a CPU to wake; on this
+// virtual machine that wait moved a column's rate by as much as the
+// redirection does. On one CPU the next step is always runnable.
+func (e *env) leanOneCPU(order []leanVariant, seq, redirect, redirectOwn, busy map[string][]float64) {
+	cpu := runtime.NumCPU() - 1
+	procs := []*simnode.Proc{e.leanpx}
+	for _, name := range []string{pathDirect, pathIptablesLean, pathEBPFLean} {
+		procs = append(procs, e.paths[name].gen, e.paths[name].srv)
+	}
+	for _, p := range procs {
+		e.pin(p, cpu)
+	}
+	defer func() {
+		for _, p := range procs {
+			e.pin(p)
+		}
+	}()
+	perConn := map[string]float64{}
+	for _, v := range order {
+		e.agentFlags(v.agentFlags)
+		idle0, total0 := cpuTicks(cpu)
+		r := e.measureLean(v, loadRequest{Op: "conn", Addr: v.addr, Duration: 2 * e.s.duration})
+		idle1, total1 := cpuTicks(cpu)
+		seq[v.name] = append(seq[v.name], rate(r.run()))
+		if r.Conns > 0 {
+			perConn[v.name] = us(r.Elapsed) / float64(r.Conns)
+		}
+		if total1 > total0 {
+			busy[v.name] = append(busy[v.name], 100*(1-float64(idle1-idle0)/float64(total1-total0)))
+		}
+	}
+	for name, c := range perConn {
+		if p, ok := perConn[variantProxy]; ok && name != variantProxy && name != pathDirect {
+			redirect[name] = append(redirect[name], c-p)
+		}
+		if t, ok := perConn[variantTransparent]; ok && name != variantProxy && name != variantTransparent && name != pathDirect {
+			redirectOwn[name] = append(redirectOwn[name], c-t)
+		}
+	}
+}
+
+// cpuTicks reads one CPU's idle (idle and iowait) and total time from
+// /proc/stat, in clock ticks.
+func cpuTicks(cpu int) (idle, total int64) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0
+	}
+	prefix := fmt.Sprintf("cpu%d ", cpu)
+	for l := range strings.Lines(string(b)) {
+		rest, ok := strings.CutPrefix(l, prefix)
+		if !ok {
+			continue
+		}
+		for i, f := range strings.Fields(rest) {
+			v, _ := strconv.ParseInt(f, 10, 64)
+			if i < 8 { // user nice system idle iowait irq softirq steal; guest time is in user's
+				total += v
+			}
+			if i == 3 || i == 4 {
+				idle += v
+			}
+		}
+	}
+	return idle, total
 }
 
 // run turns a lean measurement into the shape rate() takes.

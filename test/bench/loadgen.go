@@ -147,6 +147,23 @@ type loadResult struct {
 	Bytes      uint64        `json:"bytes,omitempty"`
 	// Round-trip times of op rr, sorted.
 	RTTs []time.Duration `json:"rtts,omitempty"`
+	// Phases of op conn's successful connections, summed over them.
+	Phases connPhases `json:"phases"`
+}
+
+// connPhases is where a connection's time goes: connect() until it
+// returns (on a meshed path the handshake with the client pod's proxy),
+// the request until its response is read (the proxies' upstream
+// connections and both relays), and close() (with ServerCloses the
+// wait for the server's FIN too).
+type connPhases struct {
+	Connect  time.Duration `json:"connect"`
+	Exchange time.Duration `json:"exchange"`
+	Close    time.Duration `json:"close"`
+}
+
+func (p *connPhases) add(o connPhases) {
+	p.Connect, p.Exchange, p.Close = p.Connect+o.Connect, p.Exchange+o.Exchange, p.Close+o.Close
 }
 
 func (c *client) handle(line []byte) (any, error) {
@@ -179,25 +196,35 @@ func connLoop(req loadRequest) (loadResult, error) {
 	var firstErr error
 	var once sync.Once
 	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var phases connPhases
 	start := time.Now()
 	deadline := start.Add(req.Duration)
 	for range conc {
 		wg.Go(func() {
 			buf := make([]byte, msgSize)
+			var mine connPhases
+			defer func() {
+				mu.Lock()
+				phases.add(mine)
+				mu.Unlock()
+			}()
 			for time.Now().Before(deadline) && (req.Count == 0 || started.Add(1) <= int64(req.Count)) {
-				if err := oneConn(req.Addr, buf, req.ServerCloses, timeout); err != nil {
+				ph, err := oneConn(req.Addr, buf, req.ServerCloses, timeout)
+				if err != nil {
 					once.Do(func() { firstErr = err })
 					if f := failed.Add(1); !req.Storm && f > 100 && f > ok.Load() {
 						return
 					}
 					continue
 				}
+				mine.add(ph)
 				ok.Add(1)
 			}
 		})
 	}
 	wg.Wait()
-	res := loadResult{Conns: ok.Load(), Failures: failed.Load(), Elapsed: time.Since(start)}
+	res := loadResult{Conns: ok.Load(), Failures: failed.Load(), Elapsed: time.Since(start), Phases: phases}
 	if firstErr != nil {
 		res.FirstError = firstErr.Error()
 	}
@@ -207,33 +234,43 @@ func connLoop(req loadRequest) (loadResult, error) {
 	return res, nil
 }
 
-// oneConn connects, sends one request, reads the response and closes.
-func oneConn(addr string, buf []byte, serverCloses bool, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
+// oneConn connects, sends one request, reads the response and closes,
+// timing each.
+func oneConn(addr string, buf []byte, serverCloses bool, timeout time.Duration) (connPhases, error) {
+	var ph connPhases
+	t0 := time.Now()
+	deadline := t0.Add(timeout)
 	c, err := net.DialTimeout("tcp", addr, timeout)
 	if err != nil {
-		return err
+		return ph, err
 	}
-	defer c.Close()
+	t1 := time.Now()
+	ph.Connect = t1.Sub(t0)
 	_ = c.SetDeadline(deadline)
 	buf[0] = opKeep
 	if serverCloses {
 		buf[0] = opClose
 	}
 	if _, err := c.Write(buf); err != nil {
-		return fmt.Errorf("write: %w", err)
+		c.Close()
+		return ph, fmt.Errorf("write: %w", err)
 	}
 	if _, err := io.ReadFull(c, buf); err != nil {
-		return fmt.Errorf("read response: %w", err)
+		c.Close()
+		return ph, fmt.Errorf("read response: %w", err)
 	}
-	if !serverCloses {
-		return nil
+	t2 := time.Now()
+	ph.Exchange = t2.Sub(t1)
+	if serverCloses {
+		// Wait for the server's FIN, so the server side closes first.
+		if n, err := c.Read(buf); n != 0 || !errors.Is(err, io.EOF) {
+			c.Close()
+			return ph, fmt.Errorf("expected the server to close, got %d bytes, %v", n, err)
+		}
 	}
-	// Wait for the server's FIN, so the server side closes first.
-	if n, err := c.Read(buf); n != 0 || !errors.Is(err, io.EOF) {
-		return fmt.Errorf("expected the server to close, got %d bytes, %v", n, err)
-	}
-	return nil
+	c.Close()
+	ph.Close = time.Since(t2)
+	return ph, nil
 }
 
 // roundTrips times Count request/response exchanges on one connection

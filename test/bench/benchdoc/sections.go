@@ -88,7 +88,7 @@ func Replace(text string, r *Results, secs ...Section) (string, error) {
 // the real istio-cni's binaries; the traffic rows' istio-cni is its in-pod
 // rules, which test/differential shows byte-identical to its agent's).
 var summaryRows = []struct{ name, label string }{
-	{"redirect_cpu_us", "CPU the redirection costs per connection"},
+	{"redirect_1cpu_us", "CPU the redirection costs per connection, on one CPU"},
 	{"lean_rr_latency_p99", "round trip through a proxy, p99"},
 	{"conntrack_entries_per_conn", "conntrack entries per connection in the pods"},
 	{"churn_failed_conns", "connections failed against full conntrack tables"},
